@@ -1,0 +1,31 @@
+"""dsq: quantize DeepSeek-family LLMs and run them locally, fast, on any mix of GPU and CPU.
+
+The public API mirrors the CLI; every name is imported lazily so `import dsq` stays instant.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_API = {
+    "resolve_model": "dsq.runtime.model_ref",
+    "builtin_model_path": "dsq.runtime.builtin",
+    "load": "dsq.runtime.engine",
+    "generate": "dsq.runtime.engine",
+    "hf_to_gguf": "dsq.formats.hf_to_gguf",
+    "gguf_to_hf": "dsq.formats.gguf_to_hf",
+    "quantize_gguf": "dsq.quant.gguf",
+    "plan_placement": "dsq.runtime.placement",
+    "run_bench": "dsq.bench.runner",
+    "DsqError": "dsq.errors",
+}
+
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'dsq' has no attribute {name!r}")

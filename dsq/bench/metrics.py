@@ -1,0 +1,85 @@
+"""Peak memory while something runs: process RSS (psutil) and GPU memory (NVML through ctypes,
+so no torch import and no CUDA context of our own)."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+
+class _Nvml:
+    """Device-wide used memory of GPU 0, or None without an NVIDIA driver."""
+
+    class _Mem(ctypes.Structure):
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+    def __init__(self):
+        self.lib = self.handle = None
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            if lib.nvmlInit_v2() != 0:
+                return
+            h = ctypes.c_void_p()
+            if lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(h)) != 0:
+                return
+            self.lib, self.handle = lib, h
+        except OSError:
+            pass
+
+    def used(self) -> int | None:
+        if self.lib is None:
+            return None
+        m = self._Mem()
+        if self.lib.nvmlDeviceGetMemoryInfo(self.handle, ctypes.byref(m)) != 0:
+            return None
+        return int(m.used)
+
+
+_nvml: _Nvml | None = None
+
+
+def gpu_used_bytes() -> int | None:
+    global _nvml
+    if _nvml is None:
+        _nvml = _Nvml()
+    return _nvml.used()
+
+
+class PeakMemory:
+    """Context manager sampling RSS and GPU memory every `interval` s; peaks in bytes.
+
+    GPU figures are device-wide minus what was in use at `baseline_gpu` (before the model loaded).
+    """
+
+    def __init__(self, interval: float = 0.02, baseline_gpu: int | None = None):
+        import psutil
+
+        self.proc = psutil.Process()
+        self.interval = interval
+        self.baseline_gpu = baseline_gpu
+        self.peak_rss = 0
+        self.peak_gpu = 0
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss)
+        g = gpu_used_bytes()
+        if g is not None:
+            self.peak_gpu = max(self.peak_gpu, g - (self.baseline_gpu or 0))
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "PeakMemory":
+        self._sample()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()

@@ -1,0 +1,124 @@
+"""`dsq bench` measurements: prefill and decode speed, TTFT, TPOT, peak RSS and VRAM, over
+repeats and a --gpu-layers sweep, one record per run."""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from dsq.errors import DsqError
+
+
+@dataclass
+class BenchRecord:
+    backend: str
+    gpu_layers: int | str  # as asked ("all" stays "all")
+    gpu_layers_effective: int
+    repeat: int
+    prompt_tokens: int
+    gen_tokens: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    ttft_ms: float
+    tpot_ms: float
+    peak_rss_mb: float
+    peak_vram_mb: float
+    load_s: float
+    threads: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def bench_prompt(model, n_tokens: int) -> list[int]:
+    """Exactly n_tokens of real English text (Python's pydoc topics), BOS first if the model wants it."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids: list[int] = []
+    step = max(4 * n_tokens, 2000)
+    pos = 0
+    while len(ids) < n_tokens and pos < len(text):
+        ids = model.tokenize(text[: pos + step], add_bos=model.add_bos, special=False)
+        pos += step
+    if len(ids) < n_tokens:
+        raise DsqError(f"--prompt-tokens {n_tokens} is more than the benchmark text holds", "ask for fewer")
+    return ids[:n_tokens]
+
+
+def run_bench(model_path, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_tokens: int = 512,
+              gen_tokens: int = 128, repeat: int = 3, threads: int | None = None, ctx: int | None = None,
+              warmup: bool = True, on_record: Callable[[BenchRecord], None] | None = None,
+              on_status: Callable[[str], None] | None = None) -> list[BenchRecord]:
+    """Benchmark one model across backends x gpu_layers; `repeat` timed runs each."""
+    from dsq.bench.metrics import PeakMemory, gpu_used_bytes
+    from dsq.runtime.engine import BACKENDS, parse_gpu_layers, resolve_gpu_layers
+    from dsq.runtime.llama_cpp_backend import LlamaCppModel
+    from dsq.runtime.sampling import SamplingParams
+
+    if prompt_tokens < 1 or gen_tokens < 2 or repeat < 1:
+        raise DsqError("--prompt-tokens >= 1, --gen-tokens >= 2 and --repeat >= 1 are needed")
+    for b in backends:
+        if b not in BACKENDS:
+            raise DsqError(f"unknown backend {b!r}", f"choose from: {', '.join(BACKENDS)}")
+    n_ctx = max(ctx or 0, prompt_tokens + gen_tokens + 8)
+    greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+    records: list[BenchRecord] = []
+    for backend in backends:
+        for gl in gpu_layers:
+            asked = parse_gpu_layers(gl)
+            ngl = resolve_gpu_layers(asked, model_path, n_ctx)
+            base_gpu = gpu_used_bytes()
+            if on_status:
+                on_status(f"{backend}: loading with --gpu-layers {gl}")
+            t0 = time.perf_counter()
+            with PeakMemory(baseline_gpu=base_gpu) as load_mem:
+                m = LlamaCppModel(model_path, n_ctx=n_ctx, n_threads=threads, gpu_layers=ngl)
+            load_s = time.perf_counter() - t0
+            prompt = bench_prompt(m, prompt_tokens)
+            if warmup:
+                m.llm.reset()
+                for _ in m.stream(prompt[: min(32, len(prompt))], greedy, 4, ignore_eos=True):
+                    pass
+            for r in range(repeat):
+                if on_status:
+                    on_status(f"{backend} --gpu-layers {gl}: run {r + 1}/{repeat}")
+                from dsq.runtime.generate import GenStats
+
+                st = GenStats()
+                m.llm.reset()  # no prefix reuse between repeats: every run prefills the whole prompt
+                with PeakMemory(baseline_gpu=base_gpu) as mem:
+                    for _ in m.stream(prompt, greedy, gen_tokens, st, ignore_eos=True):
+                        pass
+                rec = BenchRecord(
+                    backend=backend, gpu_layers=gl, gpu_layers_effective=ngl, repeat=r,
+                    prompt_tokens=st.prompt_tokens, gen_tokens=st.generated_tokens,
+                    prefill_tok_s=round(st.prefill_tok_s, 2), decode_tok_s=round(st.decode_tok_s, 2),
+                    ttft_ms=round(st.ttft_s * 1000, 3), tpot_ms=round(st.tpot_ms, 3),
+                    peak_rss_mb=round(max(mem.peak_rss, load_mem.peak_rss) / 2**20, 1),
+                    peak_vram_mb=round(max(mem.peak_gpu, load_mem.peak_gpu) / 2**20, 1),
+                    load_s=round(load_s, 3), threads=m.n_threads)
+                records.append(rec)
+                if on_record:
+                    on_record(rec)
+            del m
+    return records
+
+
+def machine_info() -> dict:
+    import os
+
+    from dsq.runtime.llama_cpp_backend import supports_gpu_offload
+    from dsq.runtime.placement import detect_gpu
+
+    gpu = detect_gpu()
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "gpu": gpu.name if gpu else None,
+            "llama_cpp_gpu_offload": supports_gpu_offload(), "python": platform.python_version()}

@@ -1,0 +1,11 @@
+"""dsq's command line: one module per subcommand; heavy imports live inside command bodies so
+`dsq --help` stays instant (it must not import torch)."""
+
+from __future__ import annotations
+
+from dsq.cli.common import app
+from dsq.cli import bench, chat, convert, offload, quantize, run  # noqa: F401  (registers commands)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,70 @@
+"""`dsq bench`: tokens/s, TTFT, TPOT, peak RSS/VRAM; sweeps; a table, JSON and a plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dsq.cli.common import ModelArg, Threads, command
+
+
+@command("bench", examples=[
+    "dsq bench",
+    "dsq bench model.gguf --gpu-layers 0,8,16,all --json sweep.json --plot sweep.png",
+    "dsq bench --prompt-tokens 128 --gen-tokens 64 --repeat 5",
+])
+def bench(
+    model: ModelArg = None,
+    backend: Annotated[str, typer.Option("--backend", "-b", help="Backends to compare, comma-separated.")] = "llama.cpp",
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length (real English text).")] = 512,
+    gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Tokens to generate per run.")] = 128,
+    repeat: Annotated[int, typer.Option("--repeat", "-r", help="Timed runs per configuration.")] = 3,
+    gpu_layers: Annotated[str, typer.Option("--gpu-layers", "-g",
+                                            help="Comma-separated sweep, e.g. 0,8,all (or auto).")] = "0",
+    threads: Threads = None,
+    ctx: Annotated[Optional[int], typer.Option("--ctx", help="Context size (default: prompt + gen).")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the records to this JSON file.")] = None,
+    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Plot tok/s against --gpu-layers (PNG).")] = None,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One short untimed run first.")] = True,
+) -> None:
+    """Benchmark speed and memory: tokens/s, TTFT, TPOT, peak RSS/VRAM, --gpu-layers sweeps.
+
+    Prefill and decode tok/s, TTFT and TPOT are reported as median and p99 over --repeat runs;
+    the table goes to stdout, records to --json, a sweep plot to --plot.
+    """
+    import datetime
+
+    from dsq.bench.report import plot, summarize, table, write_json
+    from dsq.bench.runner import machine_info, run_bench
+    from dsq.runtime.model_ref import ensure_gguf, resolve_model
+    from dsq.runtime.llama_cpp_backend import supports_gpu_offload
+    from dsq.ui import console, out_console
+
+    con = console()
+    backends = [b.strip() for b in backend.split(",") if b.strip()]
+    sweep = [g.strip() for g in gpu_layers.split(",") if g.strip()]
+    ref = resolve_model(model, con)
+    path = ensure_gguf(ref, con)
+    if any(g not in ("0",) for g in sweep) and not supports_gpu_offload():
+        con.print("[yellow]note:[/yellow] this llama.cpp build has no GPU support; --gpu-layers has no effect")
+    with con.status("benchmarking") as status:
+        records = run_bench(path, backends=backends, gpu_layers=sweep, prompt_tokens=prompt_tokens,
+                            gen_tokens=gen_tokens, repeat=repeat, threads=threads, ctx=ctx, warmup=warmup,
+                            on_status=lambda s: status.update(s))
+    recs = [r.as_dict() for r in records]
+    rows = summarize(recs)
+    title = f"{ref.label}: {prompt_tokens} prompt + {gen_tokens} generated tokens, {repeat} runs"
+    out_console().print(table(rows, title))
+    if json_path:
+        report = {"model": str(path), "label": ref.label, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                  "machine": machine_info(),
+                  "settings": {"prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeat": repeat,
+                               "backends": backends, "gpu_layers": sweep, "threads": records[0].threads},
+                  "runs": recs, "summary": rows}
+        write_json(json_path, report)
+        con.print(f"wrote {json_path}")
+    if plot_path:
+        plot(rows, plot_path, title)
+        con.print(f"wrote {plot_path}")

@@ -1,0 +1,72 @@
+"""`dsq convert`: GGUF -> HF safetensors (dequantized) and HF -> GGUF (float)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dsq.cli.common import Force, command
+
+
+@command("convert", examples=[
+    "dsq convert                               # export the built-in model to bf16 HF (cached)",
+    "dsq convert model-Q4_K_M.gguf model-hf/    # GGUF -> HF, dequantized to bf16",
+    "dsq convert model-hf/ model-f16.gguf --outtype f16",
+])
+def convert(
+    src: Annotated[Optional[str], typer.Argument(help="A .gguf file or an HF model directory; omit for the built-in model.",
+                                                 show_default=False)] = None,
+    out: Annotated[Optional[str], typer.Argument(help="Output: an HF directory (from GGUF) or a .gguf file (from HF).",
+                                                 show_default=False)] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="HF output dtype: bfloat16, float16 or float32.")] = "bfloat16",
+    outtype: Annotated[str, typer.Option("--outtype", help="GGUF output type: auto, f16, bf16 or f32.")] = "auto",
+    force: Force = False,
+) -> None:
+    """Convert between GGUF and HF safetensors.
+
+    With no SRC, the built-in model is exported once to dsq's cache as a bf16 HF directory: the
+    float source `dsq quantize` uses when given no model.
+    """
+    from dsq.errors import DsqError
+    from dsq.ui import console, out_console
+
+    dtype = {"bf16": "bfloat16", "f16": "float16", "fp16": "float16", "f32": "float32", "fp32": "float32"}.get(
+        dtype.lower(), dtype.lower())
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise DsqError(f"unknown --dtype {dtype!r}", "use bfloat16, float16 or float32")
+    if src is None:
+        if out is not None:
+            raise DsqError("OUT given without SRC", "pass both, or neither to export the built-in model")
+        from dsq.runtime.builtin import builtin_hf_export
+
+        path = builtin_hf_export(console())
+        out_console().print(str(path))
+        return
+    from dsq.runtime.model_ref import resolve_model
+
+    ref = resolve_model(src)
+    if ref.kind == "gguf":
+        from dsq.formats.arch import arch_for_gguf
+        from dsq.formats.gguf_file import GGUFFile
+        from dsq.formats.gguf_to_hf import gguf_to_hf
+        from dsq.runtime.chat_template import FALLBACKS
+
+        target = Path(out) if out else ref.path.with_name(ref.path.stem + "-hf")
+        if target.exists() and not force:
+            raise DsqError(f"{target} already exists", "pass --force to overwrite it or choose another OUT")
+        arch = GGUFFile(ref.path).arch
+        arch_for_gguf(arch)  # refuse early, before any work
+        gguf_to_hf(ref.path, target, dtype=dtype, force=force, console=console(),
+                   fallback_template=FALLBACKS.get(arch))
+    else:
+        from dsq.formats.hf_to_gguf import hf_to_gguf
+        from dsq.ui import convert_with_progress
+
+        target = Path(out) if out else ref.path.with_name(ref.path.name + ".gguf")
+        if target.exists() and not force:
+            raise DsqError(f"{target} already exists", "pass --force to overwrite it or choose another OUT")
+        convert_with_progress(lambda cb: hf_to_gguf(ref.path, target, outtype, force=force, progress=cb),
+                              f"converting {ref.path.name} to GGUF", console())
+    out_console().print(str(target))

@@ -1,0 +1,68 @@
+"""`dsq run`: generate a continuation (or one chat reply) and stream it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from dsq.cli.common import (Ctx, GpuLayers, MaxTokens, MinP, ModelArg, RepeatPenalty, Seed, Temperature,
+                            Threads, TopK, TopP, command, stdin_text)
+
+
+@command("run", examples=[
+    'dsq run -p "The history of the Roman Empire" --max-tokens 32 --temperature 0',
+    'dsq run model.gguf -p "Why is the sky blue?" --chat --gpu-layers all',
+    'echo "Once upon a time" | dsq run --json',
+])
+def run(
+    model: ModelArg = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text (or pipe it on stdin).")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", help="System message (with --chat).")] = None,
+    max_tokens: MaxTokens = 256,
+    temperature: Temperature = 0.8,
+    top_k: TopK = 40,
+    top_p: TopP = 0.95,
+    min_p: MinP = 0.0,
+    repeat_penalty: RepeatPenalty = 1.0,
+    seed: Seed = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).")] = None,
+    ctx: Ctx = 4096,
+    threads: Threads = None,
+    gpu_layers: GpuLayers = "0",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
+) -> None:
+    """Generate text from a prompt, streamed to stdout.
+
+    Timing (TTFT, tokens/s) goes to stderr, so stdout holds only the generated text.
+    """
+    from dsq.errors import DsqError
+    from dsq.runtime.engine import generate, load
+    from dsq.ui import console
+
+    if prompt is None:
+        prompt = stdin_text()
+    if prompt is None:
+        raise DsqError("no prompt given", 'pass one with -p "..." or pipe it on stdin')
+    m = load(model, ctx=ctx, threads=threads, gpu_layers=gpu_layers, seed=seed, console=console())
+
+    def echo(s: str) -> None:
+        sys.stdout.write(s)
+        sys.stdout.flush()
+
+    result = generate(m, prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop or (), chat=chat,
+                      system=system, on_text=None if as_json else echo)
+    st = result.stats
+    if as_json:
+        out = {"model": str(m.ref.path), "backend": m.backend, "gpu_layers": m.gpu_layers,
+               "threads": m.n_threads, **result.as_dict()}
+        typer.echo(json.dumps(out, ensure_ascii=False))
+        return
+    sys.stdout.write("\n")
+    console().print(
+        f"[dim]{st.prompt_tokens} prompt tokens, {st.generated_tokens} generated | TTFT {st.ttft_s * 1000:.0f} ms | "
+        f"prefill {st.prefill_tok_s:.1f} tok/s | decode {st.decode_tok_s:.1f} tok/s | {st.finish_reason}[/dim]")

@@ -1,0 +1,42 @@
+"""One error family for user mistakes: printed as one line with the next step, exit code 1."""
+
+from __future__ import annotations
+
+
+class DsqError(Exception):
+    """A problem the user can fix. `hint` says what to do next."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def one_line(self) -> str:
+        msg = self.message.rstrip(".")
+        return f"{msg}. {self.hint}" if self.hint else msg
+
+
+class ModelNotFound(DsqError):
+    pass
+
+
+class UnsupportedModel(DsqError):
+    pass
+
+
+class BadModelFile(DsqError):
+    pass
+
+
+class OutputExists(DsqError):
+    pass
+
+
+class MissingDependency(DsqError):
+    pass
+
+
+class BackendError(DsqError):
+    pass

@@ -1,0 +1,279 @@
+"""Hugging Face model directories: config.json, (sharded) safetensors, tokenizer files.
+
+Reading is lazy (one tensor at a time, memory-mapped) so a model larger than RAM can be
+converted; writing goes to a temporary directory that is renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from dsq.errors import BadModelFile, DsqError, ModelNotFound, OutputExists
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+class HFModelDir:
+    """An HF model directory. `config` is the text config (multimodal wrappers unwrapped)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise ModelNotFound(f"{self.path} does not exist", "check the path")
+        if not self.path.is_dir():
+            raise BadModelFile(f"{self.path} is not a directory", "pass a .gguf file or an HF model directory")
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise BadModelFile(
+                f"{self.path} has no config.json",
+                "pass a Hugging Face model directory (config.json + *.safetensors) or a .gguf file",
+            )
+        try:
+            self.config: dict[str, Any] = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadModelFile(f"{cfg_path} is not valid JSON ({e})", "fix or re-download it") from e
+        if not isinstance(self.config, dict):
+            raise BadModelFile(f"{cfg_path} does not hold a JSON object", "fix or re-download it")
+        self._weight_map: dict[str, Path] | None = None
+        self._handles: dict[Path, Any] = {}
+
+    @property
+    def model_type(self) -> str:
+        mt = self.config.get("model_type")
+        if not mt:
+            raise BadModelFile(f"{self.path}/config.json has no model_type", "fix or re-download it")
+        return str(mt)
+
+    def require(self, *keys: str) -> None:
+        missing = [k for k in keys if k not in self.config]
+        if missing:
+            raise BadModelFile(
+                f"{self.path}/config.json is missing {', '.join(missing)}",
+                "fix or re-download the config",
+            )
+
+    # -- weights ----------------------------------------------------------------------------
+    @property
+    def weight_map(self) -> dict[str, Path]:
+        """tensor name -> safetensors file holding it."""
+        if self._weight_map is not None:
+            return self._weight_map
+        index = self.path / "model.safetensors.index.json"
+        wm: dict[str, Path] = {}
+        if index.is_file():
+            data = json.loads(index.read_text(encoding="utf-8"))
+            for name, fname in data.get("weight_map", {}).items():
+                wm[name] = self.path / fname
+            missing = sorted({str(p.name) for p in wm.values() if not p.is_file()})
+            if missing:
+                raise BadModelFile(f"{self.path} is missing shard(s) {', '.join(missing)}", "re-download the model")
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise BadModelFile(
+                    f"{self.path} has no *.safetensors files",
+                    "dsq reads safetensors only (no pickle .bin files); convert them first",
+                )
+            from safetensors import safe_open
+
+            for f in files:
+                try:
+                    with safe_open(f, framework="pt") as st:
+                        for name in st.keys():
+                            wm[name] = f
+                except Exception as e:
+                    raise BadModelFile(f"{f} is not a readable safetensors file ({e})", "re-download it") from e
+        self._weight_map = wm
+        return wm
+
+    def tensor_names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        f = self.weight_map.get(name)
+        if f is None:
+            raise KeyError(name)
+        h = self._handles.get(f)
+        if h is None:
+            try:
+                h = self._handles[f] = safe_open(f, framework="pt")
+            except Exception as e:
+                raise BadModelFile(f"{f} could not be read ({e})", "re-download it") from e
+        return h
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get_tensor(self, name: str):
+        """One tensor (torch, memory-mapped until touched)."""
+        try:
+            return self._handle(name).get_tensor(name)
+        except (KeyError, DsqError):
+            raise
+        except Exception as e:
+            raise BadModelFile(f"{self.weight_map[name]}: tensor {name} could not be read ({e})",
+                               "re-download the model") from e
+
+    # -- tokenizer --------------------------------------------------------------------------
+    def tokenizer_json(self) -> dict | None:
+        p = self.path / "tokenizer.json"
+        return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else None
+
+    def tokenizer_config(self) -> dict:
+        p = self.path / "tokenizer_config.json"
+        return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
+
+    def chat_template(self) -> str | None:
+        """The chat template, wherever transformers saved it (tokenizer_config or a .jinja file)."""
+        jinja = self.path / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        ct = self.tokenizer_config().get("chat_template")
+        if isinstance(ct, list):  # named templates: take the default one
+            ct = next((t["template"] for t in ct if t.get("name") == "default"), ct[0]["template"] if ct else None)
+        if ct:
+            return ct
+        cj = self.path / "chat_template.json"
+        if cj.is_file():
+            return json.loads(cj.read_text(encoding="utf-8")).get("chat_template")
+        return None
+
+
+def rope_parameters(config: dict, layer_type: str = "full_attention") -> dict:
+    """Rope settings for one layer type, from either transformers 4 or 5 config layouts."""
+    rp = config.get("rope_parameters")
+    if isinstance(rp, dict):
+        if layer_type in rp and isinstance(rp[layer_type], dict):
+            rp = rp[layer_type]
+        elif any(isinstance(v, dict) for v in rp.values()):
+            rp = next(v for v in rp.values() if isinstance(v, dict))
+        out = dict(rp)
+    else:
+        out = dict(config.get("rope_scaling") or {})
+        if layer_type == "sliding_attention" and "rope_local_base_freq" in config:
+            out = {"rope_theta": config["rope_local_base_freq"]}
+    if "type" in out and "rope_type" not in out:
+        out["rope_type"] = out.pop("type")
+    out.setdefault("rope_type", "default")
+    if "rope_theta" not in out:
+        if layer_type == "sliding_attention" and "rope_local_base_freq" in config:
+            out["rope_theta"] = config["rope_local_base_freq"]
+        else:
+            out["rope_theta"] = config.get("rope_theta", 10000.0)
+    return out
+
+
+# -- writing -------------------------------------------------------------------------------
+@contextmanager
+def atomic_output_dir(out: Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temp dir beside `out`; on success it replaces `out`, on failure it is removed."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise OutputExists(f"{out} already exists", "pass --force to overwrite it or choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.chmod(tmp, 0o777 & ~_umask())
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old) if out.is_dir() else out.unlink()
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+@contextmanager
+def atomic_output_file(out: Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temp file path beside `out`; renamed over `out` only when the block succeeds."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise OutputExists(f"{out} already exists", "pass --force to overwrite it or choose another --out")
+    if out.exists() and out.is_dir():
+        raise OutputExists(f"{out} is a directory", "choose a file path for --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.chmod(tmp, 0o666 & ~_umask())
+    os.replace(tmp, out)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class ShardedSafetensorsWriter:
+    """Write tensors into model-0000i-of-0000n.safetensors shards plus the index json."""
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int = 4 << 30):
+        self.out_dir = Path(out_dir)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, Any] = {}
+        self._pending_bytes = 0
+        self._shards: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.contiguous()
+        self._pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.out_dir / f"shard-{len(self._shards):05d}.tmp"
+        save_file(self._pending, str(path), metadata={"format": "pt"})
+        self._shards.append((path, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        if self._pending or not self._shards:
+            self._flush()
+        n = len(self._shards)
+        if n == 1:
+            final = self.out_dir / "model.safetensors"
+            os.replace(self._shards[0][0], final)
+            return [final]
+        weight_map, finals = {}, []
+        for i, (p, names) in enumerate(self._shards):
+            final = self.out_dir / f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(p, final)
+            finals.append(final)
+            weight_map.update({nm: final.name for nm in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return finals
+
+
+def write_json(path: Path, obj: Any) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

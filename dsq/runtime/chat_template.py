@@ -1,0 +1,148 @@
+"""Chat templates: render the model's own Jinja template (as transformers does), or a fallback
+chosen by architecture when the model carries none; split DeepSeek-R1 `<think>` sections.
+
+Shared by every backend: the llama.cpp path and the native runtime render prompts here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+
+from dsq.errors import DsqError
+
+# Gemma's turn format (Gemma has no system role: its text joins the first user turn).
+# Text is emitted from expressions only, so whitespace control cannot eat the newlines.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set first_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for m in loop_messages -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n'"
+    " + ((first_prefix if loop.first else '') + m['content']) | trim + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+CHATML_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for m in messages -%}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif -%}"
+)
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for m in messages -%}"
+    "{{ m['role'] | capitalize + ': ' + m['content'] | trim + '\n\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'Assistant:' }}{%- endif -%}"
+)
+FALLBACKS = {"gemma3": GEMMA_TEMPLATE, "gemma2": GEMMA_TEMPLATE, "gemma": GEMMA_TEMPLATE,
+             "qwen2": CHATML_TEMPLATE, "qwen3": CHATML_TEMPLATE}
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str  # the Jinja text
+    origin: str  # "model" or "fallback:<name>"
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        try:
+            return _compile(self.source).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token, tools=None, documents=None)
+        except DsqError:
+            raise
+        except Exception as e:  # jinja2 errors in a model-supplied template
+            raise DsqError(f"the model's chat template failed to render ({type(e).__name__}: {e})",
+                           "pass --no-template to send raw text, or fix the template") from e
+
+
+def _raise(msg):
+    raise DsqError(f"chat template: {msg}")
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def pick_template(template: str | None, arch: str, vocab_has: callable, bos: str, eos: str) -> ChatTemplate:
+    """The model's template if it has one, else a fallback for its architecture."""
+    if template:
+        return ChatTemplate(template, "model", bos, eos)
+    if arch in FALLBACKS:
+        return ChatTemplate(FALLBACKS[arch], f"fallback:{arch}", bos, eos)
+    if vocab_has("<|start_header_id|>"):
+        return ChatTemplate(LLAMA3_TEMPLATE, "fallback:llama3", bos, eos)
+    if vocab_has("<|im_start|>"):
+        return ChatTemplate(CHATML_TEMPLATE, "fallback:chatml", bos, eos)
+    return ChatTemplate(PLAIN_TEMPLATE, "fallback:plain", bos, eos)
+
+
+class ThinkSplitter:
+    """Streams text into ("think", s) and ("answer", s) parts at <think> / </think> tags.
+
+    DeepSeek-R1 templates often end the prompt with "<think>\\n", so the reply starts inside the
+    thinking section: pass `start_thinking=True` then.
+    """
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self, start_thinking: bool = False):
+        self.thinking = start_thinking
+        self.buf = ""
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self.buf += text
+        out: list[tuple[str, str]] = []
+        while True:
+            tag = self.CLOSE if self.thinking else self.OPEN
+            i = self.buf.find(tag)
+            if i >= 0:
+                if i:
+                    out.append(("think" if self.thinking else "answer", self.buf[:i]))
+                self.buf = self.buf[i + len(tag):]
+                self.thinking = not self.thinking
+                continue
+            keep = next((k for k in range(min(len(tag) - 1, len(self.buf)), 0, -1)
+                         if self.buf.endswith(tag[:k])), 0)
+            emit = self.buf[: len(self.buf) - keep]
+            if emit:
+                out.append(("think" if self.thinking else "answer", emit))
+            self.buf = self.buf[len(self.buf) - keep:]
+            return out
+
+    def flush(self) -> list[tuple[str, str]]:
+        out = [("think" if self.thinking else "answer", self.buf)] if self.buf else []
+        self.buf = ""
+        return out
+
+
+def prompt_opens_think(prompt: str) -> bool:
+    tail = prompt.rstrip()
+    return tail.endswith("<think>")
+
+
+def strip_think(text: str) -> str:
+    """The answer part of a reply (what R1 templates keep in the history)."""
+    return text.split("</think>")[-1].lstrip("\n") if "</think>" in text else text

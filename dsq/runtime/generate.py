@@ -1,0 +1,81 @@
+"""Backend-neutral generation pieces: token events, timing statistics, stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    text: str
+
+
+@dataclass
+class GenStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0  # tokens returned (an end-of-generation token is not counted)
+    sampled_tokens: int = 0  # tokens the model produced, end-of-generation included (for rates)
+    ttft_s: float = 0.0  # prompt in -> first token out (prefill + first sample)
+    decode_s: float = 0.0  # first token -> last token
+    finish_reason: str = "length"
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
+
+    @property
+    def tpot_ms(self) -> float:
+        n = self.sampled_tokens - 1
+        return 1000.0 * self.decode_s / n if n > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        n = self.sampled_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "ttft_ms": round(1000 * self.ttft_s, 3),
+            "tpot_ms": round(self.tpot_ms, 3),
+            "prefill_tok_s": round(self.prefill_tok_s, 2),
+            "decode_tok_s": round(self.decode_tok_s, 2),
+            "finish_reason": self.finish_reason,
+        }
+
+
+class StopMatcher:
+    """Holds back streamed text that could be the start of a stop string.
+
+    feed(text) -> (text safe to emit, stopped?). On a stop, the stop string and anything after
+    it are dropped.
+    """
+
+    def __init__(self, stops: list[str] | tuple[str, ...] = ()):
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.buf += text
+        cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.buf = self.buf[:cut], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.buf)), 0, -1):
+                if self.buf.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        out = self.buf[: len(self.buf) - hold]
+        self.buf = self.buf[len(self.buf) - hold:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out

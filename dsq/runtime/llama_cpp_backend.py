@@ -1,0 +1,244 @@
+"""The llama.cpp backend (llama-cpp-python): load safely, tokenize, stream tokens with timings.
+
+Safety: llama.cpp's CPU AMX path crashes on some machines (SIGSEGV in ggml_backend_amx_mul_mat).
+When the installed build has AMX compiled in, models load with `use_extra_bufts = False`, which
+keeps weights out of the AMX buffer type; install.sh builds without AMX in the first place.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+import sys
+import time
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from dsq.errors import BackendError, DsqError, MissingDependency
+from dsq.runtime.generate import GenStats, TokenEvent
+from dsq.runtime.sampling import SamplingParams
+
+
+_LOG: deque[str] = deque(maxlen=20)  # llama.cpp's recent warnings/errors, for error messages
+_log_cb = None
+
+
+def _install_logger(llama_cpp) -> None:
+    """Route llama.cpp's log into a small buffer (printed only with DSQ_DEBUG=1)."""
+    global _log_cb
+    if _log_cb is not None:
+        return
+    debug = bool(os.environ.get("DSQ_DEBUG"))
+
+    @llama_cpp.llama_log_callback
+    def cb(level, text, user_data):
+        msg = text.decode("utf-8", "replace")
+        if debug:
+            sys.stderr.write(msg)
+        elif level in (2, 3) and msg.strip():
+            _LOG.append(msg.strip())
+
+    _log_cb = cb
+    llama_cpp.llama_log_set(cb, ctypes.c_void_p(0))
+
+
+def last_log(n: int = 3) -> str:
+    return " | ".join(list(_LOG)[-n:])
+
+
+def import_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise MissingDependency(
+            "llama-cpp-python is not installed",
+            "run ./install.sh, or: pip install llama-cpp-python",
+        ) from e
+    except OSError as e:  # the shared library failed to load
+        raise MissingDependency(f"llama-cpp-python is installed but its library fails to load ({e})",
+                                "reinstall it with ./install.sh") from e
+    _install_logger(llama_cpp)
+    return llama_cpp
+
+
+def system_info() -> str:
+    return import_llama_cpp().llama_print_system_info().decode("utf-8", "replace")
+
+
+def amx_compiled() -> bool:
+    return "AMX" in system_info()
+
+
+def supports_gpu_offload() -> bool:
+    return bool(import_llama_cpp().llama_supports_gpu_offload())
+
+
+def default_threads() -> int:
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+    except Exception:
+        n = None
+    n = n or os.cpu_count() or 1
+    try:
+        n = min(n, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        pass
+    return max(1, n)
+
+
+@contextmanager
+def _model_params(**fields):
+    """Set llama_model_params fields that Llama.__init__ does not expose."""
+    import llama_cpp.llama_cpp as C
+
+    orig = C.llama_model_default_params
+
+    def patched():
+        p = orig()
+        for k, v in fields.items():
+            if hasattr(p, k):
+                setattr(p, k, v)
+        return p
+
+    C.llama_model_default_params = patched
+    try:
+        yield
+    finally:
+        C.llama_model_default_params = orig
+
+
+class LlamaCppModel:
+    """One loaded GGUF in llama.cpp with one context (sequence)."""
+
+    backend = "llama.cpp"
+
+    def __init__(self, path: str | Path, *, n_ctx: int = 4096, n_threads: int | None = None,
+                 gpu_layers: int = 0, seed: int | None = None, logits_all: bool = False,
+                 f32_kv: bool = False, vocab_only: bool = False):
+        from dsq.formats.gguf_file import GGUFFile
+
+        self.path = Path(path)
+        self.gguf = GGUFFile(self.path)  # validates (truncation, magic) before llama.cpp sees it
+        llama_cpp = import_llama_cpp()
+        self.n_threads = n_threads or default_threads()
+        self.gpu_layers = gpu_layers
+        kwargs = dict(n_ctx=n_ctx, n_threads=self.n_threads, n_threads_batch=self.n_threads,
+                      n_gpu_layers=gpu_layers, logits_all=logits_all, verbose=False,
+                      vocab_only=vocab_only, n_batch=min(512, n_ctx), n_ubatch=min(512, n_ctx),
+                      swa_full=True)  # full-size SWA cache: chat turns can reuse the cached prefix
+        if seed is not None:
+            kwargs["seed"] = seed
+        if f32_kv:
+            kwargs["type_k"] = kwargs["type_v"] = 0  # GGML_TYPE_F32
+        safe = {"use_extra_bufts": False} if amx_compiled() else {}
+        try:
+            with _model_params(**safe):
+                self.llm = llama_cpp.Llama(model_path=str(self.path), **kwargs)
+        except (ValueError, RuntimeError) as e:
+            detail = last_log() or str(e)
+            raise BackendError(
+                f"llama.cpp could not load {self.path.name} ({detail})",
+                f"is {self.gguf.arch!r} an architecture this llama.cpp build supports, and the file complete?",
+            ) from e
+        self.n_ctx = self.llm.n_ctx()
+        self._vocab = self.llm._model.vocab
+        self._llama_cpp = llama_cpp
+
+    # -- tokens ---------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        C = self._llama_cpp
+        buf = ctypes.create_string_buffer(256)
+        n = C.llama_token_to_piece(self._vocab, token, buf, 256, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = C.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: list[int], special: bool = False) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    @property
+    def bos_token(self) -> str:
+        t = self.llm.token_bos()
+        return self.piece(t, special=True).decode("utf-8", "replace") if t >= 0 else ""
+
+    @property
+    def eos_token(self) -> str:
+        t = self.llm.token_eos()
+        return self.piece(t, special=True).decode("utf-8", "replace") if t >= 0 else ""
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(self._llama_cpp.llama_vocab_get_add_bos(self._vocab))
+
+    def chat_template(self) -> str | None:
+        return self.gguf.field("tokenizer.chat_template")
+
+    @property
+    def arch(self) -> str:
+        return self.gguf.arch
+
+    # -- compute --------------------------------------------------------------------------
+    def logits(self, tokens: list[int]):
+        """Logits for every position (needs logits_all=True). numpy (n_tokens, n_vocab)."""
+        self.llm.reset()
+        self.llm.eval(tokens)
+        return self.llm.scores[: len(tokens)].copy()
+
+    def stream(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
+               stats: GenStats | None = None, ignore_eos: bool = False) -> Iterator[TokenEvent]:
+        """Generate up to max_tokens after prompt_ids, yielding text as it becomes valid UTF-8.
+
+        The KV cache keeps the longest common prefix with the previous call (chat turns reuse it).
+        """
+        stats = stats if stats is not None else GenStats()
+        if len(prompt_ids) >= self.n_ctx:
+            raise DsqError(f"the prompt is {len(prompt_ids)} tokens, the context holds {self.n_ctx}",
+                           "pass a larger --ctx or a shorter prompt")
+        llm = self.llm
+        if sampling.seed is not None:
+            llm.set_seed(sampling.seed)
+        budget = min(max_tokens, self.n_ctx - len(prompt_ids))
+        stats.prompt_tokens = len(prompt_ids)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        t0 = time.perf_counter()
+        first = last = None
+        gen = llm.generate(prompt_ids, top_k=sampling.top_k if sampling.top_k > 0 else 0,
+                           top_p=sampling.top_p, min_p=sampling.min_p, temp=sampling.temperature,
+                           repeat_penalty=sampling.repeat_penalty, reset=True)
+        stats.finish_reason = "length"
+        try:
+            for tok in gen:
+                last = time.perf_counter()
+                stats.sampled_tokens += 1
+                if first is None:
+                    first = last
+                if not ignore_eos and self.is_eog(tok):
+                    stats.finish_reason = "stop"
+                    break
+                stats.token_ids.append(tok)
+                stats.generated_tokens += 1
+                text = decoder.decode(self.piece(tok))
+                if text:
+                    yield TokenEvent(tok, text)
+                if stats.generated_tokens >= budget:
+                    break
+        finally:
+            gen.close()
+            if first is not None:
+                stats.ttft_s = first - t0
+                stats.decode_s = last - first
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            yield TokenEvent(-1, tail)

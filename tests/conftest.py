@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+# Each test session gets its own dsq cache, except the built-in model which is shared (read-only).
+os.environ.setdefault("DSQ_QUIET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """kind -> path of a tiny random HF model directory (built once per session)."""
+    from tiny import build_tiny_model
+
+    cache: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in cache:
+            cache[kind] = build_tiny_model(kind, tmp_path_factory.mktemp(f"tiny-{kind}"))
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_dir, tmp_path_factory):
+    """(kind, outtype) -> a GGUF converted by dsq (float) or quantized by llama.cpp."""
+    from dsq.formats.hf_to_gguf import hf_to_gguf
+    from dsq.quant.gguf import quantize_gguf
+
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(kind: str, qtype: str = "F32") -> Path:
+        key = (kind, qtype)
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"gguf-{kind}-{qtype}")
+            if qtype in ("F32", "F16", "BF16"):
+                cache[key] = hf_to_gguf(tiny_dir(kind), d / f"{kind}-{qtype}.gguf", qtype)
+            else:
+                cache[key] = quantize_gguf(get(kind, "F32"), d / f"{kind}-{qtype}.gguf", qtype)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def builtin_gguf():
+    from dsq.runtime.builtin import builtin_model_path
+
+    return builtin_model_path()
+
+
+@pytest.fixture(scope="session")
+def builtin_hf():
+    from dsq.runtime.builtin import builtin_hf_export
+
+    return builtin_hf_export()
+
+
+@pytest.fixture
+def runner():
+    from typer.testing import CliRunner
+
+    return CliRunner()
