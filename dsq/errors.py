@@ -15,7 +15,9 @@ class DsqError(Exception):
 
     def one_line(self) -> str:
         msg = self.message.rstrip(".")
-        return f"{msg}. {self.hint}" if self.hint else msg
+        if not self.hint:
+            return msg
+        return f"{msg}. {self.hint[:1].upper()}{self.hint[1:]}"
 
 
 class ModelNotFound(DsqError):

@@ -30,6 +30,7 @@ def run(
     repeat_penalty: RepeatPenalty = 1.0,
     seed: Seed = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-text tokens.")] = False,
     ctx: Ctx = 4096,
     threads: Threads = None,
     gpu_layers: GpuLayers = "0",
@@ -55,7 +56,7 @@ def run(
 
     result = generate(m, prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                       min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop or (), chat=chat,
-                      system=system, on_text=None if as_json else echo)
+                      system=system, ignore_eos=ignore_eos, on_text=None if as_json else echo)
     st = result.stats
     if as_json:
         out = {"model": str(m.ref.path), "backend": m.backend, "gpu_layers": m.gpu_layers,

@@ -69,7 +69,14 @@ def hf_config_from_gguf(g: GGUFFile, spec: ArchSpec, dtype: str) -> dict:
             "attention_bias": False,
         })
     if "rope_freqs.weight" in names:
-        cfg["dsq_note"] = "rope_freqs (llama3 rope scaling) cannot be mapped back; rope_scaling omitted"
+        from dsq.errors import UnsupportedModel
+        from dsq.formats.arch import llama3_rope_from_factors
+
+        rope = llama3_rope_from_factors(g.dequantize("rope_freqs.weight"), cfg["rope_theta"], hd)
+        if rope is None:
+            raise UnsupportedModel("this GGUF's rope_freqs tensor matches no llama3 rope scaling",
+                                   "its rope scaling cannot be written as an HF config")
+        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     return {k: v for k, v in cfg.items() if v is not None or k in ("sliding_window",)}
 
 

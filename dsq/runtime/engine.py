@@ -105,7 +105,8 @@ class GenerationResult:
 def generate(model, prompt: str, *, max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
              top_p: float = 0.95, min_p: float = 0.0, repeat_penalty: float = 1.0,
              seed: int | None = None, stop: tuple[str, ...] | list[str] = (), chat: bool = False,
-             system: str | None = None, on_text: Callable[[str], None] | None = None) -> GenerationResult:
+             system: str | None = None, ignore_eos: bool = False,
+             on_text: Callable[[str], None] | None = None) -> GenerationResult:
     """Generate a continuation of `prompt` (or a chat reply to it, with chat=True)."""
     if max_tokens < 1:
         raise DsqError(f"--max-tokens must be >= 1, got {max_tokens}")
@@ -119,7 +120,7 @@ def generate(model, prompt: str, *, max_tokens: int = 256, temperature: float = 
     stats = GenStats()
     stopper = StopMatcher(stop)
     parts: list[str] = []
-    events = model.stream(ids, sp, max_tokens, stats)
+    events = model.stream(ids, sp, max_tokens, stats, ignore_eos=ignore_eos)
     try:
         for ev in events:
             out, stopped = stopper.feed(ev.text)

@@ -1,0 +1,3 @@
+from dsq.cli import main
+
+main()

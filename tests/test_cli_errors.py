@@ -1,0 +1,165 @@
+"""Bad inputs through the CLI: one line on stderr, exit code 1, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dsq.cli import app
+
+
+def one_line_error(result, *needles: str) -> str:
+    assert result.exit_code == 1, (result.exit_code, result.output)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.output
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def listing(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+@pytest.fixture
+def truncated_gguf(tiny_gguf, tmp_path):
+    src = tiny_gguf("qwen2", "F16")
+    data = src.read_bytes()
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(data[: len(data) // 2])
+    return bad
+
+
+@pytest.fixture
+def unsupported_dir(tiny_dir, tmp_path):
+    d = tmp_path / "mamba"
+    shutil.copytree(tiny_dir("qwen2"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "mamba"
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("cmd", [["run", "-p", "hi"], ["bench"], ["offload", "--vram", "1G"], ["convert"],
+                                 ["quantize", "--out", "x.gguf"], ["chat"]])
+def test_missing_path(cmd, runner, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = cmd[:1] + [str(tmp_path / "nope.gguf")] + cmd[1:]
+    if cmd[0] == "convert":
+        args = ["convert", str(tmp_path / "nope.gguf"), str(tmp_path / "out")]
+    one_line_error(runner.invoke(app, args), "does not exist")
+    assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("cmd", [["run", "-p", "hi"], ["quantize"], ["offload", "--vram", "1G"]])
+def test_dir_without_config(cmd, runner, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    args = cmd[:1] + [str(tmp_path / "empty")] + cmd[1:]
+    one_line_error(runner.invoke(app, args), "no config.json")
+    assert listing(tmp_path) == ["empty"]
+
+
+@pytest.mark.parametrize("cmd", [["run", "-p", "hi"], ["bench"], ["offload", "--vram", "1G"],
+                                 ["quantize", "--type", "Q8_0"]])
+def test_truncated_gguf(cmd, runner, truncated_gguf, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    before = listing(tmp_path)
+    args = cmd[:1] + [str(truncated_gguf)] + cmd[1:]
+    one_line_error(runner.invoke(app, args), "truncated")
+    assert listing(tmp_path) == before
+
+
+def test_truncated_gguf_convert(runner, truncated_gguf, tmp_path):
+    one_line_error(runner.invoke(app, ["convert", str(truncated_gguf), str(tmp_path / "hf")]), "truncated")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("cmd", [["quantize", "--type", "Q4_K_M"], ["run", "-p", "hi"]])
+def test_unsupported_architecture(cmd, runner, unsupported_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    before = listing(tmp_path)
+    line = one_line_error(runner.invoke(app, cmd[:1] + [str(unsupported_dir)] + cmd[1:]), "mamba")
+    assert "llama" in line and "qwen2" in line and "gemma3" in line  # lists what is supported
+    assert listing(tmp_path) == before
+
+
+def test_unsupported_architecture_convert(runner, unsupported_dir, tmp_path):
+    out = tmp_path / "m.gguf"
+    one_line_error(runner.invoke(app, ["convert", str(unsupported_dir), str(out)]), "mamba")
+    assert not out.exists()
+
+
+def test_unknown_quant_type(runner, tiny_dir, tmp_path):
+    out = tmp_path / "q.gguf"
+    line = one_line_error(runner.invoke(app, ["quantize", str(tiny_dir("qwen2")), "--type", "Q9_Z", "--out", str(out)]),
+                          "Q9_Z")
+    assert "Q4_K_M" in line
+    assert listing(tmp_path) == []
+
+
+def test_existing_output_refused_and_kept(runner, tiny_dir, tiny_gguf, tmp_path):
+    out = tmp_path / "q.gguf"
+    out.write_bytes(b"precious")
+    one_line_error(runner.invoke(app, ["quantize", str(tiny_dir("qwen2")), "--type", "Q8_0", "--out", str(out)]),
+                   "already exists", "--force")
+    assert out.read_bytes() == b"precious"
+    assert listing(tmp_path) == ["q.gguf"]
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "keep").write_text("x")
+    one_line_error(runner.invoke(app, ["convert", str(tiny_gguf("qwen2", "F16")), str(hf)]), "already exists")
+    assert listing(hf) == ["keep"]
+
+
+def test_damaged_safetensors_leaves_nothing(runner, tiny_dir, tmp_path):
+    d = tmp_path / "broken"
+    shutil.copytree(tiny_dir("llama"), d)
+    st = d / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:4096])
+    out = tmp_path / "out.gguf"
+    one_line_error(runner.invoke(app, ["quantize", str(d), "--type", "Q8_0", "--out", str(out)]))
+    assert listing(tmp_path) == ["broken"]
+
+
+def test_force_overwrites(runner, tiny_dir, tmp_path):
+    out = tmp_path / "q.gguf"
+    out.write_bytes(b"old")
+    r = runner.invoke(app, ["quantize", str(tiny_dir("qwen2")), "--type", "Q8_0", "--out", str(out), "--force"])
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes()[:4] == b"GGUF"
+    assert listing(tmp_path) == ["q.gguf"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "-p", "hi", "--temperature", "-1"], "--temperature"),
+    (["run", "-p", "hi", "--gpu-layers", "many"], "--gpu-layers"),
+    (["run", "-p", "hi", "--max-tokens", "0"], "--max-tokens"),
+    (["offload", "--vram", "lots"], "size"),
+])
+def test_bad_values(args, needle, runner, tiny_gguf):
+    one_line_error(runner.invoke(app, args[:1] + [str(tiny_gguf("qwen2", "F16"))] + args[1:]), needle)
+
+
+def test_prompt_longer_than_context(runner, tiny_gguf):
+    r = runner.invoke(app, ["run", str(tiny_gguf("qwen2", "F16")), "--ctx", "32", "-p", "word " * 200])
+    one_line_error(r, "context")
+
+
+def test_usage_error_exits_2(runner):
+    r = runner.invoke(app, ["run", "--no-such-flag"])
+    assert r.exit_code == 2
+
+
+def test_debug_shows_traceback(runner, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSQ_DEBUG", "1")
+    r = runner.invoke(app, ["run", str(tmp_path / "nope.gguf"), "-p", "x"])
+    assert r.exit_code != 0
+    from dsq.errors import ModelNotFound
+
+    assert isinstance(r.exception, ModelNotFound)

@@ -1,0 +1,140 @@
+"""The commands end to end on tiny models: quantize -> run, convert both ways, chat, bench, offload."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dsq.cli import app
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_quantize_q4_k_m_then_run(kind, runner, tiny_dir, tmp_path):
+    out = tmp_path / f"{kind}-Q4_K_M.gguf"
+    r = runner.invoke(app, ["quantize", str(tiny_dir(kind)), "--method", "gguf", "--type", "Q4_K_M", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["run", str(out), "-p", "The return statement", "--max-tokens", "12", "--temperature", "0",
+                            "--ignore-eos", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert len(res["token_ids"]) == 12
+
+
+def test_run_from_hf_dir_and_stdin(runner, tiny_dir):
+    r = runner.invoke(app, ["run", str(tiny_dir("gemma3")), "--max-tokens", "5", "--temperature", "0", "--json",
+                            "--ignore-eos"], input="Classes and instances\n")
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout)["token_ids"]) == 5
+
+
+def test_sampling_is_seeded(runner, tiny_gguf):
+    args = ["run", str(tiny_gguf("qwen2", "F16")), "-p", "The", "-n", "16", "--temperature", "1.0", "--json",
+            "--ignore-eos"]
+    a = json.loads(runner.invoke(app, args + ["--seed", "7"]).stdout)["token_ids"]
+    b = json.loads(runner.invoke(app, args + ["--seed", "7"]).stdout)["token_ids"]
+    c = json.loads(runner.invoke(app, args + ["--seed", "8"]).stdout)["token_ids"]
+    assert a == b and a != c
+
+
+def test_stop_string(runner, tiny_gguf):
+    path = str(tiny_gguf("qwen2", "F16"))
+    full = json.loads(runner.invoke(app, ["run", path, "-p", "The", "-n", "24", "-t", "0", "--json",
+                                          "--ignore-eos"]).stdout)["text"]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    cut = json.loads(runner.invoke(app, ["run", path, "-p", "The", "-n", "24", "-t", "0", "--json", "--ignore-eos",
+                                         "--stop", stop]).stdout)
+    assert cut["text"] == full[: full.index(stop)]
+    assert cut["finish_reason"] == "stop"
+
+
+def test_convert_gguf_to_hf_round_trip(runner, tiny_dir, tiny_gguf, tmp_path):
+    """GGUF (F32) -> HF: transformers on the export equals transformers on the original."""
+    from tiny import hf_logits
+
+    out = tmp_path / "hf"
+    r = runner.invoke(app, ["convert", str(tiny_gguf("llama", "F32")), str(out), "--dtype", "float32"])
+    assert r.exit_code == 0, r.output
+    ids = list(range(1, 60))
+    np.testing.assert_allclose(hf_logits(out, ids), hf_logits(tiny_dir("llama"), ids), atol=1e-4, rtol=1e-4)
+
+
+def test_convert_hf_to_gguf(runner, tiny_dir, tmp_path):
+    from dsq.formats.gguf_file import GGUFFile
+
+    out = tmp_path / "m.gguf"
+    r = runner.invoke(app, ["convert", str(tiny_dir("gemma3")), str(out), "--outtype", "bf16"])
+    assert r.exit_code == 0, r.output
+    g = GGUFFile(out)
+    assert g.describe_quant() == "BF16"
+    assert {t.type_name for t in g.tensors if len(t.shape) == 2} == {"BF16"}
+
+
+def test_chat_session_commands(runner, tiny_gguf):
+    r = runner.invoke(app, ["chat", str(tiny_gguf("qwen2", "F16")), "-n", "8", "--temperature", "0"],
+                      input="Hello there\n/reset\nWhat is a class?\n/help\n/exit\n")
+    assert r.exit_code == 0, r.output
+    assert "history cleared" in r.stderr
+    assert "template: model" in r.stderr  # the tiny model's own ChatML template
+    assert r.stderr.count("tok/s") == 2  # two replies
+
+
+def test_chat_ends_cleanly_at_eof(runner, tiny_gguf):
+    r = runner.invoke(app, ["chat", str(tiny_gguf("qwen2", "F16")), "-n", "4"], input="one message\n")
+    assert r.exit_code == 0, r.output
+
+
+def test_bench_json_and_plot(runner, tmp_path, tiny_gguf):
+    jp, pp = tmp_path / "b.json", tmp_path / "b.png"
+    r = runner.invoke(app, ["bench", str(tiny_gguf("qwen2", "Q8_0")), "--prompt-tokens", "64", "--gen-tokens", "8",
+                            "--repeat", "2", "--gpu-layers", "0,all", "--json", str(jp), "--plot", str(pp)])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(jp.read_text())
+    assert len(rep["runs"]) == 4
+    for run in rep["runs"]:
+        for k in ("backend", "gpu_layers", "prefill_tok_s", "decode_tok_s", "ttft_ms", "tpot_ms",
+                  "peak_rss_mb", "peak_vram_mb"):
+            assert k in run, k
+        assert run["prompt_tokens"] == 64 and run["gen_tokens"] == 8
+        assert run["decode_tok_s"] > 0 and run["peak_rss_mb"] > 0
+        # TPOT and decode rate are two views of one measurement
+        assert abs(1000.0 / run["tpot_ms"] - run["decode_tok_s"]) / run["decode_tok_s"] < 0.01
+    assert [s["gpu_layers"] for s in rep["summary"]] == ["0", "all"]
+    assert pp.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "decode tok/s" in r.stdout
+
+
+def test_offload_json(runner, tiny_gguf):
+    from dsq.formats.gguf_file import GGUFFile
+
+    path = tiny_gguf("llama", "Q4_K_M")
+    r = runner.invoke(app, ["offload", str(path), "--vram", "100G", "--ctx", "512", "--json",
+                            "--gpu-bw", "1000", "--cpu-bw", "20"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["gpu_layers"] == plan["n_layer"] + 1 and plan["output_device"] == "GPU"
+    g = GGUFFile(path)
+    blk = sum(t.n_bytes for t in g.tensors if t.name.startswith("blk."))
+    assert sum(layer["weight_bytes"] for layer in plan["layers"]) == blk
+
+
+def test_help_and_version(runner):
+    for cmd in ("run", "chat", "quantize", "convert", "offload", "bench"):
+        r = runner.invoke(app, [cmd, "--help"])
+        assert r.exit_code == 0 and "Examples" in r.stdout, cmd
+    r = runner.invoke(app, ["--version"])
+    from dsq import __version__
+
+    assert r.exit_code == 0 and __version__ in r.stdout
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys; from typer.testing import CliRunner; from dsq.cli import app; "
+            "r = CliRunner().invoke(app, ['--help']); assert r.exit_code == 0; "
+            "r = CliRunner().invoke(app, ['quantize', '--help']); assert r.exit_code == 0; "
+            "print('torch' in sys.modules, 'llama_cpp' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False False"
