@@ -64,12 +64,14 @@ def test_r1_template_opens_think():
     assert "add" not in p2 and "4<｜end▁of▁sentence｜>" in p2
 
 
+def random_chunks(text: str, n: int, seed: int) -> list[str]:
+    cuts = sorted(random.Random(seed).sample(range(1, len(text)), n))
+    return [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_think_splitter_any_chunking(seed):
-    text = "<think>\nweigh options\n</think>\n\nThe answer is 4. <think>again</think>done"
-    rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, len(text)), 8))
-    chunks = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+    chunks = random_chunks("<think>\nweigh options\n</think>\n\nThe answer is 4. <think>again</think>done", 8, seed)
     sp = ThinkSplitter()
     parts = [p for c in chunks for p in sp.feed(c)] + sp.flush()
     think = "".join(s for k, s in parts if k == "think")
@@ -87,10 +89,7 @@ def test_think_splitter_starting_inside():
 
 @pytest.mark.parametrize("seed", range(10))
 def test_stop_matcher_any_chunking(seed):
-    text = "alpha beta STOP gamma"
-    rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, len(text)), 6))
-    chunks = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+    chunks = random_chunks("alpha beta STOP gamma", 6, seed)
     sm = StopMatcher(["STOP", "never"])
     out, stopped = "", False
     for c in chunks:

