@@ -108,10 +108,12 @@ class FakeModel:
     def __init__(self, replies, template=CHATML_TEMPLATE, interrupt_after=None):
         self.replies, self.template, self.prompts = list(replies), template, []
         self.interrupt_after = interrupt_after
-        self.gguf = type("G", (), {"field": staticmethod(lambda k, d=None: [])})()
 
     def chat_template(self):
         return self.template
+
+    def has_token(self, text):
+        return False
 
     def tokenize(self, text, add_bos=True, special=True):
         return list(text.encode())[: 10_000]

@@ -48,14 +48,13 @@ def bench_prompt(model, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def run_bench(model_path, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_tokens: int = 512,
+def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_tokens: int = 512,
               gen_tokens: int = 128, repeat: int = 3, threads: int | None = None, ctx: int | None = None,
               warmup: bool = True, on_record: Callable[[BenchRecord], None] | None = None,
-              on_status: Callable[[str], None] | None = None) -> list[BenchRecord]:
-    """Benchmark one model across backends x gpu_layers; `repeat` timed runs each."""
+              on_status: Callable[[str], None] | None = None, model_opts: dict | None = None) -> list[BenchRecord]:
+    """Benchmark one model (a path, or None for the built-in) across backends x gpu_layers."""
     from dsq.bench.metrics import PeakMemory, gpu_used_bytes
-    from dsq.runtime.engine import BACKENDS, parse_gpu_layers, resolve_gpu_layers
-    from dsq.runtime.llama_cpp_backend import LlamaCppModel
+    from dsq.runtime.engine import BACKENDS, load
     from dsq.runtime.sampling import SamplingParams
 
     if prompt_tokens < 1 or gen_tokens < 2 or repeat < 1:
@@ -68,18 +67,18 @@ def run_bench(model_path, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_
     records: list[BenchRecord] = []
     for backend in backends:
         for gl in gpu_layers:
-            asked = parse_gpu_layers(gl)
-            ngl = resolve_gpu_layers(asked, model_path, n_ctx)
             base_gpu = gpu_used_bytes()
             if on_status:
                 on_status(f"{backend}: loading with --gpu-layers {gl}")
             t0 = time.perf_counter()
             with PeakMemory(baseline_gpu=base_gpu) as load_mem:
-                m = LlamaCppModel(model_path, n_ctx=n_ctx, n_threads=threads, gpu_layers=ngl)
+                m = load(model, backend=backend, ctx=n_ctx, threads=threads, gpu_layers=gl, **(
+                    model_opts.get(backend, {}) if model_opts else {}))
             load_s = time.perf_counter() - t0
+            ngl = m.gpu_layers
             prompt = bench_prompt(m, prompt_tokens)
             if warmup:
-                m.llm.reset()
+                m.reset()
                 for _ in m.stream(prompt[: min(32, len(prompt))], greedy, 4, ignore_eos=True):
                     pass
             for r in range(repeat):
@@ -88,7 +87,7 @@ def run_bench(model_path, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_
                 from dsq.runtime.generate import GenStats
 
                 st = GenStats()
-                m.llm.reset()  # no prefix reuse between repeats: every run prefills the whole prompt
+                m.reset()  # no prefix reuse between repeats: every run prefills the whole prompt
                 with PeakMemory(baseline_gpu=base_gpu) as mem:
                     for _ in m.stream(prompt, greedy, gen_tokens, st, ignore_eos=True):
                         pass

@@ -7,13 +7,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import ModelArg, Threads, command
+from dsq.cli.common import Dtype, KvDtype, ModelArg, Threads, backend_options, command
 
 
 @command("bench", examples=[
     "dsq bench",
     "dsq bench model.gguf --gpu-layers 0,8,16,all --json sweep.json --plot sweep.png",
     "dsq bench --prompt-tokens 128 --gen-tokens 64 --repeat 5",
+    "dsq bench --backend native,llama.cpp --gen-tokens 64",
 ])
 def bench(
     model: ModelArg = None,
@@ -28,6 +29,8 @@ def bench(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the records to this JSON file.")] = None,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Plot tok/s against --gpu-layers (PNG).")] = None,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One short untimed run first.")] = True,
+    dtype: Dtype = None,
+    kv_dtype: KvDtype = None,
 ) -> None:
     """Benchmark speed and memory: tokens/s, TTFT, TPOT, peak RSS/VRAM, --gpu-layers sweeps.
 
@@ -38,27 +41,32 @@ def bench(
 
     from dsq.bench.report import plot, summarize, table, write_json
     from dsq.bench.runner import machine_info, run_bench
-    from dsq.runtime.model_ref import ensure_gguf, resolve_model
+    from dsq.runtime.engine import BACKENDS
+    from dsq.runtime.model_ref import resolve_model
     from dsq.runtime.llama_cpp_backend import supports_gpu_offload
+    from dsq.errors import DsqError
     from dsq.ui import console, out_console
 
     con = console()
     backends = [b.strip() for b in backend.split(",") if b.strip()]
+    for b in backends:
+        if b not in BACKENDS:
+            raise DsqError(f"unknown backend {b!r}", f"choose from: {', '.join(BACKENDS)}")
     sweep = [g.strip() for g in gpu_layers.split(",") if g.strip()]
     ref = resolve_model(model, con)
-    path = ensure_gguf(ref, con)
-    if any(g not in ("0",) for g in sweep) and not supports_gpu_offload():
+    if "llama.cpp" in backends and any(g != "0" for g in sweep) and not supports_gpu_offload():
         con.print("[yellow]note:[/yellow] this llama.cpp build has no GPU support; --gpu-layers has no effect")
+    opts = {b: backend_options(b, dtype if b == "native" else None, kv_dtype) for b in backends}
     with con.status("benchmarking") as status:
-        records = run_bench(path, backends=backends, gpu_layers=sweep, prompt_tokens=prompt_tokens,
+        records = run_bench(str(ref.path), backends=backends, gpu_layers=sweep, prompt_tokens=prompt_tokens,
                             gen_tokens=gen_tokens, repeat=repeat, threads=threads, ctx=ctx, warmup=warmup,
-                            on_status=lambda s: status.update(s))
+                            on_status=lambda s: status.update(s), model_opts=opts)
     recs = [r.as_dict() for r in records]
     rows = summarize(recs)
     title = f"{ref.label}: {prompt_tokens} prompt + {gen_tokens} generated tokens, {repeat} runs"
     out_console().print(table(rows, title))
     if json_path:
-        report = {"model": str(path), "label": ref.label, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        report = {"model": str(ref.path), "label": ref.label, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                   "machine": machine_info(),
                   "settings": {"prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeat": repeat,
                                "backends": backends, "gpu_layers": sweep, "threads": records[0].threads},

@@ -6,8 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import (Ctx, GpuLayers, MaxTokens, MinP, ModelArg, RepeatPenalty, Seed, Temperature,
-                            Threads, TopK, TopP, command)
+from dsq.cli.common import (Backend, Ctx, Dtype, GpuLayers, KvDtype, MaxTokens, MinP, ModelArg, RepeatPenalty,
+                            Seed, Temperature, Threads, TopK, TopP, backend_options, command)
 
 HELP = "commands: /reset clears the history, /exit leaves (so does Ctrl-D); Ctrl-C stops a reply"
 
@@ -31,6 +31,9 @@ def chat(
     ctx: Ctx = 4096,
     threads: Threads = None,
     gpu_layers: GpuLayers = "0",
+    backend: Backend = "llama.cpp",
+    dtype: Dtype = None,
+    kv_dtype: KvDtype = None,
 ) -> None:
     """Chat with a model. History is kept; /reset clears it, /exit or Ctrl-D leaves."""
     from dsq.errors import DsqError
@@ -40,10 +43,11 @@ def chat(
     from dsq.ui import console, out_console
 
     err, out = console(), out_console()
-    m = load(model, ctx=ctx, threads=threads, gpu_layers=gpu_layers, seed=seed, console=err)
+    m = load(model, backend=backend, ctx=ctx, threads=threads, gpu_layers=gpu_layers, seed=seed, console=err,
+             **backend_options(backend, dtype, kv_dtype))
     session = ChatSession(m, system=system, max_tokens=max_tokens,
                           sampling=SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed))
-    err.print(f"[bold]{m.ref.label}[/bold] [dim](template: {session.template.origin}; {HELP})[/dim]")
+    err.print(f"[bold]{m.ref.label}[/bold] [dim]({m.backend}; template: {session.template.origin}; {HELP})[/dim]")
     state = {"in_think": False}
 
     def on_part(kind: str, text: str) -> None:

@@ -88,6 +88,19 @@ Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (
 GpuLayers = Annotated[str, typer.Option(
     "--gpu-layers", "-g", help="Layers to put on the GPU: a number, 'all', or 'auto' (fit the free VRAM).")]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
+Backend = Annotated[str, typer.Option("--backend", "-b", help="native (dsq's torch engine) or llama.cpp.")]
+Dtype = Annotated[Optional[str], typer.Option(
+    "--dtype", help="native: activation dtype bf16|fp16|fp32 (default: bf16 on GPU, fp32 on CPU).")]
+KvDtype = Annotated[Optional[str], typer.Option("--kv-dtype", help="KV cache dtype: bf16|fp16|fp32.")]
+
+
+def backend_options(backend: str, dtype: str | None, kv_dtype: str | None) -> dict:
+    """Backend-specific load options from the shared flags."""
+    if backend == "native":
+        return {"dtype": dtype, "kv_dtype": kv_dtype}
+    if dtype is not None:
+        raise DsqError("--dtype applies to the native backend", "drop it, or pass --backend native")
+    return {"kv_dtype": kv_dtype} if kv_dtype else {}
 
 
 def stdin_text() -> str | None:

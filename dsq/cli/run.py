@@ -8,14 +8,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import (Ctx, GpuLayers, MaxTokens, MinP, ModelArg, RepeatPenalty, Seed, Temperature,
-                            Threads, TopK, TopP, command, stdin_text)
+from dsq.cli.common import (Backend, Ctx, Dtype, GpuLayers, KvDtype, MaxTokens, MinP, ModelArg, RepeatPenalty,
+                            Seed, Temperature, Threads, TopK, TopP, backend_options, command, stdin_text)
 
 
 @command("run", examples=[
     'dsq run -p "The history of the Roman Empire" --max-tokens 32 --temperature 0',
     'dsq run model.gguf -p "Why is the sky blue?" --chat --gpu-layers all',
     'echo "Once upon a time" | dsq run --json',
+    'dsq run ./DeepSeek-R1-Distill-Qwen-1.5B --backend native -p "2+2=" --max-tokens 8',
 ])
 def run(
     model: ModelArg = None,
@@ -34,6 +35,9 @@ def run(
     ctx: Ctx = 4096,
     threads: Threads = None,
     gpu_layers: GpuLayers = "0",
+    backend: Backend = "llama.cpp",
+    dtype: Dtype = None,
+    kv_dtype: KvDtype = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
 ) -> None:
     """Generate text from a prompt, streamed to stdout.
@@ -48,7 +52,8 @@ def run(
         prompt = stdin_text()
     if prompt is None:
         raise DsqError("no prompt given", 'pass one with -p "..." or pipe it on stdin')
-    m = load(model, ctx=ctx, threads=threads, gpu_layers=gpu_layers, seed=seed, console=console())
+    m = load(model, backend=backend, ctx=ctx, threads=threads, gpu_layers=gpu_layers, seed=seed, console=console(),
+             **backend_options(backend, dtype, kv_dtype))
 
     def echo(s: str) -> None:
         sys.stdout.write(s)

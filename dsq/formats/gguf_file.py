@@ -100,7 +100,7 @@ class GGUFFile:
                 f"{self.path} is not a GGUF file (no GGUF magic)",
                 "pass a .gguf file or an HF model directory",
             )
-        self.mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.mm = np.memmap(self.path, dtype=np.uint8, mode="c")  # copy-on-write: torch views need writable
         try:
             self._parse()
         except (struct.error, ValueError, IndexError, UnicodeDecodeError, OverflowError) as e:

@@ -130,6 +130,13 @@ class HFModelDir:
             raise BadModelFile(f"{self.weight_map[name]}: tensor {name} could not be read ({e})",
                                "re-download the model") from e
 
+    def mmap_tensors(self) -> dict[str, Any]:
+        """Every tensor as a torch view into a memory-mapped file: no copy until written to."""
+        out = {}
+        for f in sorted(set(self.weight_map.values())):
+            out.update(mmap_safetensors(f))
+        return {k: v for k, v in out.items() if k in self.weight_map}
+
     # -- tokenizer --------------------------------------------------------------------------
     def tokenizer_json(self) -> dict | None:
         p = self.path / "tokenizer.json"
@@ -153,6 +160,40 @@ class HFModelDir:
         if cj.is_file():
             return json.loads(cj.read_text(encoding="utf-8")).get("chat_template")
         return None
+
+
+_ST_DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2), "I64": ("int64", 8),
+              "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
+              "BOOL": ("bool", 1), "F64": ("float64", 8), "F8_E4M3": ("float8_e4m3fn", 1)}
+
+
+def mmap_safetensors(path: Path) -> dict[str, Any]:
+    """Parse a safetensors header and return torch views into a copy-on-write memory map."""
+    import numpy as np
+    import torch
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        mm = np.memmap(path, dtype=np.uint8, mode="c")
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise BadModelFile(f"{path} is not a readable safetensors file ({e})", "re-download it") from e
+    base = 8 + n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dt = _ST_DTYPES.get(info["dtype"])
+        if dt is None:
+            raise BadModelFile(f"{path}: tensor {name} has dtype {info['dtype']} dsq cannot read")
+        start, end = info["data_offsets"]
+        if base + end > mm.size:
+            raise BadModelFile(f"{path} is truncated (tensor {name} runs past the end)", "re-download it")
+        raw = torch.from_numpy(mm[base + start: base + end])
+        out[name] = raw.view(getattr(torch, dt[0])).reshape(info["shape"])
+    return out
 
 
 def rope_parameters(config: dict, layer_type: str = "full_attention") -> dict:

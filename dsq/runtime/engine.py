@@ -17,7 +17,7 @@ from dsq.runtime.chat_template import ChatTemplate, pick_template
 from dsq.runtime.generate import GenStats, StopMatcher
 from dsq.runtime.sampling import SamplingParams
 
-BACKENDS = ("llama.cpp",)
+BACKENDS = ("native", "llama.cpp")
 
 
 def parse_gpu_layers(value: str | int | None) -> int | str:
@@ -56,7 +56,11 @@ def resolve_gpu_layers(gpu_layers: int | str, gguf_path: Path, ctx: int) -> int:
 def load(model: str | Path | None = None, *, backend: str = "llama.cpp", ctx: int = 4096,
          threads: int | None = None, gpu_layers: int | str = 0, seed: int | None = None,
          console=None, **kwargs):
-    """Load MODEL (a .gguf, an HF directory, or None for the built-in model) on a backend."""
+    """Load MODEL (a .gguf, an HF directory, or None for the built-in model) on a backend.
+
+    backend "llama.cpp" runs GGUF (HF directories are converted once, cached); "native" runs
+    both formats in dsq's own torch engine (kwargs: dtype, kv_dtype, cuda_graph).
+    """
     from dsq.runtime.model_ref import ensure_gguf, resolve_model
 
     if backend not in BACKENDS:
@@ -64,24 +68,25 @@ def load(model: str | Path | None = None, *, backend: str = "llama.cpp", ctx: in
     if ctx < 16:
         raise DsqError(f"--ctx must be at least 16, got {ctx}")
     ref = resolve_model(model, console)
-    path = ensure_gguf(ref, console)
-    from dsq.runtime.llama_cpp_backend import LlamaCppModel
+    if backend == "native":
+        from dsq.runtime.native import NativeModel
 
-    ngl = resolve_gpu_layers(parse_gpu_layers(gpu_layers), path, ctx)
-    m = LlamaCppModel(path, n_ctx=ctx, n_threads=threads, gpu_layers=ngl, seed=seed, **kwargs)
+        ngl = parse_gpu_layers(gpu_layers)
+        if ngl == "auto":
+            ngl = resolve_gpu_layers("auto", ref.path, ctx) if ref.kind == "gguf" else -1
+        m = NativeModel(ref.path, ref.kind, n_ctx=ctx, gpu_layers=ngl, threads=threads, seed=seed, **kwargs)
+    else:
+        from dsq.runtime.llama_cpp_backend import LlamaCppModel
+
+        path = ensure_gguf(ref, console)
+        ngl = resolve_gpu_layers(parse_gpu_layers(gpu_layers), path, ctx)
+        m = LlamaCppModel(path, n_ctx=ctx, n_threads=threads, gpu_layers=ngl, seed=seed, **kwargs)
     m.ref = ref
     return m
 
 
 def chat_template_for(model) -> ChatTemplate:
-    vocab = set()
-
-    def has(tok: str) -> bool:
-        if not vocab:
-            vocab.update(model.gguf.field("tokenizer.ggml.tokens") or [])
-        return tok in vocab
-
-    return pick_template(model.chat_template(), model.arch, has, model.bos_token, model.eos_token)
+    return pick_template(model.chat_template(), model.arch, model.has_token, model.bos_token, model.eos_token)
 
 
 def encode_prompt(model, text: str, templated: bool = False) -> list[int]:

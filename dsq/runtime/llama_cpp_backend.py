@@ -119,7 +119,7 @@ class LlamaCppModel:
 
     def __init__(self, path: str | Path, *, n_ctx: int = 4096, n_threads: int | None = None,
                  gpu_layers: int = 0, seed: int | None = None, logits_all: bool = False,
-                 f32_kv: bool = False, vocab_only: bool = False):
+                 f32_kv: bool = False, vocab_only: bool = False, kv_dtype: str | None = None):
         from dsq.formats.gguf_file import GGUFFile
 
         self.path = Path(path)
@@ -134,7 +134,12 @@ class LlamaCppModel:
         if seed is not None:
             kwargs["seed"] = seed
         if f32_kv:
-            kwargs["type_k"] = kwargs["type_v"] = 0  # GGML_TYPE_F32
+            kv_dtype = "f32"
+        if kv_dtype:
+            ggml = {"f32": 0, "fp32": 0, "float32": 0, "f16": 1, "fp16": 1, "float16": 1, "bf16": 30, "bfloat16": 30}
+            if kv_dtype.lower() not in ggml:
+                raise DsqError(f"unknown --kv-dtype {kv_dtype!r}", "use bf16, fp16 or fp32")
+            kwargs["type_k"] = kwargs["type_v"] = ggml[kv_dtype.lower()]
         safe = {"use_extra_bufts": False} if amx_compiled() else {}
         try:
             with _model_params(**safe):
@@ -146,6 +151,7 @@ class LlamaCppModel:
                 f"is {self.gguf.arch!r} an architecture this llama.cpp build supports, and the file complete?",
             ) from e
         self.n_ctx = self.llm.n_ctx()
+        self._token_set: set[str] | None = None
         self._vocab = self.llm._model.vocab
         self._llama_cpp = llama_cpp
 
@@ -185,11 +191,20 @@ class LlamaCppModel:
     def chat_template(self) -> str | None:
         return self.gguf.field("tokenizer.chat_template")
 
+    def has_token(self, text: str) -> bool:
+        if self._token_set is None:
+            self._token_set = set(self.gguf.field("tokenizer.ggml.tokens") or [])
+        return text in self._token_set
+
     @property
     def arch(self) -> str:
         return self.gguf.arch
 
     # -- compute --------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the cached prefix: the next request prefills its whole prompt."""
+        self.llm.reset()
+
     def logits(self, tokens: list[int]):
         """Logits for every position (needs logits_all=True). numpy (n_tokens, n_vocab)."""
         self.llm.reset()

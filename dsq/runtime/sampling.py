@@ -28,3 +28,45 @@ class SamplingParams:
         if self.repeat_penalty <= 0:
             raise DsqError(f"--repeat-penalty must be > 0, got {self.repeat_penalty}", "use 1 to turn it off")
         return self
+
+
+class Sampler:
+    """Picks next tokens from logits (B, V), in llama.cpp's order: repetition penalty, top-k,
+    top-p, min-p, temperature, then a draw from a seeded generator (greedy at temperature 0)."""
+
+    def __init__(self, params: SamplingParams, device="cpu", penalty_last_n: int = 64):
+        import torch
+
+        self.p = params.validate()
+        self.penalty_last_n = penalty_last_n
+        self.gen = torch.Generator(device=device)
+        self.gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    def __call__(self, logits, recent=None):
+        """logits (B, V); recent: (B, n) token ids for the repetition penalty. -> (B,) ids."""
+        import torch
+
+        p = self.p
+        logits = logits.float()
+        if p.repeat_penalty != 1.0 and recent is not None and recent.numel():
+            r = recent[:, -self.penalty_last_n:].to(logits.device)
+            sel = logits.gather(1, r)
+            sel = torch.where(sel > 0, sel / p.repeat_penalty, sel * p.repeat_penalty)
+            logits = logits.scatter(1, r, sel)
+        if p.temperature == 0:
+            return logits.argmax(-1)
+        if 0 < p.top_k < logits.shape[-1]:
+            kth = logits.topk(p.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_l, idx = logits.sort(dim=-1, descending=True)
+            probs = sorted_l.softmax(-1)
+            cum = probs.cumsum(-1)
+            drop = cum - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+            sorted_l = sorted_l.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(1, idx, sorted_l)
+        if p.min_p > 0:
+            probs = logits.softmax(-1)
+            logits = logits.masked_fill(probs < p.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+        probs = (logits / p.temperature).softmax(-1)
+        return torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)

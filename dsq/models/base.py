@@ -1,0 +1,292 @@
+"""The decoder-only transformer shared by llama, qwen2 and gemma3, in plain torch.
+
+HF parameter names (model.embed_tokens, model.layers.N.self_attn.q_proj, ...), so checkpoints
+load with `load_state_dict(assign=True)` onto a model built on the meta device. Nothing here
+knows about quantization: quantized weights arrive as module swaps (nn.Linear -> a quantized
+Linear) made by the runtime before loading.
+
+Shapes: B batch, T new tokens, S cache length, H query heads, Hk key/value heads, D head dim.
+The KV cache is preallocated (B, Hk, S, D) per layer; `slots` (T,) say which cache columns the
+new tokens go to (the same for every row; rows of a batch are left-padded, `pad` (B,) counts
+each row's padding), and positions are slots - pad.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    rope_local: dict | None = None  # rope of sliding-window layers (Gemma 3), if different
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"  # or "gelu_tanh"
+    norm_offset: float = 0.0  # Gemma: weights are stored as (w - 1)
+    qk_norm: bool = False
+    sandwich_norm: bool = False  # Gemma 2/3: norms after attention and MLP as well
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden)
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None  # "sliding_attention" | "full_attention" per layer
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+
+    def is_sliding(self, i: int) -> bool:
+        return bool(self.sliding_window and self.layer_types and self.layer_types[i] == "sliding_attention")
+
+
+def module_device(m: nn.Module) -> torch.device:
+    """Device of a module's first parameter or buffer (quantized modules hold buffers only)."""
+    for t in m.parameters():
+        return t.device
+    for t in m.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+# -- rope -----------------------------------------------------------------------------------
+def rope_inv_freq(rope: dict, dim: int) -> torch.Tensor:
+    """Inverse frequencies (dim/2,) for a rope config: default, linear, llama3."""
+    base = float(rope.get("rope_theta", 10000.0))
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return inv.float()
+    if kind == "linear":
+        return (inv / float(rope["factor"])).float()
+    if kind == "llama3":
+        factor = float(rope["factor"])
+        lo, hi = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+        old = float(rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(medium, smoothed, scaled).float()
+    raise ValueError(f"rope type {kind!r} is not supported")
+
+
+def rope_tables(rope: dict, dim: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (length, dim) in float32, HF's rotate-half layout."""
+    inv = rope_inv_freq(rope, dim).to(device)
+    t = torch.arange(length, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, D); cos/sin (B, T, D) float32."""
+    d2 = x.shape[-1] // 2
+    xf = x.float()
+    rot = torch.cat((-xf[..., d2:], xf[..., :d2]), dim=-1)
+    return (xf * cos[:, :, None] + rot * sin[:, :, None]).to(x.dtype)
+
+
+# -- KV cache -------------------------------------------------------------------------------
+class KVCache:
+    """Preallocated keys/values per layer (each on its layer's device) plus rope tables."""
+
+    def __init__(self, args: ModelArgs, batch: int, length: int, dtype: torch.dtype, devices: list[torch.device]):
+        self.batch, self.length, self.dtype = batch, length, dtype
+        shape = (batch, args.num_key_value_heads, length, args.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        self.v = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        self.rope: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        for d in dict.fromkeys(devices):
+            self.rope[("full", str(d))] = rope_tables(args.rope, args.head_dim, length, d)
+            if args.rope_local is not None:
+                self.rope[("local", str(d))] = rope_tables(args.rope_local, args.head_dim, length, d)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        """Write k, v (B, Hk, T, D) at `slots`; return the layer's full cache."""
+        self.k[layer].index_copy_(2, slots, k.to(self.dtype))
+        self.v[layer].index_copy_(2, slots, v.to(self.dtype))
+        return self.k[layer], self.v[layer]
+
+
+# -- blocks ---------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma: scale in float32, then cast
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)  # Llama: cast, then scale
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_head, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        h, d = args.hidden_size, args.head_dim
+        self.q_proj = nn.Linear(h, self.n_head * d, bias=args.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=args.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_head * d, h, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps, args.norm_offset)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps, args.norm_offset)
+        self.qk_norm = args.qk_norm
+        self.scale = (args.query_pre_attn_scalar or d) ** -0.5
+        self.softcap = args.attn_logit_softcapping
+
+    def forward(self, x, cos, sin, mask, cache: KVCache, slots, kv_len: int | None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        kc, vc = cache.update(self.layer, k, v, slots)
+        if kv_len is not None:
+            kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
+        kc, vc = kc.to(q.dtype), vc.to(q.dtype)
+        if self.softcap:
+            rep = self.n_head // self.n_kv
+            kr, vr = kc.repeat_interleave(rep, 1), vc.repeat_interleave(rep, 1)
+            s = torch.tanh((q.float() @ kr.float().transpose(-1, -2)) * self.scale / self.softcap) * self.softcap
+            s = s.masked_fill(~mask, float("-inf"))
+            o = (s.softmax(-1) @ vr.float()).to(q.dtype)
+        else:
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=self.n_head != self.n_kv)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, f = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(h, f, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(h, f, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(f, h, bias=args.mlp_bias)
+        self.act = (lambda t: F.gelu(t, approximate="tanh")) if args.hidden_act == "gelu_tanh" else F.silu
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        eps, off = args.rms_norm_eps, args.norm_offset
+        self.self_attn = Attention(args, layer)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps, off)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps, off)
+        self.sandwich = args.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, eps, off)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps, off)
+
+    def forward(self, x, cos, sin, mask, cache, slots, kv_len):
+        a = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, slots, kv_len)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
+
+
+class Transformer(nn.Module):
+    """A causal LM: logits = lm_head(norm(layers(embed(ids))))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def layer_devices(self) -> list[torch.device]:
+        return [module_device(layer.input_layernorm) for layer in self.model.layers]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype (norm weights are always stored in it)."""
+        return self.model.norm.weight.dtype
+
+    def make_cache(self, batch: int, length: int, dtype: torch.dtype) -> KVCache:
+        return KVCache(self.args, batch, length, dtype, self.layer_devices())
+
+    def _mask(self, slots, pad, S: int, sliding: bool, device) -> torch.Tensor:
+        """(B, 1, T, S) bool: causal, no padding, inside the window for sliding layers."""
+        s = torch.arange(S, device=device)
+        sl = slots.to(device)[:, None]
+        m = (s[None, :] <= sl)[None] & (s[None, None, :] >= pad.to(device)[:, None, None])
+        if sliding:
+            m = m & (sl - s[None, :] < self.args.sliding_window)[None]
+        return m[:, None]
+
+    def forward(self, input_ids: torch.Tensor, slots: torch.Tensor | None = None, cache: KVCache | None = None,
+                pad: torch.Tensor | None = None, kv_len: int | None = None, last_only: bool = False):
+        """Logits (B, T, V), or (B, 1, V) with last_only. Without a cache: a plain causal pass."""
+        B, T = input_ids.shape
+        emb_dev = module_device(self.model.embed_tokens)
+        if cache is None:
+            cache = self.make_cache(B, T, self.dtype)
+            slots = torch.arange(T, device=emb_dev)
+        if pad is None:
+            pad = torch.zeros(B, dtype=torch.long, device=emb_dev)
+        S = kv_len if kv_len is not None else cache.length
+        a = self.args
+        x = self.model.embed_tokens(input_ids.to(emb_dev)).to(self.dtype)
+        if a.embed_scale:  # HF rounds the scale to the activation dtype first
+            x = x * float(torch.tensor(a.embed_scale, dtype=x.dtype))
+        per_dev: dict = {}
+        for i, layer in enumerate(self.model.layers):
+            dev = cache.k[i].device
+            key = (str(dev), a.is_sliding(i))
+            if key not in per_dev:
+                sl, pd = slots.to(dev), pad.to(dev)
+                pos = sl[None, :] - pd[:, None]  # (B, T)
+                cos, sin = cache.rope[("local" if a.is_sliding(i) and a.rope_local else "full", str(dev))]
+                per_dev[key] = (cos[pos], sin[pos], self._mask(sl, pd, S, a.is_sliding(i), dev), sl)
+            cos, sin, mask, sl = per_dev[key]
+            x = layer(x.to(dev), cos, sin, mask, cache, sl, kv_len)
+        x = self.model.norm(x.to(self.model.norm.weight.device))
+        if last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(x.to(module_device(self.lm_head)))
+        if a.final_logit_softcapping:
+            c = a.final_logit_softcapping
+            logits = torch.tanh(logits / c) * c
+        return logits

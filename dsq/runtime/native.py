@@ -1,0 +1,256 @@
+"""The native backend: dsq's own torch engine for llama, qwen2 and gemma3 (HF or GGUF weights).
+
+One preallocated KV cache per model; a new request reuses the cached KV of the longest common
+token prefix (chat turns prefill only what is new). On CUDA, with every layer on the GPU, the
+decode step is captured once as a CUDA graph and replayed, so small models are not bound by
+kernel launches.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from dsq.errors import DsqError
+from dsq.runtime.generate import GenStats, TokenEvent
+from dsq.runtime.sampling import Sampler, SamplingParams
+
+PREFILL_CHUNK = 512
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "f16": torch.float16, "fp32": torch.float32, "float32": torch.float32, "f32": torch.float32}
+_ARCH_NAMES = {"gemma3_text": "gemma3"}  # HF model_type -> the name chat-template fallbacks use
+
+
+def parse_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
+    if name is None or name == "auto":
+        return default
+    if name.lower() not in _DTYPES:
+        raise DsqError(f"unknown dtype {name!r}", "use bf16, fp16 or fp32")
+    return _DTYPES[name.lower()]
+
+
+class _GraphedStep:
+    """The decode step (B, 1) captured as a CUDA graph over the full-length cache."""
+
+    def __init__(self, model, cache, batch: int):
+        dev = torch.device("cuda")
+        self.model, self.cache = model, cache
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pad = torch.zeros(batch, dtype=torch.long, device=dev)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.inference_mode():
+            for _ in range(2):  # warm-up writes slot 0, which any real prompt overwrites
+                self.out = model(self.tok, self.slot, cache, self.pad, last_only=True)
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.inference_mode():
+            self.out = model(self.tok, self.slot, cache, self.pad, last_only=True)
+
+    def __call__(self, tok: torch.Tensor, slot: int, pad: torch.Tensor) -> torch.Tensor:
+        self.tok.copy_(tok)
+        self.slot.fill_(slot)
+        self.pad.copy_(pad)
+        self.graph.replay()
+        return self.out
+
+
+class NativeModel:
+    backend = "native"
+
+    def __init__(self, path: str | Path, kind: str, *, n_ctx: int = 4096, gpu_layers: int = 0,
+                 dtype: str | None = None, kv_dtype: str | None = None, threads: int | None = None,
+                 seed: int | None = None, cuda_graph: bool = True):
+        from dsq.runtime.native_loader import load_gguf, load_hf
+
+        self.path = Path(path)
+        if threads:
+            torch.set_num_threads(threads)
+        self.n_threads = torch.get_num_threads()
+        gpu = torch.device("cuda") if torch.cuda.is_available() else None
+        self.gpu_layers = gpu_layers if gpu is not None else 0
+        on_gpu = gpu is not None and gpu_layers != 0
+        self.dtype = parse_dtype(dtype, torch.bfloat16 if on_gpu else torch.float32)
+        loader = load_gguf if kind == "gguf" else load_hf
+        self.model, self.config = loader(self.path, self.dtype, self.gpu_layers, gpu)
+        if kind == "gguf":
+            from dsq.runtime.tokenizer import GGUFTokenizer
+
+            self.tokenizer = GGUFTokenizer(self.path)
+        else:
+            from dsq.runtime.tokenizer import HFTokenizer
+
+            self.tokenizer = HFTokenizer(self.path, self.config)
+        self.arch = _ARCH_NAMES.get(self.config["model_type"], self.config["model_type"])
+        self.n_ctx = n_ctx
+        self.kv_dtype = parse_dtype(kv_dtype, self.dtype)
+        self.cache = self.model.make_cache(1, n_ctx, self.kv_dtype)
+        self.cached: list[int] = []  # tokens whose keys/values fill cache slots 0..len-1
+        self.last_prefill_tokens = 0  # how many prompt tokens the last request had to run
+        from dsq.models.base import module_device
+
+        self.head_device = module_device(self.model.lm_head)
+        self.seed = seed
+        devs = {str(d) for d in self.model.layer_devices()}
+        self._graph = None
+        if cuda_graph and devs == {"cuda:0"} and str(self.head_device) == "cuda:0":
+            self._graph = _GraphedStep(self.model, self.cache, 1)
+
+    # -- tokenizer interface shared with the llama.cpp backend ----------------------------
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def is_eog(self, token: int) -> bool:
+        return self.tokenizer.is_eog(token)
+
+    def has_token(self, text: str) -> bool:
+        return self.tokenizer.has(text)
+
+    def chat_template(self) -> str | None:
+        return self.tokenizer.chat_template()
+
+    @property
+    def bos_token(self) -> str:
+        return self.tokenizer.bos_token
+
+    @property
+    def eos_token(self) -> str:
+        return self.tokenizer.eos_token
+
+    @property
+    def add_bos(self) -> bool:
+        return self.tokenizer.add_bos
+
+    # -- compute --------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the cached prefix: the next request prefills its whole prompt."""
+        self.cached = []
+
+    @torch.inference_mode()
+    def logits(self, tokens: list[int]):
+        """Logits for every position of one sequence, without touching the chat cache. (T, V)."""
+        out = self.model(torch.tensor([tokens]))
+        return out[0].float().cpu().numpy()
+
+    def _prefill(self, ids: list[int], start: int, cache, pad: torch.Tensor) -> torch.Tensor:
+        """Run ids (B, T) into cache slots start.. ; return the last position's logits (B, V)."""
+        dev = self.head_device
+        x = torch.as_tensor(ids, dtype=torch.long)
+        if x.ndim == 1:
+            x = x[None]
+        out = None
+        for i in range(0, x.shape[1], PREFILL_CHUNK):
+            chunk = x[:, i:i + PREFILL_CHUNK]
+            slots = torch.arange(start + i, start + i + chunk.shape[1])
+            out = self.model(chunk, slots, cache, pad, kv_len=start + i + chunk.shape[1], last_only=True)
+        return out[:, -1].to(dev)
+
+    def _decode(self, tok: torch.Tensor, slot: int, cache, pad: torch.Tensor) -> torch.Tensor:
+        """One step for (B,) tokens at cache slot `slot`; logits (B, V)."""
+        if self._graph is not None and cache is self.cache:
+            return self._graph(tok[:, None], slot, pad)[:, -1]
+        return self.model(tok[:, None], torch.tensor([slot]), cache, pad, kv_len=slot + 1, last_only=True)[:, -1]
+
+    @torch.inference_mode()
+    def stream(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
+               stats: GenStats | None = None, ignore_eos: bool = False) -> Iterator[TokenEvent]:
+        stats = stats if stats is not None else GenStats()
+        if len(prompt_ids) >= self.n_ctx:
+            raise DsqError(f"the prompt is {len(prompt_ids)} tokens, the context holds {self.n_ctx}",
+                           "pass a larger --ctx or a shorter prompt")
+        if not prompt_ids:
+            raise DsqError("the prompt is empty")
+        sampler = Sampler(sampling, self.head_device)
+        budget = min(max_tokens, self.n_ctx - len(prompt_ids))
+        stats.prompt_tokens = len(prompt_ids)
+        pad = torch.zeros(1, dtype=torch.long)
+        if self._graph is not None:
+            pad = pad.cuda()
+        # reuse the cached prefix; at least the last prompt token is run to get fresh logits
+        keep = 0
+        for a, b in zip(self.cached, prompt_ids):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(prompt_ids) - 1)
+        self.cached = self.cached[:keep]
+        self.last_prefill_tokens = len(prompt_ids) - keep
+        t0 = time.perf_counter()
+        logits = self._prefill(prompt_ids[keep:], keep, self.cache, pad)
+        self.cached = list(prompt_ids)
+        recent = torch.tensor([prompt_ids[-64:]], device=self.head_device)
+        detok = self.tokenizer.stream()
+        first = last = None
+        stats.finish_reason = "length"
+        try:
+            while True:
+                tok = sampler(logits, recent)
+                t = int(tok[0])
+                last = time.perf_counter()
+                stats.sampled_tokens += 1
+                if first is None:
+                    first = last
+                if not ignore_eos and self.is_eog(t):
+                    stats.finish_reason = "stop"
+                    break
+                stats.token_ids.append(t)
+                stats.generated_tokens += 1
+                text = detok.push(t)
+                if text:
+                    yield TokenEvent(t, text)
+                if stats.generated_tokens >= budget:
+                    break
+                slot = len(self.cached)
+                logits = self._decode(tok, slot, self.cache, pad)
+                self.cached.append(t)
+                recent = torch.cat((recent[:, 1:] if recent.shape[1] >= 64 else recent, tok[:, None]), dim=1)
+        finally:
+            if first is not None:
+                stats.ttft_s = first - t0
+                stats.decode_s = last - first
+        tail = detok.flush()
+        if tail:
+            yield TokenEvent(-1, tail)
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, max_tokens: int,
+                       ignore_eos: bool = False) -> list[list[int]]:
+        """Several prompts at once (left-padded into one batch). Returns the generated ids per prompt."""
+        if not prompts or any(not p for p in prompts):
+            raise DsqError("every prompt of a batch needs at least one token")
+        B, longest = len(prompts), max(len(p) for p in prompts)
+        length = longest + max_tokens
+        if length > self.n_ctx:
+            raise DsqError(f"the longest prompt plus --max-tokens is {length} tokens, the context holds {self.n_ctx}",
+                           "pass a larger --ctx")
+        cache = self.model.make_cache(B, length, self.kv_dtype)
+        pad = torch.tensor([longest - len(p) for p in prompts])
+        ids = torch.zeros(B, longest, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, longest - len(p):] = torch.tensor(p)
+        sampler = Sampler(sampling, self.head_device)
+        logits = self._prefill(ids, 0, cache, pad)
+        recent = ids[:, -64:].to(self.head_device)
+        out: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        for step in range(max_tokens):
+            tok = sampler(logits, recent)
+            for i, t in enumerate(tok.tolist()):
+                if done[i]:
+                    continue
+                if not ignore_eos and self.is_eog(t):
+                    done[i] = True
+                else:
+                    out[i].append(t)
+            if all(done) or step == max_tokens - 1:
+                break
+            logits = self._decode(tok, longest + step, cache, pad)
+            recent = torch.cat((recent[:, 1:], tok[:, None]), dim=1)
+        return out

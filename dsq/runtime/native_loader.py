@@ -1,0 +1,160 @@
+"""Build a native model from an HF directory or a GGUF file.
+
+The model is built on the meta device and filled with `load_state_dict(assign=True)` from
+memory-mapped tensors, so weights are never copied twice: a tensor is copied only when its dtype
+must change. GGUF weights in a supported quant type stay as raw blocks inside GGUFLinear /
+GGUFEmbedding; other GGUF types are dequantized once at load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dsq.errors import BadModelFile
+from dsq.models.base import Transformer
+from dsq.models.registry import build_args
+from dsq.runtime.qmodules import GGUFEmbedding, GGUFLinear, set_module
+
+FLOAT_GGUF = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def layer_devices(n_layer: int, gpu_layers: int, gpu: torch.device | None) -> tuple[list[torch.device], torch.device]:
+    """llama.cpp's --gpu-layers semantics: the last N layers on the GPU; N > n_layer (or -1) moves
+    the output head too. Returns (device per layer, device of the output head)."""
+    cpu = torch.device("cpu")
+    if gpu is None or gpu_layers == 0:
+        return [cpu] * n_layer, cpu
+    k = n_layer + 1 if gpu_layers < 0 else min(gpu_layers, n_layer + 1)
+    per = [gpu if i >= n_layer - min(k, n_layer) else cpu for i in range(n_layer)]
+    return per, (gpu if k > n_layer else cpu)
+
+
+def _check_shapes(model: nn.Module, sd: dict[str, torch.Tensor], where: str, shown: dict | None = None) -> None:
+    """Every tensor present with the shape the config implies; `shown` names tensors as the file does."""
+    shown = shown or {}
+    expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    missing = [n for n in expected if n not in sd and not n.startswith("lm_head.")]
+    if missing:
+        raise BadModelFile(f"{where} lacks tensor {missing[0]} (and {len(missing) - 1} more)" if len(missing) > 1
+                           else f"{where} lacks tensor {missing[0]}", "the file does not match its config")
+    for n, t in sd.items():
+        if n not in expected:
+            raise BadModelFile(f"{where} has tensor {n} the model does not use", "is the config right?")
+        if tuple(t.shape) != tuple(expected[n].shape):
+            raise BadModelFile(f"{where}: tensor {shown.get(n, n)} has shape {tuple(t.shape)}, the config implies "
+                               f"{tuple(expected[n].shape)}", "the file is damaged or does not match its config")
+
+
+def _place(model: Transformer, gpu_layers: int, gpu: torch.device | None) -> None:
+    per, head = layer_devices(model.args.num_hidden_layers, gpu_layers, gpu)
+    for layer, dev in zip(model.model.layers, per):
+        layer.to(dev)
+    model.model.embed_tokens.to(per[0] if per else head)
+    model.model.norm.to(head)
+    tied = model.args.tie_word_embeddings
+    if tied and per and per[0] != head:  # like llama.cpp: the output head gets its own copy
+        import copy
+
+        model.lm_head = copy.deepcopy(model.lm_head)
+    model.lm_head.to(head)
+
+
+def load_hf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.device | None = None):
+    from dsq.formats.hf import HFModelDir
+
+    hf = HFModelDir(path)
+    cfg = hf.config
+    mod, args = build_args(cfg, f"{path}/config.json")
+    with torch.device("meta"):
+        model: Transformer = mod.Model(args)
+    sd = {}
+    for name, t in hf.mmap_tensors().items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight" and args.tie_word_embeddings:
+            continue
+        sd[name] = t if t.dtype == dtype else t.to(dtype)
+    _check_shapes(model, sd, str(path))
+    model.load_state_dict(sd, strict=False, assign=True)
+    if not args.tie_word_embeddings and "lm_head.weight" not in sd:
+        raise BadModelFile(f"{path} lacks lm_head.weight and does not tie embeddings", "fix tie_word_embeddings")
+    model.tie_weights()
+    _place(model, gpu_layers, gpu)
+    return model.eval(), cfg
+
+
+def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.device | None = None):
+    from dsq.formats.arch import arch_for_gguf, unpermute_qk
+    from dsq.formats.gguf_file import GGUFFile
+    from dsq.formats.gguf_to_hf import hf_config_from_gguf
+    from dsq.kernels.gguf_ref import SUPPORTED, row_bytes
+
+    g = GGUFFile(path)
+    spec = arch_for_gguf(g.arch)
+    cfg = hf_config_from_gguf(g, spec, str(dtype).replace("torch.", ""))
+    mod, args = build_args(cfg, f"{path.name} (GGUF metadata)")
+    with torch.device("meta"):
+        model: Transformer = mod.Model(args)
+    modules = dict(model.named_modules())
+    sd: dict[str, torch.Tensor] = {}
+    shown: dict[str, str] = {}
+    for t in g.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        hname = spec.gguf_to_hf_name(t.name)
+        if hname is None:
+            raise BadModelFile(f"{path.name}: tensor {t.name} has no place in a {spec.model_type} model")
+        raw, qtype, shape = g.raw(t.name)
+        raw_t = torch.from_numpy(raw)
+        shown[hname] = t.name
+        mname = hname.rsplit(".", 1)[0]
+        is_q = False
+        permute = spec.permute_qk and hname.endswith(("q_proj.weight", "k_proj.weight"))
+        heads = args.num_attention_heads if hname.endswith("q_proj.weight") else args.num_key_value_heads
+        if t.type_name in SUPPORTED and t.type_name not in FLOAT_GGUF and len(shape) == 2:
+            is_q = True
+            rows = raw_t.reshape(shape[0], row_bytes(t.type_name, shape[1]))
+            if permute:
+                rows = unpermute_qk(rows, heads)
+            old = modules.get(mname)
+            if isinstance(old, nn.Linear):
+                expected = (old.out_features, old.in_features)
+                if tuple(shape) != expected:
+                    raise BadModelFile(f"{path.name}: tensor {t.name} has shape {tuple(shape)}, the metadata "
+                                       f"implies {expected}", "the file is damaged or does not match its metadata")
+                with torch.device("meta"):
+                    set_module(model, mname, GGUFLinear(t.type_name, shape[1], shape[0], old.bias is not None,
+                                                        dtype=dtype))
+                sd[f"{mname}.raw"] = rows
+            elif hname == "model.embed_tokens.weight":
+                if tuple(shape) != (args.vocab_size, args.hidden_size):
+                    raise BadModelFile(f"{path.name}: token_embd has shape {tuple(shape)}, expected "
+                                       f"{(args.vocab_size, args.hidden_size)}", "the file is damaged")
+                with torch.device("meta"):
+                    set_module(model, "model.embed_tokens", GGUFEmbedding(t.type_name, shape[0], shape[1], dtype=dtype))
+                sd["model.embed_tokens.raw"] = rows
+                if args.tie_word_embeddings:
+                    with torch.device("meta"):
+                        set_module(model, "lm_head", GGUFLinear(t.type_name, shape[1], shape[0], dtype=dtype))
+                    sd["lm_head.raw"] = rows
+        if not is_q:
+            if t.type_name in FLOAT_GGUF:
+                w = raw_t.view(FLOAT_GGUF[t.type_name]).reshape(shape).float()
+            else:  # a type without a kernel yet: dequantized once, here
+                w = torch.from_numpy(g.dequantize(t.name).copy())
+            if permute:
+                w = unpermute_qk(w, heads)
+            if spec.norm_offset and spec.is_norm(hname):
+                w = w - spec.norm_offset
+            sd[hname] = w.to(dtype)
+    if args.tie_word_embeddings and "model.embed_tokens.weight" in sd:
+        sd.pop("lm_head.weight", None)
+    _check_shapes(model, sd, path.name, shown)
+    model.load_state_dict(sd, strict=False, assign=True)
+    if "model.embed_tokens.weight" in sd:
+        model.tie_weights()
+    _place(model, gpu_layers, gpu)
+    return model.eval(), cfg

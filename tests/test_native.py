@@ -1,0 +1,276 @@
+"""The native torch engine against transformers (tiny random configs, fp32) and llama.cpp
+(the built-in model): logits with and without the KV cache, batches, GGUF weights, sampling,
+prefix reuse, and its bad inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from dsq.cli import app
+from tiny import corpus, hf_logits, kld_top1
+
+KINDS = ["llama", "qwen2", "gemma3"]
+IDS = [5, 17, 99, 250, 31, 7, 400, 12, 3, 77] * 8  # 80 tokens: longer than gemma3's window of 16
+
+
+@pytest.fixture(scope="module")
+def native(tiny_dir):
+    from dsq.runtime.native import NativeModel
+
+    cache = {}
+
+    def get(kind, fmt="hf", tiny_gguf=None):
+        key = (kind, fmt)
+        if key not in cache:
+            path, k = (tiny_dir(kind), "hf") if fmt == "hf" else (tiny_gguf(kind, fmt), "gguf")
+            cache[key] = NativeModel(path, k, n_ctx=256, dtype="fp32")
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_transformers(kind, native, tiny_dir):
+    ref = hf_logits(tiny_dir(kind), IDS)
+    m = native(kind)
+    assert np.abs(m.logits(IDS) - ref).max() < 1e-4
+    # with the KV cache: a prefill, then one token at a time
+    with torch.inference_mode():
+        cache = m.model.make_cache(1, 128, torch.float32)
+        outs = [m.model(torch.tensor([IDS[:37]]), torch.arange(37), cache, kv_len=37)[0]]
+        for i in range(37, len(IDS)):
+            outs.append(m.model(torch.tensor([[IDS[i]]]), torch.tensor([i]), cache, kv_len=i + 1)[0])
+    assert np.abs(torch.cat(outs).numpy() - ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batch_with_padding_matches_single_sequences(kind, native, tiny_dir):
+    m = native(kind)
+    seqs = [IDS[:50], IDS[3:30], IDS[10:61]]
+    longest = max(map(len, seqs))
+    ids = torch.zeros(3, longest, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, longest - len(s):] = torch.tensor(s)
+    pad = torch.tensor([longest - len(s) for s in seqs])
+    with torch.inference_mode():
+        cache = m.model.make_cache(3, longest, torch.float32)
+        out = m.model(ids, torch.arange(longest), cache, pad)
+    for i, s in enumerate(seqs):
+        ref = hf_logits(tiny_dir(kind), s)
+        assert np.abs(out[i, longest - len(s):].numpy() - ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gguf_weights_same_as_hf(kind, native, tiny_gguf, tiny_dir):
+    ref = hf_logits(tiny_dir(kind), IDS)
+    assert np.abs(native(kind, "F32", tiny_gguf).logits(IDS) - ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("kind,qtype", [("llama", "Q4_K_M"), ("qwen2", "Q8_0"), ("gemma3", "Q4_K_M")])
+def test_quantized_gguf_equals_transformers_on_dequantized_weights(kind, qtype, native, tiny_gguf, tmp_path):
+    """Quant blocks stay in memory; the reference path must equal the dequantized float model."""
+    from dsq.formats.gguf_to_hf import gguf_to_hf
+
+    path = tiny_gguf(kind, qtype)
+    m = native(kind, qtype, tiny_gguf)
+    assert any(type(mod).__name__ == "GGUFLinear" for mod in m.model.modules())
+    gguf_to_hf(path, tmp_path / "deq", dtype="float32", progress=lambda *a: None)
+    assert np.abs(m.logits(IDS) - hf_logits(tmp_path / "deq", IDS)).max() < 1e-4
+
+
+def test_greedy_generation_matches_transformers(native, tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    from dsq.runtime.sampling import SamplingParams
+
+    m = native("qwen2")
+    ours = [ev.token_id for ev in m.stream(IDS[:20], SamplingParams(temperature=0), 24, ignore_eos=True)
+            if ev.token_id >= 0]
+    m.reset()
+    from dsq.runtime.generate import GenStats
+
+    st = GenStats()
+    list(m.stream(IDS[:20], SamplingParams(temperature=0), 24, st, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir("qwen2"), dtype=torch.float32)
+    ref = hf.generate(torch.tensor([IDS[:20]]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    assert st.token_ids == ref[0, 20:].tolist()
+    assert len(ours) <= 24
+
+
+def test_prefix_cache_reuses_and_stays_exact(native):
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.sampling import SamplingParams
+
+    m = native("llama")
+    greedy = SamplingParams(temperature=0)
+    m.reset()
+    a = GenStats()
+    list(m.stream(IDS[:40], greedy, 6, a, ignore_eos=True))
+    assert m.last_prefill_tokens == 40
+    turn2 = IDS[:40] + a.token_ids + IDS[40:50]
+    b = GenStats()
+    list(m.stream(turn2, greedy, 6, b, ignore_eos=True))
+    assert m.last_prefill_tokens <= 11  # only what is new (plus the last reused token at most)
+    m.reset()
+    c = GenStats()
+    list(m.stream(turn2, greedy, 6, c, ignore_eos=True))
+    assert m.last_prefill_tokens == len(turn2)
+    assert b.token_ids == c.token_ids  # reuse gives exactly what a fresh prefill gives
+
+
+def test_batch_generation_equals_single(native):
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.sampling import SamplingParams
+
+    m = native("gemma3")
+    prompts = [IDS[:30], IDS[5:12], IDS[20:61]]
+    greedy = SamplingParams(temperature=0)
+    batch = m.generate_batch(prompts, greedy, 10, ignore_eos=True)
+    for p, got in zip(prompts, batch):
+        m.reset()
+        st = GenStats()
+        list(m.stream(p, greedy, 10, st, ignore_eos=True))
+        assert got == st.token_ids
+
+
+def test_sampler():
+    from dsq.runtime.sampling import Sampler, SamplingParams
+
+    logits = torch.randn(4, 1000)
+    assert torch.equal(Sampler(SamplingParams(temperature=0))(logits), logits.argmax(-1))
+    assert torch.equal(Sampler(SamplingParams(temperature=1.0, top_k=1))(logits), logits.argmax(-1))
+    assert torch.equal(Sampler(SamplingParams(temperature=1.0, top_p=1e-6))(logits), logits.argmax(-1))
+    a = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=3))
+    b = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=3))
+    draws_a = torch.stack([a(logits) for _ in range(20)])
+    assert torch.equal(draws_a, torch.stack([b(logits) for _ in range(20)]))
+    assert len(set(draws_a[:, 0].tolist())) > 1  # it samples
+    top5 = set(logits[0].topk(5).indices.tolist())
+    s = Sampler(SamplingParams(temperature=5.0, top_k=5, top_p=1.0, seed=1))
+    assert {int(s(logits[:1])[0]) for _ in range(50)} <= top5
+    # repetition penalty: a recent token's logit shrinks toward zero
+    pos = torch.tensor([[3.0, 1.0, 2.5]])
+    pen = Sampler(SamplingParams(temperature=0, repeat_penalty=2.0))
+    assert int(pen(pos, torch.tensor([[0]]))) == 2
+
+
+# -- the built-in model ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def builtin_native(builtin_gguf):
+    from dsq.runtime.native import NativeModel
+
+    return NativeModel(builtin_gguf, "gguf", n_ctx=512, dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def builtin_f32(builtin_gguf, tmp_path_factory):
+    """The built-in Q4_K_M dequantized exactly to float32: as HF, and as an F32 GGUF."""
+    from dsq.formats.gguf_to_hf import gguf_to_hf
+    from dsq.formats.hf_to_gguf import hf_to_gguf
+
+    d = tmp_path_factory.mktemp("builtin-f32")
+    hf = gguf_to_hf(builtin_gguf, d / "hf", dtype="float32", progress=lambda *a: None)
+    return hf, hf_to_gguf(hf, d / "f32.gguf", "F32")
+
+
+def test_builtin_against_llama_cpp(builtin_native, builtin_gguf, builtin_f32):
+    from dsq.runtime.llama_cpp_backend import LlamaCppModel
+
+    ids = builtin_native.tokenize(corpus()[100_000:104_000])[:256]
+    ours = builtin_native.logits(ids)
+    same_weights = LlamaCppModel(builtin_f32[1], logits_all=True, n_ctx=512, f32_kv=True).logits(ids)
+    kld, top1, _ = kld_top1(same_weights, ours)
+    print(f"native vs llama.cpp, same (dequantized F32) weights: KLD {kld:.2e}, top-1 {top1:.4f}")
+    assert top1 >= 0.98 and kld < 1e-4
+    q = LlamaCppModel(builtin_gguf, logits_all=True, n_ctx=512, f32_kv=True).logits(ids)
+    kld_q, top1_q, _ = kld_top1(q, ours)
+    # llama.cpp's Q4_K_M path also rounds activations to 8 bits: it differs from both float paths
+    print(f"native vs llama.cpp Q4_K_M path (8-bit activations): KLD {kld_q:.4f}, top-1 {top1_q:.4f}")
+    assert top1_q >= 0.92 and kld_q < 0.02
+
+
+def test_builtin_greedy_64_equals_transformers(builtin_native, builtin_f32):
+    from transformers import AutoModelForCausalLM
+
+    from dsq.runtime.engine import generate
+
+    builtin_native.reset()
+    ours = generate(builtin_native, "The history of the Roman Empire", max_tokens=64, temperature=0,
+                    ignore_eos=True).token_ids
+    ids = builtin_native.tokenize("The history of the Roman Empire")
+    hf = AutoModelForCausalLM.from_pretrained(builtin_f32[0], dtype=torch.float32)
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
+    assert ours == ref[0, len(ids):].tolist()
+
+
+# -- CLI and bad inputs ------------------------------------------------------------------------
+def test_cli_native_run_chat_bench(runner, tiny_dir, tiny_gguf, tmp_path):
+    r = runner.invoke(app, ["run", str(tiny_dir("llama")), "--backend", "native", "-p", "Classes", "-n", "6",
+                            "-t", "0", "--json", "--ignore-eos"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["backend"] == "native" and len(out["token_ids"]) == 6
+    r = runner.invoke(app, ["chat", str(tiny_dir("qwen2")), "-b", "native", "-n", "4"], input="hi\n/reset\nyo\n")
+    assert r.exit_code == 0, r.output
+    assert "native" in r.stderr
+    jp = tmp_path / "b.json"
+    r = runner.invoke(app, ["bench", str(tiny_gguf("qwen2", "Q8_0")), "--backend", "native,llama.cpp",
+                            "--prompt-tokens", "32", "--gen-tokens", "4", "--repeat", "1", "--json", str(jp)])
+    assert r.exit_code == 0, r.output
+    assert [x["backend"] for x in json.loads(jp.read_text())["runs"]] == ["native", "llama.cpp"]
+
+
+def _one_line(r, needle):
+    assert r.exit_code == 1, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+
+
+def test_config_missing_a_field(runner, tiny_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir("llama"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["hidden_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    _one_line(runner.invoke(app, ["run", str(d), "-b", "native", "-p", "x"]), "hidden_size")
+
+
+def test_gguf_with_a_tensor_of_the_wrong_size(runner, tiny_gguf, tmp_path):
+    """A GGUF whose attn_q is smaller than its metadata says."""
+    import gguf
+
+    from dsq.formats.gguf_file import GGUFFile
+
+    src = GGUFFile(tiny_gguf("qwen2", "F32"))
+    out = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(out), "qwen2")
+    reader = gguf.GGUFReader(src.path)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        val = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, val, vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, val, vtype)
+    for t in src.tensors:
+        data = src.dequantize(t.name)
+        if t.name == "blk.0.attn_q.weight":
+            data = data[:-8]
+        w.add_tensor(t.name, np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _one_line(runner.invoke(app, ["run", str(out), "-b", "native", "-p", "x"]), "attn_q")
+
+
+def test_prompt_longer_than_context_native(runner, tiny_dir):
+    _one_line(runner.invoke(app, ["run", str(tiny_dir("llama")), "-b", "native", "--ctx", "32", "-p", "word " * 100]),
+              "context")
