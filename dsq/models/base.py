@@ -155,11 +155,31 @@ class Attention(nn.Module):
         self.scale = (args.query_pre_attn_scalar or d) ** -0.5
         self.softcap = args.attn_logit_softcapping
 
+    def fuse(self) -> bool:
+        """Replace q/k/v by one projection (one weight read, one launch) when all three are float."""
+        mods = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(type(m) is nn.Linear for m in mods) or len({m.weight.dtype for m in mods}) != 1:
+            return False
+        w = torch.cat([m.weight for m in mods])
+        fused = nn.Linear(w.shape[1], w.shape[0], bias=self.q_proj.bias is not None, device="meta")
+        fused.weight = nn.Parameter(w, requires_grad=False)
+        if self.q_proj.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([m.bias for m in mods]), requires_grad=False)
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+        return True
+
     def forward(self, x, cos, sin, mask, cache: KVCache, slots, kv_len: int | None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if hasattr(self, "qkv_proj"):
+            nq, nk = self.n_head * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = self.qkv_proj(x).split((nq, nk, nk), dim=-1)
+            q = q.view(B, T, self.n_head, self.head_dim)
+            k, v = k.view(B, T, self.n_kv, self.head_dim), v.view(B, T, self.n_kv, self.head_dim)
+        else:
+            q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+            k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+            v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -189,7 +209,22 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, h, bias=args.mlp_bias)
         self.act = (lambda t: F.gelu(t, approximate="tanh")) if args.hidden_act == "gelu_tanh" else F.silu
 
+    def fuse(self) -> bool:
+        """Replace gate/up by one projection when both are float."""
+        mods = (self.gate_proj, self.up_proj)
+        if not all(type(m) is nn.Linear for m in mods) or self.gate_proj.bias is not None:
+            return False
+        w = torch.cat([m.weight for m in mods])
+        fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        fused.weight = nn.Parameter(w, requires_grad=False)
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
+        return True
+
     def forward(self, x):
+        if hasattr(self, "gate_up_proj"):
+            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(g) * u)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -236,6 +271,14 @@ class Transformer(nn.Module):
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def fuse_projections(self) -> int:
+        """Fuse q/k/v and gate/up wherever the weights are plain float tensors (a runtime
+        transform for speed; the parameter names of a loaded model change). Returns how many."""
+        n = 0
+        for layer in self.model.layers:
+            n += layer.self_attn.fuse() + layer.mlp.fuse()
+        return n
+
     def layer_devices(self) -> list[torch.device]:
         return [module_device(layer.input_layernorm) for layer in self.model.layers]
 
@@ -245,6 +288,8 @@ class Transformer(nn.Module):
         return self.model.norm.weight.dtype
 
     def make_cache(self, batch: int, length: int, dtype: torch.dtype) -> KVCache:
+        if self.args.embed_scale:  # HF rounds the scale to the activation dtype; a float keeps graphs static
+            self._embed_scale = float(torch.tensor(self.args.embed_scale, dtype=self.dtype))
         return KVCache(self.args, batch, length, dtype, self.layer_devices())
 
     def _mask(self, slots, pad, S: int, sliding: bool, device) -> torch.Tensor:
@@ -269,8 +314,8 @@ class Transformer(nn.Module):
         S = kv_len if kv_len is not None else cache.length
         a = self.args
         x = self.model.embed_tokens(input_ids.to(emb_dev)).to(self.dtype)
-        if a.embed_scale:  # HF rounds the scale to the activation dtype first
-            x = x * float(torch.tensor(a.embed_scale, dtype=x.dtype))
+        if a.embed_scale:
+            x = x * self._embed_scale
         per_dev: dict = {}
         for i, layer in enumerate(self.model.layers):
             dev = cache.k[i].device

@@ -64,41 +64,63 @@ class NativeModel:
 
     def __init__(self, path: str | Path, kind: str, *, n_ctx: int = 4096, gpu_layers: int = 0,
                  dtype: str | None = None, kv_dtype: str | None = None, threads: int | None = None,
-                 seed: int | None = None, cuda_graph: bool = True):
+                 seed: int | None = None, cuda_graph: bool = True, fuse: bool = True, compile: bool | str = False):
         from dsq.runtime.native_loader import load_gguf, load_hf
 
         self.path = Path(path)
         if threads:
             torch.set_num_threads(threads)
-        self.n_threads = torch.get_num_threads()
         gpu = torch.device("cuda") if torch.cuda.is_available() else None
-        self.gpu_layers = gpu_layers if gpu is not None else 0
+        gpu_layers = gpu_layers if gpu is not None else 0
         on_gpu = gpu is not None and gpu_layers != 0
-        self.dtype = parse_dtype(dtype, torch.bfloat16 if on_gpu else torch.float32)
+        dt = parse_dtype(dtype, torch.bfloat16 if on_gpu else torch.float32)
         loader = load_gguf if kind == "gguf" else load_hf
-        self.model, self.config = loader(self.path, self.dtype, self.gpu_layers, gpu)
+        model, config = loader(self.path, dt, gpu_layers, gpu)
         if kind == "gguf":
             from dsq.runtime.tokenizer import GGUFTokenizer
 
-            self.tokenizer = GGUFTokenizer(self.path)
+            tokenizer = GGUFTokenizer(self.path)
         else:
             from dsq.runtime.tokenizer import HFTokenizer
 
-            self.tokenizer = HFTokenizer(self.path, self.config)
-        self.arch = _ARCH_NAMES.get(self.config["model_type"], self.config["model_type"])
-        self.n_ctx = n_ctx
-        self.kv_dtype = parse_dtype(kv_dtype, self.dtype)
-        self.cache = self.model.make_cache(1, n_ctx, self.kv_dtype)
-        self.cached: list[int] = []  # tokens whose keys/values fill cache slots 0..len-1
-        self.last_prefill_tokens = 0  # how many prompt tokens the last request had to run
+            tokenizer = HFTokenizer(self.path, config)
+        self._setup(model, config, tokenizer, n_ctx=n_ctx, gpu_layers=gpu_layers, kv_dtype=kv_dtype, seed=seed,
+                    cuda_graph=cuda_graph, fuse=fuse, compile=compile)
+
+    @classmethod
+    def from_model(cls, model, config: dict, tokenizer, **kw) -> "NativeModel":
+        """Wrap a model already in memory (benchmarks, tests)."""
+        self = cls.__new__(cls)
+        self.path = Path("<memory>")
+        self._setup(model, config, tokenizer, **kw)
+        return self
+
+    def _setup(self, model, config, tokenizer, *, n_ctx: int = 4096, gpu_layers: int = 0, kv_dtype=None,
+               seed=None, cuda_graph: bool = True, fuse: bool = True, compile: bool | str = False) -> None:
         from dsq.models.base import module_device
 
-        self.head_device = module_device(self.model.lm_head)
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.n_threads = torch.get_num_threads()
+        self.gpu_layers = gpu_layers
+        self.dtype = model.dtype
+        if fuse:
+            model.fuse_projections()
+        self.arch = _ARCH_NAMES.get(config["model_type"], config["model_type"])
+        self.n_ctx = n_ctx
+        self.kv_dtype = parse_dtype(kv_dtype, self.dtype)
+        self.cache = model.make_cache(1, n_ctx, self.kv_dtype)
+        self.cached: list[int] = []  # tokens whose keys/values fill cache slots 0..len-1
+        self.last_prefill_tokens = 0  # how many prompt tokens the last request had to run
+        self.head_device = module_device(model.lm_head)
         self.seed = seed
-        devs = {str(d) for d in self.model.layer_devices()}
+        self._step = model
+        if compile:  # True, or an inductor mode such as "max-autotune-no-cudagraphs"
+            self._step = torch.compile(model, dynamic=False, mode=None if compile is True or compile == "default"
+                                       else compile)
+        devs = {str(d) for d in model.layer_devices()}
         self._graph = None
         if cuda_graph and devs == {"cuda:0"} and str(self.head_device) == "cuda:0":
-            self._graph = _GraphedStep(self.model, self.cache, 1)
+            self._graph = _GraphedStep(self._step, self.cache, 1)
 
     # -- tokenizer interface shared with the llama.cpp backend ----------------------------
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
@@ -156,7 +178,8 @@ class NativeModel:
         """One step for (B,) tokens at cache slot `slot`; logits (B, V)."""
         if self._graph is not None and cache is self.cache:
             return self._graph(tok[:, None], slot, pad)[:, -1]
-        return self.model(tok[:, None], torch.tensor([slot]), cache, pad, kv_len=slot + 1, last_only=True)[:, -1]
+        slots = torch.tensor([slot], device=tok.device)
+        return self.model(tok[:, None], slots, cache, pad, kv_len=slot + 1, last_only=True)[:, -1]
 
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
@@ -187,12 +210,32 @@ class NativeModel:
         self.cached = list(prompt_ids)
         recent = torch.tensor([prompt_ids[-64:]], device=self.head_device)
         detok = self.tokenizer.stream()
+        # With a captured step, step k+1 is launched before token k reaches the host, so the CPU's
+        # per-token work (sync, detokenize, yield) overlaps the GPU's. A launched step whose
+        # token turns out to end generation only wrote a cache slot that `cached` does not claim.
+        pipelined = self._graph is not None
+        host = torch.empty(1, dtype=torch.long, pin_memory=pipelined)
+        ready = torch.cuda.Event() if pipelined else None
+
+        def fetch(tok: torch.Tensor) -> None:
+            if pipelined:
+                host.copy_(tok, non_blocking=True)
+                ready.record()
+
+        tok = sampler(logits, recent)
+        fetch(tok)
         first = last = None
         stats.finish_reason = "length"
         try:
             while True:
-                tok = sampler(logits, recent)
-                t = int(tok[0])
+                ahead = None
+                if pipelined and stats.generated_tokens + 1 < budget:
+                    ahead = self._graph(tok[:, None], len(self.cached), pad)[:, -1]
+                if pipelined:
+                    ready.synchronize()
+                    t = int(host[0])
+                else:
+                    t = int(tok[0])
                 last = time.perf_counter()
                 stats.sampled_tokens += 1
                 if first is None:
@@ -207,10 +250,11 @@ class NativeModel:
                     yield TokenEvent(t, text)
                 if stats.generated_tokens >= budget:
                     break
-                slot = len(self.cached)
-                logits = self._decode(tok, slot, self.cache, pad)
+                logits = ahead if ahead is not None else self._decode(tok, len(self.cached), self.cache, pad)
                 self.cached.append(t)
                 recent = torch.cat((recent[:, 1:] if recent.shape[1] >= 64 else recent, tok[:, None]), dim=1)
+                tok = sampler(logits, recent)
+                fetch(tok)
         finally:
             if first is not None:
                 stats.ttft_s = first - t0

@@ -1,0 +1,267 @@
+"""Batch-1 decode speed of the native runtime on a GPU, against its roofline and transformers.
+
+    python -m dsq.bench.decode_gpu --shape llama3-8b --json out.json
+
+A random bf16 model of the given shape is built on the GPU (no download); every variant of the
+native decode step and transformers' `generate` run in the same process on the same weights.
+Roofline = weight bytes read per token / measured device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+SHAPES = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                      max_position_embeddings=131072,
+                      rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
+                       max_position_embeddings=32768, rope={"rope_type": "default", "rope_theta": 1000000.0},
+                       attention_bias=True, tie_word_embeddings=True),
+}
+
+
+class NullTokenizer:
+    """Benchmarks generate a fixed number of tokens: nothing ends them, nothing is printed."""
+
+    bos_token = eos_token = ""
+    add_bos = False
+
+    def is_eog(self, t):
+        return False
+
+    def stream(self):
+        class S:
+            def push(self, t):
+                return ""
+
+            def flush(self):
+                return ""
+
+        return S()
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy, counting read + write (METHOD.md)."""
+    x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        y.copy_(x)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    del x, y
+    return 2 * (4 << 30) / min(times)
+
+
+def random_model(shape: str, dtype=torch.bfloat16):
+    from dsq.models.base import ModelArgs, Transformer
+
+    args = ModelArgs(**SHAPES[shape])
+    with torch.device("meta"):
+        m = Transformer(args).to(dtype)
+    m = m.to_empty(device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.05 * torch.randn(p.shape, generator=g, device="cuda"))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g, device="cuda"))
+    m.tie_weights()
+    return m.eval(), args
+
+
+def weight_bytes_per_token(model) -> int:
+    """Every Linear weight is read once per decoded token (the embedding only one row)."""
+    seen, n = set(), 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and id(mod.weight) not in seen:
+            seen.add(id(mod.weight))
+            n += mod.weight.numel() * mod.weight.element_size()
+    return n
+
+
+def time_native(nm, prompt: list[int], gen: int, repeat: int) -> dict:
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0)
+    runs = []
+    for _ in range(repeat + 1):  # the first run warms up
+        nm.reset()
+        st = GenStats()
+        for _ in nm.stream(prompt, greedy, gen, st, ignore_eos=True):
+            pass
+        runs.append(st)
+    runs = runs[1:]
+    return {"ttft_ms": statistics.median(r.ttft_s * 1000 for r in runs),
+            "decode_tok_s": statistics.median(r.decode_tok_s for r in runs),
+            "tokens": runs[0].token_ids}
+
+
+def time_transformers(hf, prompt, gen: int, compile_static: bool) -> dict:
+    ids = torch.tensor([prompt], device="cuda")
+    kw = dict(do_sample=False, pad_token_id=0)
+    if compile_static:
+        hf.generation_config.cache_implementation = "static"
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    for _ in range(2):
+        hf.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kw)  # warm-up (and compile)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter() - t
+    t = time.perf_counter()
+    out = hf.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kw)
+    torch.cuda.synchronize()
+    tn = time.perf_counter() - t
+    return {"ttft_ms": t1 * 1000, "decode_tok_s": (gen - 1) / (tn - t1), "tokens": out[0, len(prompt):].tolist()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--variants", default="eager,graph,graph+fused,compile+graph+fused")
+    ap.add_argument("--transformers", default="eager", help="comma list of eager,static-compile ('' skips)")
+    ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of one compiled decode step")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+
+    from dsq.runtime.native import NativeModel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw = copy_bandwidth()
+    model, args = random_model(a.shape)
+    cfg = {"model_type": "llama"}
+    roof_bytes = weight_bytes_per_token(model)
+    roofline = bw / roof_bytes
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, args.vocab_size, (a.prompt_tokens,), generator=g).tolist()
+    n_ctx = a.prompt_tokens + a.gen_tokens + 8
+    rows = []
+
+    hf = None
+    if a.transformers:
+        from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+        s = SHAPES[a.shape]
+        Config, Cls = (Qwen2Config, Qwen2ForCausalLM) if a.shape.startswith("qwen2") else (LlamaConfig, LlamaForCausalLM)
+        hcfg = Config(vocab_size=s["vocab_size"], hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+                      num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
+                      num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
+                      rms_norm_eps=s["rms_norm_eps"], max_position_embeddings=s["max_position_embeddings"],
+                      rope_parameters=s["rope"], tie_word_embeddings=s.get("tie_word_embeddings", False))
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda"):
+            hf = Cls(hcfg)
+        torch.set_default_dtype(torch.float32)
+        missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+        assert not unexpected and all("rotary" in k or k == "lm_head.weight" for k in missing), (missing, unexpected)
+        hf.tie_weights()
+        hf = hf.eval()
+        # correctness on the GPU: the same weights through both implementations
+        x = torch.tensor([prompt[:64]], device="cuda")
+        with torch.inference_mode():
+            ref = hf(x).logits.float()
+            ours = model(x).float()
+        rel = float((ours - ref).norm() / ref.norm())
+        top1 = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
+        print(f"logits vs transformers (bf16, 64 tokens): rel err {rel:.2e}, top-1 {top1:.3f}", flush=True)
+        rows.append({"name": "check", "rel_err": rel, "top1": top1})
+        for mode in [m for m in a.transformers.split(",") if m]:
+            r = time_transformers(hf, prompt, a.gen_tokens, mode == "static-compile")
+            r["name"] = f"transformers {mode}"
+            rows.append(r)
+            print(r["name"], f"{r['decode_tok_s']:.1f} tok/s", flush=True)
+        del hf
+        torch.cuda.empty_cache()
+
+    done_fuse = False
+    for v in a.variants.split(","):
+        parts = set(v.split("+"))
+        if "fused" in parts and not done_fuse:
+            model.fuse_projections()
+            done_fuse = True
+        if "fused" not in parts and done_fuse:
+            continue
+        t0 = time.perf_counter()
+        compile_mode = {"compile": "default", "compile-max": "max-autotune-no-cudagraphs"}
+        mode = next((compile_mode[p] for p in parts if p in compile_mode), None)
+        if mode == "max-autotune-no-cudagraphs":
+            import torch._inductor.config as ic
+
+            ic.coordinate_descent_tuning = True
+        nm = NativeModel.from_model(model, cfg, NullTokenizer(), n_ctx=n_ctx, gpu_layers=-1,
+                                    cuda_graph="graph" in parts, fuse=False, compile=mode)
+        setup_s = time.perf_counter() - t0
+        r = time_native(nm, prompt, a.gen_tokens, a.repeat)
+        r.update(name=f"native {v}", setup_s=setup_s)
+        rows.append(r)
+        print(r["name"], f"{r['decode_tok_s']:.1f} tok/s ({r['decode_tok_s'] / roofline:.0%} of roofline),",
+              f"TTFT {r['ttft_ms']:.1f} ms, setup {setup_s:.1f}s", flush=True)
+        if "graph" in parts:  # the captured step against the eager one, from the same cache state
+            with torch.inference_mode():
+                tok = torch.tensor([prompt[-1]], device="cuda")
+                slot = len(nm.cached)
+                eager = model(tok[:, None], torch.tensor([slot], device="cuda"), nm.cache,
+                              torch.zeros(1, dtype=torch.long, device="cuda"), kv_len=slot + 1, last_only=True)
+                eager = eager[:, -1].float().clone()
+                graph = nm._graph(tok[:, None], slot, torch.zeros(1, dtype=torch.long, device="cuda"))[:, -1].float()
+                r["graph_vs_eager_rel_err"] = float((graph - eager).norm() / eager.norm())
+                print(f"  captured step vs eager: rel err {r['graph_vs_eager_rel_err']:.1e}", flush=True)
+        if a.profile and mode is not None:
+            from torch.profiler import ProfilerActivity, profile
+
+            step = nm._step
+            pad = torch.zeros(1, dtype=torch.long, device="cuda")
+            tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+            sl = torch.tensor([a.prompt_tokens], device="cuda")
+            with torch.inference_mode():
+                for _ in range(3):
+                    step(tok, sl, nm.cache, pad, last_only=True)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        step(tok, sl, nm.cache, pad, last_only=True)
+                    torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        del nm
+        torch.cuda.empty_cache()
+
+    ref_tokens = next((r["tokens"] for r in rows if r.get("name", "").startswith("native eager")), None)
+    print(f"\n{a.shape}, batch 1, {a.prompt_tokens}-token prompt, {a.gen_tokens} generated; "
+          f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; "
+          f"{roof_bytes / 1e9:.2f} GB read per token -> roofline {roofline:.0f} tok/s")
+    print(f"{'variant':36} {'decode tok/s':>12} {'% roofline':>10} {'TTFT ms':>9} {'same tokens':>11}")
+    for r in rows:
+        if "decode_tok_s" not in r:
+            continue
+        same = "" if ref_tokens is None else ("yes" if r["tokens"][:32] == ref_tokens[:32] else "no")
+        print(f"{r['name']:36} {r['decode_tok_s']:12.1f} {r['decode_tok_s'] / roofline:10.0%} "
+              f"{r['ttft_ms']:9.1f} {same:>11}")
+    if a.json:
+        for r in rows:
+            r.pop("tokens", None)
+        with open(a.json, "w") as f:
+            json.dump({"shape": a.shape, "gpu": torch.cuda.get_device_name(), "copy_bw": bw,
+                       "bytes_per_token": roof_bytes, "roofline_tok_s": roofline, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
