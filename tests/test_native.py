@@ -274,3 +274,20 @@ def test_gguf_with_a_tensor_of_the_wrong_size(runner, tiny_gguf, tmp_path):
 def test_prompt_longer_than_context_native(runner, tiny_dir):
     _one_line(runner.invoke(app, ["run", str(tiny_dir("llama")), "-b", "native", "--ctx", "32", "-p", "word " * 100]),
               "context")
+
+
+def test_chat_bench_shows_flat_prefill(runner, tiny_gguf, tmp_path):
+    jp = tmp_path / "chat.json"
+    r = runner.invoke(app, ["bench", str(tiny_gguf("qwen2", "F16")), "--chat-turns", "4", "--gen-tokens", "4",
+                            "-b", "native,llama.cpp", "--json", str(jp)])
+    assert r.exit_code == 0, r.output
+    turns = json.loads(jp.read_text())["turns"]
+    native = [t for t in turns if t["backend"] == "native"]
+    assert [t["turn"] for t in native] == [1, 2, 3, 4]
+    assert native[-1]["history_tokens"] > 3 * native[0]["history_tokens"] / 2
+    # each later turn prefills only its new message, not the history
+    assert all(t["prefilled_tokens"] < native[0]["history_tokens"] + 16 for t in native[1:])
+
+
+def test_native_only_flags_refused_for_llama_cpp(runner, tiny_gguf):
+    _one_line(runner.invoke(app, ["run", str(tiny_gguf("qwen2", "F16")), "-p", "x", "--compile"]), "--compile")

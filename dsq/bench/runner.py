@@ -121,3 +121,39 @@ def machine_info() -> dict:
         pass
     return {"cpu": cpu, "cpu_count": os.cpu_count(), "gpu": gpu.name if gpu else None,
             "llama_cpp_gpu_offload": supports_gpu_offload(), "python": platform.python_version()}
+
+
+def run_chat_bench(model, *, backends=("llama.cpp",), turns: int = 8, user_tokens: int = 64, gen_tokens: int = 16,
+                   threads: int | None = None, ctx: int = 4096, on_status=None,
+                   model_opts: dict | None = None) -> list[dict]:
+    """A growing conversation: TTFT of each turn, with the history kept in the KV cache.
+
+    With prefix reuse, turn N prefills only its new message, so TTFT stays flat as the history grows.
+    """
+    from pydoc_data.topics import topics
+
+    from dsq.runtime.chat import ChatSession
+    from dsq.runtime.engine import load
+    from dsq.runtime.sampling import SamplingParams
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    rows = []
+    for backend in backends:
+        if on_status:
+            on_status(f"{backend}: loading")
+        m = load(model, backend=backend, ctx=ctx, threads=threads, **((model_opts or {}).get(backend, {})))
+        session = ChatSession(m, sampling=SamplingParams(temperature=0), max_tokens=gen_tokens)
+        pos = 0
+        for turn in range(turns):
+            ids = m.tokenize(text[pos:pos + 8 * user_tokens], add_bos=False, special=False)[:user_tokens]
+            msg = m.detokenize(ids)
+            pos += len(msg)
+            if on_status:
+                on_status(f"{backend}: turn {turn + 1}/{turns}")
+            session.send(msg)
+            st = session.last_stats
+            rows.append({"backend": backend, "turn": turn + 1, "history_tokens": st.prompt_tokens,
+                         "ttft_ms": round(st.ttft_s * 1000, 2),
+                         "prefilled_tokens": getattr(m, "last_prefill_tokens", None)})
+        del m
+    return rows

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import Dtype, KvDtype, ModelArg, Threads, backend_options, command
+from dsq.cli.common import Compile, Dtype, KvDtype, ModelArg, Threads, backend_options, command
 
 
 @command("bench", examples=[
@@ -31,6 +31,9 @@ def bench(
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One short untimed run first.")] = True,
     dtype: Dtype = None,
     kv_dtype: KvDtype = None,
+    compile: Compile = False,
+    chat_turns: Annotated[int, typer.Option("--chat-turns", help="Instead: a chat of N turns, TTFT per turn "
+                                                                  "(the prefix cache keeps it flat).")] = 0,
 ) -> None:
     """Benchmark speed and memory: tokens/s, TTFT, TPOT, peak RSS/VRAM, --gpu-layers sweeps.
 
@@ -56,7 +59,10 @@ def bench(
     ref = resolve_model(model, con)
     if "llama.cpp" in backends and any(g != "0" for g in sweep) and not supports_gpu_offload():
         con.print("[yellow]note:[/yellow] this llama.cpp build has no GPU support; --gpu-layers has no effect")
-    opts = {b: backend_options(b, dtype if b == "native" else None, kv_dtype) for b in backends}
+    opts = {b: backend_options(b, dtype if b == "native" else None, kv_dtype, compile and b == "native")
+            for b in backends}
+    if chat_turns:
+        return _chat_bench(ref, backends, chat_turns, gen_tokens, threads, ctx, opts, json_path, con)
     with con.status("benchmarking") as status:
         records = run_bench(str(ref.path), backends=backends, gpu_layers=sweep, prompt_tokens=prompt_tokens,
                             gen_tokens=gen_tokens, repeat=repeat, threads=threads, ctx=ctx, warmup=warmup,
@@ -76,3 +82,31 @@ def bench(
     if plot_path:
         plot(rows, plot_path, title)
         con.print(f"wrote {plot_path}")
+
+
+def _chat_bench(ref, backends, turns, gen_tokens, threads, ctx, opts, json_path, con) -> None:
+    from rich.table import Table
+
+    from dsq.bench.report import write_json
+    from dsq.bench.runner import machine_info, run_chat_bench
+    from dsq.ui import out_console
+
+    with con.status("benchmarking a chat") as status:
+        rows = run_chat_bench(str(ref.path), backends=backends, turns=turns, gen_tokens=gen_tokens, threads=threads,
+                              ctx=ctx or 4096, on_status=lambda s: status.update(s), model_opts=opts)
+    t = Table(title=f"{ref.label}: TTFT per chat turn (history kept in the KV cache)", title_justify="left")
+    t.add_column("turn", justify="right")
+    for b in backends:
+        t.add_column(f"{b}: history tokens", justify="right")
+        t.add_column(f"{b}: TTFT ms", justify="right")
+    for turn in range(1, turns + 1):
+        cells = [str(turn)]
+        for b in backends:
+            r = next(x for x in rows if x["backend"] == b and x["turn"] == turn)
+            cells += [str(r["history_tokens"]), f"{r['ttft_ms']:.1f}"]
+        t.add_row(*cells)
+    out_console().print(t)
+    if json_path:
+        write_json(json_path, {"model": str(ref.path), "label": ref.label, "machine": machine_info(),
+                               "scenario": "chat", "turns": rows})
+        con.print(f"wrote {json_path}")

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import (Backend, Ctx, Dtype, GpuLayers, KvDtype, MaxTokens, MinP, ModelArg, RepeatPenalty,
+from dsq.cli.common import (Backend, Compile, Ctx, Dtype, GpuLayers, KvDtype, MaxTokens, MinP, ModelArg, RepeatPenalty,
                             Seed, Temperature, Threads, TopK, TopP, backend_options, command)
 
 HELP = "commands: /reset clears the history, /exit leaves (so does Ctrl-D); Ctrl-C stops a reply"
@@ -34,6 +34,7 @@ def chat(
     backend: Backend = "llama.cpp",
     dtype: Dtype = None,
     kv_dtype: KvDtype = None,
+    compile: Compile = False,
 ) -> None:
     """Chat with a model. History is kept; /reset clears it, /exit or Ctrl-D leaves."""
     from dsq.errors import DsqError
@@ -44,7 +45,7 @@ def chat(
 
     err, out = console(), out_console()
     m = load(model, backend=backend, ctx=ctx, threads=threads, gpu_layers=gpu_layers, seed=seed, console=err,
-             **backend_options(backend, dtype, kv_dtype))
+             **backend_options(backend, dtype, kv_dtype, compile))
     session = ChatSession(m, system=system, max_tokens=max_tokens,
                           sampling=SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed))
     err.print(f"[bold]{m.ref.label}[/bold] [dim]({m.backend}; template: {session.template.origin}; {HELP})[/dim]")

@@ -92,14 +92,16 @@ Backend = Annotated[str, typer.Option("--backend", "-b", help="native (dsq's tor
 Dtype = Annotated[Optional[str], typer.Option(
     "--dtype", help="native: activation dtype bf16|fp16|fp32 (default: bf16 on GPU, fp32 on CPU).")]
 KvDtype = Annotated[Optional[str], typer.Option("--kv-dtype", help="KV cache dtype: bf16|fp16|fp32.")]
+Compile = Annotated[bool, typer.Option(
+    "--compile", help="native on CUDA: torch.compile the decode step (~20 s more to start, ~40% faster decode).")]
 
 
-def backend_options(backend: str, dtype: str | None, kv_dtype: str | None) -> dict:
+def backend_options(backend: str, dtype: str | None, kv_dtype: str | None, compile: bool = False) -> dict:
     """Backend-specific load options from the shared flags."""
     if backend == "native":
-        return {"dtype": dtype, "kv_dtype": kv_dtype}
-    if dtype is not None:
-        raise DsqError("--dtype applies to the native backend", "drop it, or pass --backend native")
+        return {"dtype": dtype, "kv_dtype": kv_dtype, "compile": compile}
+    if dtype is not None or compile:
+        raise DsqError("--dtype and --compile apply to the native backend", "drop them, or pass --backend native")
     return {"kv_dtype": kv_dtype} if kv_dtype else {}
 
 

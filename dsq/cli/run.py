@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import (Backend, Ctx, Dtype, GpuLayers, KvDtype, MaxTokens, MinP, ModelArg, RepeatPenalty,
+from dsq.cli.common import (Backend, Compile, Ctx, Dtype, GpuLayers, KvDtype, MaxTokens, MinP, ModelArg, RepeatPenalty,
                             Seed, Temperature, Threads, TopK, TopP, backend_options, command, stdin_text)
 
 
@@ -38,6 +38,7 @@ def run(
     backend: Backend = "llama.cpp",
     dtype: Dtype = None,
     kv_dtype: KvDtype = None,
+    compile: Compile = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
 ) -> None:
     """Generate text from a prompt, streamed to stdout.
@@ -53,7 +54,7 @@ def run(
     if prompt is None:
         raise DsqError("no prompt given", 'pass one with -p "..." or pipe it on stdin')
     m = load(model, backend=backend, ctx=ctx, threads=threads, gpu_layers=gpu_layers, seed=seed, console=console(),
-             **backend_options(backend, dtype, kv_dtype))
+             **backend_options(backend, dtype, kv_dtype, compile))
 
     def echo(s: str) -> None:
         sys.stdout.write(s)

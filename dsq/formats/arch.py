@@ -84,6 +84,37 @@ class ArchSpec:
     def is_norm(self, hf_name: str) -> bool:
         return hf_name.endswith("norm.weight")
 
+    def _qk_heads(self, hf_name: str, n_head: int, n_kv: int) -> int | None:
+        if not self.permute_qk:
+            return None
+        return n_head if hf_name.endswith("q_proj.weight") else n_kv if hf_name.endswith("k_proj.weight") else None
+
+    def to_gguf(self, hf_name: str, w, n_head: int, n_kv: int):
+        """An HF tensor as GGUF stores it: llama's q/k rows interleaved, Gemma's norms as 1 + w."""
+        heads = self._qk_heads(hf_name, n_head, n_kv)
+        if heads:
+            w = permute_qk(w, heads)
+        return w + self.norm_offset if self.norm_offset and self.is_norm(hf_name) else w
+
+    def from_gguf(self, hf_name: str, w, n_head: int, n_kv: int):
+        """The inverse of `to_gguf`; rows may be raw quant blocks (a row permutation needs no dequant)."""
+        heads = self._qk_heads(hf_name, n_head, n_kv)
+        if heads:
+            w = unpermute_qk(w, heads)
+        return w - self.norm_offset if self.norm_offset and self.is_norm(hf_name) else w
+
+    def gguf_plan(self, names: list[str], where: str) -> list[tuple[str, str]]:
+        """[(gguf name, HF name)] for a GGUF's tensors (rope_freqs is config, not a weight)."""
+        plan = []
+        for n in names:
+            if n == "rope_freqs.weight":
+                continue
+            h = self.gguf_to_hf_name(n)
+            if h is None:
+                raise UnsupportedModel(f"{where}: tensor {n} has no place in a {self.model_type} model")
+            plan.append((n, h))
+        return plan
+
 
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama", "llama", "LlamaForCausalLM", _LLAMA_BLOCK, permute_qk=True),

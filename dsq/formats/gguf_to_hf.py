@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsq.formats.arch import ArchSpec, arch_for_gguf, unpermute_qk
+from dsq.formats.arch import ArchSpec, arch_for_gguf
 from dsq.formats.gguf_file import GGUFFile
 from dsq.formats.hf import ShardedSafetensorsWriter, atomic_output_dir, write_json
 from dsq.formats.tokenizer_gguf import vocab_from_gguf, write_hf_tokenizer
@@ -93,29 +93,14 @@ def gguf_to_hf(src: str | Path, out: str | Path, dtype: str = "bfloat16", force:
     tdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     cfg = hf_config_from_gguf(g, spec, dtype)
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    plan = []
-    for t in g.tensors:
-        if t.name == "rope_freqs.weight":
-            continue
-        hname = spec.gguf_to_hf_name(t.name)
-        if hname is None:
-            from dsq.errors import UnsupportedModel
-
-            raise UnsupportedModel(f"GGUF tensor {t.name} has no HF counterpart for {spec.model_type}")
-        plan.append((t.name, hname))
+    plan = spec.gguf_plan([t.name for t in g.tensors], Path(src).name)
     vocab = vocab_from_gguf(g)
 
     def run(cb):
         with atomic_output_dir(Path(out), force=force) as tmp:
             writer = ShardedSafetensorsWriter(tmp)
             for i, (gname, hname) in enumerate(plan):
-                x = torch.from_numpy(g.dequantize(gname).copy())
-                if spec.permute_qk and hname.endswith("q_proj.weight"):
-                    x = unpermute_qk(x, n_head)
-                elif spec.permute_qk and hname.endswith("k_proj.weight"):
-                    x = unpermute_qk(x, n_kv)
-                if spec.norm_offset and spec.is_norm(hname):
-                    x = x - spec.norm_offset
+                x = spec.from_gguf(hname, torch.from_numpy(g.dequantize(gname).copy()), n_head, n_kv)
                 keep_f32 = x.ndim == 1 and dtype == "float32"
                 writer.add(hname, x if keep_f32 else x.to(tdtype))
                 cb(gname, i + 1, len(plan))

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from dsq.errors import UnsupportedModel
-from dsq.formats.arch import (ArchSpec, arch_for_model_type, gemma3_layer_types, head_dim,
-                              llama3_rope_factors, permute_qk)
+from dsq.formats.arch import ArchSpec, arch_for_model_type, gemma3_layer_types, head_dim, llama3_rope_factors
 from dsq.formats.gguf_types import FTYPES
 from dsq.formats.hf import HFModelDir, atomic_output_file, rope_parameters
 from dsq.formats.tokenizer_gguf import vocab_from_hf, write_vocab_gguf
@@ -160,13 +159,7 @@ def hf_to_gguf(model_dir: str | Path, out: str | Path, outtype: str = "auto", fo
 
         total = len(pairs) + len(extra)
         for i, (hname, gname) in enumerate(pairs):
-            x = hf.get_tensor(hname).to(torch.float32)
-            if spec.permute_qk and hname.endswith("q_proj.weight"):
-                x = permute_qk(x, n_head)
-            elif spec.permute_qk and hname.endswith("k_proj.weight"):
-                x = permute_qk(x, n_kv)
-            if spec.norm_offset and spec.is_norm(hname):
-                x = x + spec.norm_offset
+            x = spec.to_gguf(hname, hf.get_tensor(hname).to(torch.float32), n_head, n_kv)
             w.write_tensor_data(_to_numpy(x, target(tuple(x.shape))[0]))
             if progress:
                 progress(gname, i + 1, total)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -20,6 +21,30 @@ class GenStats:
     decode_s: float = 0.0  # first token -> last token
     finish_reason: str = "length"
     token_ids: list[int] = field(default_factory=list)
+    _t0: float = field(default=0.0, repr=False)
+    _first: float | None = field(default=None, repr=False)
+    _last: float = field(default=0.0, repr=False)
+
+    def start(self, prompt_tokens: int) -> None:
+        """The prompt goes in now."""
+        self.prompt_tokens, self.finish_reason, self._t0 = prompt_tokens, "length", time.perf_counter()
+
+    def take(self, token: int, ends: bool) -> bool:
+        """A token came out now. Returns False when it ends generation (it is then not kept)."""
+        self._last = time.perf_counter()
+        if self._first is None:
+            self._first = self._last
+        self.sampled_tokens += 1
+        if ends:
+            self.finish_reason = "stop"
+            return False
+        self.token_ids.append(token)
+        self.generated_tokens += 1
+        return True
+
+    def finish(self) -> None:
+        if self._first is not None:
+            self.ttft_s, self.decode_s = self._first - self._t0, self._last - self._first
 
     @property
     def prefill_tok_s(self) -> float:

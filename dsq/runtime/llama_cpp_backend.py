@@ -11,7 +11,6 @@ import codecs
 import ctypes
 import os
 import sys
-import time
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
@@ -225,25 +224,15 @@ class LlamaCppModel:
         if sampling.seed is not None:
             llm.set_seed(sampling.seed)
         budget = min(max_tokens, self.n_ctx - len(prompt_ids))
-        stats.prompt_tokens = len(prompt_ids)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        t0 = time.perf_counter()
-        first = last = None
+        stats.start(len(prompt_ids))
         gen = llm.generate(prompt_ids, top_k=sampling.top_k if sampling.top_k > 0 else 0,
                            top_p=sampling.top_p, min_p=sampling.min_p, temp=sampling.temperature,
                            repeat_penalty=sampling.repeat_penalty, reset=True)
-        stats.finish_reason = "length"
         try:
             for tok in gen:
-                last = time.perf_counter()
-                stats.sampled_tokens += 1
-                if first is None:
-                    first = last
-                if not ignore_eos and self.is_eog(tok):
-                    stats.finish_reason = "stop"
+                if not stats.take(tok, not ignore_eos and self.is_eog(tok)):
                     break
-                stats.token_ids.append(tok)
-                stats.generated_tokens += 1
                 text = decoder.decode(self.piece(tok))
                 if text:
                     yield TokenEvent(tok, text)
@@ -251,9 +240,7 @@ class LlamaCppModel:
                     break
         finally:
             gen.close()
-            if first is not None:
-                stats.ttft_s = first - t0
-                stats.decode_s = last - first
+            stats.finish()
         tail = decoder.decode(b"", final=True)
         if tail:
             yield TokenEvent(-1, tail)

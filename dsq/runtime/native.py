@@ -8,7 +8,6 @@ kernel launches.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -192,7 +191,6 @@ class NativeModel:
             raise DsqError("the prompt is empty")
         sampler = Sampler(sampling, self.head_device)
         budget = min(max_tokens, self.n_ctx - len(prompt_ids))
-        stats.prompt_tokens = len(prompt_ids)
         pad = torch.zeros(1, dtype=torch.long)
         if self._graph is not None:
             pad = pad.cuda()
@@ -205,7 +203,7 @@ class NativeModel:
         keep = min(keep, len(prompt_ids) - 1)
         self.cached = self.cached[:keep]
         self.last_prefill_tokens = len(prompt_ids) - keep
-        t0 = time.perf_counter()
+        stats.start(len(prompt_ids))
         logits = self._prefill(prompt_ids[keep:], keep, self.cache, pad)
         self.cached = list(prompt_ids)
         recent = torch.tensor([prompt_ids[-64:]], device=self.head_device)
@@ -224,8 +222,6 @@ class NativeModel:
 
         tok = sampler(logits, recent)
         fetch(tok)
-        first = last = None
-        stats.finish_reason = "length"
         try:
             while True:
                 ahead = None
@@ -236,15 +232,8 @@ class NativeModel:
                     t = int(host[0])
                 else:
                     t = int(tok[0])
-                last = time.perf_counter()
-                stats.sampled_tokens += 1
-                if first is None:
-                    first = last
-                if not ignore_eos and self.is_eog(t):
-                    stats.finish_reason = "stop"
+                if not stats.take(t, not ignore_eos and self.is_eog(t)):
                     break
-                stats.token_ids.append(t)
-                stats.generated_tokens += 1
                 text = detok.push(t)
                 if text:
                     yield TokenEvent(t, text)
@@ -256,9 +245,7 @@ class NativeModel:
                 tok = sampler(logits, recent)
                 fetch(tok)
         finally:
-            if first is not None:
-                stats.ttft_s = first - t0
-                stats.decode_s = last - first
+            stats.finish()
         tail = detok.flush()
         if tail:
             yield TokenEvent(-1, tail)

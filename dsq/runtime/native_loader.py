@@ -87,7 +87,7 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.devi
 
 
 def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.device | None = None):
-    from dsq.formats.arch import arch_for_gguf, unpermute_qk
+    from dsq.formats.arch import arch_for_gguf
     from dsq.formats.gguf_file import GGUFFile
     from dsq.formats.gguf_to_hf import hf_config_from_gguf
     from dsq.kernels.gguf_ref import SUPPORTED, row_bytes
@@ -101,24 +101,18 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.de
     modules = dict(model.named_modules())
     sd: dict[str, torch.Tensor] = {}
     shown: dict[str, str] = {}
-    for t in g.tensors:
-        if t.name == "rope_freqs.weight":
-            continue
-        hname = spec.gguf_to_hf_name(t.name)
-        if hname is None:
-            raise BadModelFile(f"{path.name}: tensor {t.name} has no place in a {spec.model_type} model")
+    entries = {t.name: t for t in g.tensors}
+    nq, nkv = args.num_attention_heads, args.num_key_value_heads
+    for gname, hname in spec.gguf_plan(list(entries), path.name):
+        t = entries[gname]
         raw, qtype, shape = g.raw(t.name)
         raw_t = torch.from_numpy(raw)
         shown[hname] = t.name
         mname = hname.rsplit(".", 1)[0]
         is_q = False
-        permute = spec.permute_qk and hname.endswith(("q_proj.weight", "k_proj.weight"))
-        heads = args.num_attention_heads if hname.endswith("q_proj.weight") else args.num_key_value_heads
         if t.type_name in SUPPORTED and t.type_name not in FLOAT_GGUF and len(shape) == 2:
             is_q = True
-            rows = raw_t.reshape(shape[0], row_bytes(t.type_name, shape[1]))
-            if permute:
-                rows = unpermute_qk(rows, heads)
+            rows = spec.from_gguf(hname, raw_t.reshape(shape[0], row_bytes(t.type_name, shape[1])), nq, nkv)
             old = modules.get(mname)
             if isinstance(old, nn.Linear):
                 expected = (old.out_features, old.in_features)
@@ -145,11 +139,7 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.de
                 w = raw_t.view(FLOAT_GGUF[t.type_name]).reshape(shape).float()
             else:  # a type without a kernel yet: dequantized once, here
                 w = torch.from_numpy(g.dequantize(t.name).copy())
-            if permute:
-                w = unpermute_qk(w, heads)
-            if spec.norm_offset and spec.is_norm(hname):
-                w = w - spec.norm_offset
-            sd[hname] = w.to(dtype)
+            sd[hname] = spec.from_gguf(hname, w, nq, nkv).to(dtype)
     if args.tie_word_embeddings and "model.embed_tokens.weight" in sd:
         sd.pop("lm_head.weight", None)
     _check_shapes(model, sd, path.name, shown)
