@@ -143,6 +143,7 @@ def hf_to_gguf(model_dir: str | Path, out: str | Path, outtype: str = "auto", fo
     with atomic_output_file(Path(out), force=force) as tmp:
         w = GGUFWriter(str(tmp), spec.gguf_arch)
         w.add_name(name or hf.path.name)
+        w.add_source_url(f"file://{hf.path.resolve()}")  # lets `dsq eval` find the reference
         w.add_file_type(FTYPES[outtype])
         _write_hparams(w, spec, cfg, n_vocab)
         write_vocab_gguf(w, vocab)

@@ -123,6 +123,13 @@ class KVCache:
         return self.k[layer], self.v[layer]
 
 
+class PassThroughCache:
+    """For whole sequences in one pass (calibration): nothing stored, attention sees these tokens."""
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        return k, v
+
+
 # -- blocks ---------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
@@ -291,6 +298,15 @@ class Transformer(nn.Module):
         if self.args.embed_scale:  # HF rounds the scale to the activation dtype; a float keeps graphs static
             self._embed_scale = float(torch.tensor(self.args.embed_scale, dtype=self.dtype))
         return KVCache(self.args, batch, length, dtype, self.layer_devices())
+
+    def block_context(self, layer: int, T: int, device, dtype=torch.float32):
+        """(cos, sin, mask, slots) to run one decoder layer over whole sequences of T tokens."""
+        a = self.args
+        rope = a.rope_local if a.is_sliding(layer) and a.rope_local else a.rope
+        cos, sin = rope_tables(rope, a.head_dim, T, device)
+        slots = torch.arange(T, device=device)
+        mask = self._mask(slots, torch.zeros(1, dtype=torch.long, device=device), T, a.is_sliding(layer), device)
+        return cos[None], sin[None], mask, slots
 
     def _mask(self, slots, pad, S: int, sliding: bool, device) -> torch.Tensor:
         """(B, 1, T, S) bool: causal, no padding, inside the window for sliding layers."""

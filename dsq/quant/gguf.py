@@ -22,8 +22,13 @@ APPROX_BPW = {"Q8_0": 8.5, "Q6_K": 6.56, "Q5_K_M": 5.7, "Q5_K_S": 5.5, "Q5_0": 5
 
 
 def quantize_gguf(src: str | Path, out: str | Path, qtype: str, threads: int | None = None,
-                  force: bool = False, progress: Callable[[int, int], None] | None = None) -> Path:
-    """Quantize float GGUF `src` to `qtype` at `out` with llama.cpp's quantizer."""
+                  force: bool = False, progress: Callable[[int, int], None] | None = None,
+                  imatrix: dict[str, "np.ndarray"] | None = None) -> Path:
+    """Quantize float GGUF `src` to `qtype` at `out` with llama.cpp's quantizer.
+
+    imatrix: GGUF tensor name -> mean squared input activation per column (row length floats),
+    llama.cpp's importance matrix; the quantizer weighs rounding errors by it.
+    """
     from dsq.runtime.llama_cpp_backend import default_threads, import_llama_cpp, last_log
 
     qtype = parse_gguf_type(qtype)
@@ -41,6 +46,22 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, threads: int | N
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[qtype]
     params.nthread = threads or default_threads()
+    keep = []  # the ctypes array and its buffers must outlive the call
+    if imatrix:
+        import ctypes
+
+        import numpy as np
+
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
+        for i, (name, vals) in enumerate(sorted(imatrix.items())):
+            arr = np.ascontiguousarray(vals, dtype=np.float32)
+            keep.append(arr)
+            entries[i].name = name.encode()
+            entries[i].data = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = arr.size
+        entries[len(imatrix)].name = None  # terminator
+        keep.append(entries)
+        params.imatrix = ctypes.cast(entries, type(params.imatrix))
 
     with atomic_output_file(Path(out), force=force) as tmp:
         result: dict = {}

@@ -70,13 +70,17 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.devi
     mod, args = build_args(cfg, f"{path}/config.json")
     with torch.device("meta"):
         model: Transformer = mod.Model(args)
+    tensors = hf.mmap_tensors()
+    if cfg.get("quantization_config"):
+        _swap_quantized(model, cfg["quantization_config"], tensors, dtype)
     sd = {}
-    for name, t in hf.mmap_tensors().items():
+    for name, t in tensors.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
         if name == "lm_head.weight" and args.tie_word_embeddings:
             continue
-        sd[name] = t if t.dtype == dtype else t.to(dtype)
+        float_param = name.endswith((".weight", ".bias")) and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        sd[name] = t.to(dtype) if float_param and t.dtype != dtype else t
     _check_shapes(model, sd, str(path))
     model.load_state_dict(sd, strict=False, assign=True)
     if not args.tie_word_embeddings and "lm_head.weight" not in sd:
@@ -84,6 +88,36 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.devi
     model.tie_weights()
     _place(model, gpu_layers, gpu)
     return model.eval(), cfg
+
+
+def _swap_quantized(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor], dtype) -> None:
+    """Replace Linears whose checkpoint tensors are quantized by modules of that format."""
+    from dsq.runtime.qmodules import AWQLinear, FP8Linear, GPTQLinear
+
+    method = qc.get("quant_method")
+    if method not in ("awq", "gptq", "compressed-tensors", "fp8"):
+        raise BadModelFile(f"quantization method {method!r} is not supported by the native runtime",
+                           "supported: awq, gptq, compressed-tensors (fp8), fp8")
+    group = int(qc.get("group_size", 128) or -1)
+    if method == "compressed-tensors":
+        if qc.get("format") != "float-quantized":
+            raise BadModelFile(f"compressed-tensors format {qc.get('format')!r} is not supported", "dsq reads FP8 weights")
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, nn.Linear):
+            continue
+        bias = m.bias is not None
+        with torch.device("meta"):
+            if f"{name}.qweight" in tensors and method == "awq":
+                new = AWQLinear(m.in_features, m.out_features, bias, group, dtype)
+            elif f"{name}.qweight" in tensors:
+                new = GPTQLinear(m.in_features, m.out_features, bias, int(qc["bits"]), group,
+                                 qc.get("checkpoint_format", "gptq") == "gptq", dtype)
+            elif tensors.get(f"{name}.weight") is not None and tensors[f"{name}.weight"].dtype == torch.float8_e4m3fn:
+                sname = "weight_scale_inv" if f"{name}.weight_scale_inv" in tensors else "weight_scale"
+                new = FP8Linear(m.in_features, m.out_features, bias, tuple(tensors[f"{name}.{sname}"].shape), sname, dtype)
+            else:
+                continue
+        set_module(model, name, new)
 
 
 def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.device | None = None):

@@ -44,6 +44,72 @@ class GGUFEmbedding(nn.Module):
         return f"{self.qtype}, {self.num_embeddings}x{self.dim}"
 
 
+class _DequantLinear(nn.Module):
+    """A Linear stored in a checkpoint's quantized format, dequantized by the reference path."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def weight_float(self) -> torch.Tensor:  # (N, K) float32
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight_float().to(x.dtype), self.bias)
+
+
+class AWQLinear(_DequantLinear):
+    """AutoAWQ GEMM: qweight (K, N/8), qzeros (K/g, N/8), scales (K/g, N)."""
+
+    def __init__(self, in_features, out_features, bias, group: int, dtype=torch.float32):
+        super().__init__(in_features, out_features, bias, dtype)
+        g = in_features if group == -1 else group
+        self.group = group
+        self.register_buffer("qweight", torch.empty(in_features, out_features // 8, dtype=torch.int32))
+        self.register_buffer("qzeros", torch.empty(in_features // g, out_features // 8, dtype=torch.int32))
+        self.register_buffer("scales", torch.empty(in_features // g, out_features, dtype=torch.float16))
+
+    def weight_float(self):
+        from dsq.formats.intq import awq_dequantize
+
+        return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group)
+
+
+class GPTQLinear(_DequantLinear):
+    """GPTQ: qweight (K*b/32, N), qzeros (G, N*b/32), scales (G, N), g_idx (K,)."""
+
+    def __init__(self, in_features, out_features, bias, bits: int, group: int, v1: bool, dtype=torch.float32):
+        super().__init__(in_features, out_features, bias, dtype)
+        g = in_features if group == -1 else group
+        G = -(-in_features // g)
+        self.bits, self.v1 = bits, v1
+        self.register_buffer("qweight", torch.empty(in_features * bits // 32, out_features, dtype=torch.int32))
+        self.register_buffer("qzeros", torch.empty(G, out_features * bits // 32, dtype=torch.int32))
+        self.register_buffer("scales", torch.empty(G, out_features, dtype=torch.float16))
+        self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32))
+
+    def weight_float(self):
+        from dsq.formats.intq import gptq_dequantize
+
+        return gptq_dequantize(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.v1)
+
+
+class FP8Linear(_DequantLinear):
+    """FP8 e4m3 weight (N, K) with a channel, tensor or 128x128-block scale."""
+
+    def __init__(self, in_features, out_features, bias, scale_shape: tuple, scale_name: str, dtype=torch.float32):
+        super().__init__(in_features, out_features, bias, dtype)
+        self.scale_name = scale_name
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer(scale_name, torch.empty(scale_shape, dtype=torch.float32))
+
+    def weight_float(self):
+        from dsq.formats.fp8 import fp8_dequantize
+
+        return fp8_dequantize(self.weight, getattr(self, self.scale_name))
+
+
 def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, child, module)
