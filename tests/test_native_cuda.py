@@ -69,3 +69,16 @@ def test_compiled_step_equals_eager(tiny_dir):
         list(m.stream(IDS[:30], SamplingParams(temperature=0), 40, st, ignore_eos=True))
         outs.append(st.token_ids)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_quantize_on_cuda(method, tiny_dir, tmp_path):
+    from dsq.quant.driver import QuantSpec, quantize_model
+    from dsq.runtime.native import NativeModel
+
+    quantize_model(tiny_dir("llama"), tmp_path / method, QuantSpec(method, calib_samples=8, calib_seq_len=64),
+                   device="cuda")
+    m = NativeModel(tmp_path / method, "hf", n_ctx=64, dtype="fp32")
+    ref = hf_logits(tiny_dir("llama"), IDS[:30])
+    got = m.logits(IDS[:30])
+    assert np.isfinite(got).all() and np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.8
