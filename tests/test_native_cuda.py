@@ -82,3 +82,21 @@ def test_quantize_on_cuda(method, tiny_dir, tmp_path):
     ref = hf_logits(tiny_dir("llama"), IDS[:30])
     got = m.logits(IDS[:30])
     assert np.isfinite(got).all() and np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.8
+
+
+@pytest.mark.parametrize("group", [128, 64, -1])
+def test_gptq_graph_equals_eager(group):
+    import dsq.quant.intq as Q
+
+    torch.manual_seed(0)
+    w = torch.randn(96, 512, device="cuda")
+    x = torch.randn(2048, 64, device="cuda") @ torch.randn(64, 512, device="cuda")
+    h = Q.Hessian(512, "cuda")
+    h.add(x)
+    graphed = Q.gptq(w, h.H, 4, group, sym=True, act_order=True)
+    Q.GPTQ_CUDA_GRAPHS = False
+    try:
+        eager = Q.gptq(w, h.H, 4, group, sym=True, act_order=True)
+    finally:
+        Q.GPTQ_CUDA_GRAPHS = True
+    assert torch.equal(graphed.q, eager.q) and torch.equal(graphed.scales, eager.scales)

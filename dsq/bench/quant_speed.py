@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 
-def write_random_model(shape: str, out: Path) -> Path:
+def write_random_model(shape: str, out: Path, layers: int | None = None) -> Path:
     from safetensors.torch import save_file
 
     from dsq.bench.decode_gpu import SHAPES
@@ -26,7 +26,9 @@ def write_random_model(shape: str, out: Path) -> Path:
 
     if (out / "config.json").is_file():
         return out
-    s = SHAPES[shape]
+    s = dict(SHAPES[shape])
+    if layers:
+        s["num_hidden_layers"] = layers
     args = ModelArgs(**s)
     out.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
@@ -69,14 +71,16 @@ def main(argv=None) -> None:
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--work", default="/tmp/dsq-quant-speed")
+    ap.add_argument("--layers", type=int, help="override the shape's layer count (quick profiles)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
 
+    from dsq.quant import driver
     from dsq.quant.driver import QuantSpec, quantize_model
 
     work = Path(a.work)
     t = time.perf_counter()
-    src = write_random_model(a.shape, work / a.shape)
+    src = write_random_model(a.shape, work / a.shape, a.layers)
     print(f"random {a.shape} written in {time.perf_counter() - t:.0f}s", flush=True)
     rows = []
     for method in a.methods.split(","):
@@ -84,12 +88,14 @@ def main(argv=None) -> None:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
+        driver.PHASES.clear()
         quantize_model(src, work / f"{a.shape}-{method}", spec, force=True,
                        on_block=lambda i, n, dt: print(f"  {method} block {i}/{n} {dt:.1f}s", flush=True) if i % 8 == 0 else None)
         secs = time.perf_counter() - t
         row = {"method": method, "seconds": round(secs, 1), "samples": a.samples, "seq_len": a.seq_len,
                "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else 0,
-               "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+               "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+               "phases_s": {k: round(v, 1) for k, v in driver.PHASES.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
         if a.json:

@@ -199,10 +199,12 @@ class Attention(nn.Module):
             rep = self.n_head // self.n_kv
             kr, vr = kc.repeat_interleave(rep, 1), vc.repeat_interleave(rep, 1)
             s = torch.tanh((q.float() @ kr.float().transpose(-1, -2)) * self.scale / self.softcap) * self.softcap
+            if mask is None:
+                mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
             s = s.masked_fill(~mask, float("-inf"))
             o = (s.softmax(-1) @ vr.float()).to(q.dtype)
         else:
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale,
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale, is_causal=mask is None,
                                                enable_gqa=self.n_head != self.n_kv)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
@@ -305,7 +307,9 @@ class Transformer(nn.Module):
         rope = a.rope_local if a.is_sliding(layer) and a.rope_local else a.rope
         cos, sin = rope_tables(rope, a.head_dim, T, device)
         slots = torch.arange(T, device=device)
-        mask = self._mask(slots, torch.zeros(1, dtype=torch.long, device=device), T, a.is_sliding(layer), device)
+        # plain causal attention needs no mask tensor (lets SDPA use its flash kernels)
+        mask = (self._mask(slots, torch.zeros(1, dtype=torch.long, device=device), T, True, device)
+                if a.is_sliding(layer) else None)
         return cos[None], sin[None], mask, slots
 
     def _mask(self, slots, pad, S: int, sliding: bool, device) -> torch.Tensor:

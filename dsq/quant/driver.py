@@ -28,6 +28,22 @@ from dsq.errors import DsqError, OutputExists
 LINEAR_GROUPS = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
                  ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
 METHODS = ("rtn", "awq", "gptq", "fp8")
+PHASES: dict[str, float] = {}  # seconds per phase of the last runs (calibration forwards, solves, ...)
+
+
+class _phase:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.t = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        PHASES[self.name] = PHASES.get(self.name, 0.0) + time.perf_counter() - self.t
 
 
 @dataclass
@@ -104,8 +120,18 @@ def _linears(layer: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
 
 
+def _home(hidden: torch.Tensor, dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Where the calibration activations live: on the GPU (in the compute dtype, so nothing is
+    lost) when they fit comfortably, else in CPU memory (then every pass copies them over)."""
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        if hidden.numel() * torch.finfo(dtype).bits // 8 < 0.3 * free:
+            return hidden.to(dev, dtype)
+    return hidden.cpu()
+
+
 def _run_block(layer, hidden: torch.Tensor, ctx, device, dtype, batch: int) -> torch.Tensor:
-    """hidden (n, T, H) on the CPU -> the block's outputs (n, T, H) on the CPU."""
+    """hidden (n, T, H) -> the block's outputs (n, T, H), where and as `hidden` is stored."""
     from dsq.models.base import PassThroughCache
 
     cos, sin, mask, slots = ctx
@@ -114,7 +140,7 @@ def _run_block(layer, hidden: torch.Tensor, ctx, device, dtype, batch: int) -> t
     with torch.no_grad():
         for b in range(0, hidden.shape[0], batch):
             x = hidden[b:b + batch].to(device=device, dtype=dtype)
-            out[b:b + batch] = layer(x, cos, sin, mask, cache, slots, None).to("cpu", hidden.dtype)
+            out[b:b + batch] = layer(x, cos, sin, mask, cache, slots, None).to(out.device, out.dtype)
     return out
 
 
@@ -143,11 +169,11 @@ class _Capture:
                 self.data[name].add(x)
             elif self.kind == "sumsq":
                 acc = self.data[name]
-                acc[0] += x.double().pow(2).sum(0).cpu()
+                acc[0] += x.double().pow(2).sum(0).to(acc[0].device)
                 acc[1] += x.shape[0]
             else:
                 step = max(1, x.shape[0] * self._batches // self.keep)
-                self.data[name].append(x[::step].float().cpu())
+                self.data[name].append(x[::step].float())
         return hook
 
     _batches = 1
@@ -184,7 +210,7 @@ class Progress:
             from safetensors.torch import save_file
 
             tmp = self.dir / "hidden.safetensors.tmp"
-            save_file({"hidden": hidden.contiguous()}, str(tmp))
+            save_file({"hidden": hidden.contiguous().cpu()}, str(tmp))
             os.replace(tmp, self.dir / "hidden.safetensors")
         tmp = self.file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"key": self.key, "done": done}))
@@ -250,25 +276,33 @@ def quantize_block(layer: nn.Module, i: int, spec: QuantSpec, hidden, ctx, devic
             names = [n for n in group if n in lins]
             if not names:
                 continue
-            cap = _Capture({n: lins[n] for n in names}, "hessian")
-            _run_block(layer, hidden, ctx, device, dtype, batch)
+            cap = _Capture({names[0]: lins[names[0]]}, "hessian")
+            with _phase("gptq: calibration forwards"):
+                _run_block(layer, hidden, ctx, device, dtype, batch)
             cap.close()
-            for n in names:
-                emit(n, Q.gptq(lins[n].weight.data.float(), cap.data[n].H, spec.bits, spec.group_size,
-                               bool(spec.sym), spec.act_order, spec.damp))
+            # Linears reading the same input share one Hessian, and GPTQ treats rows independently:
+            # one solve over their stacked rows equals separate solves, with a third of the steps
+            with _phase("gptq: solve"):
+                w = torch.cat([lins[n].weight.data.float() for n in names])
+                iq = Q.gptq(w, cap.data[names[0]].H, spec.bits, spec.group_size, bool(spec.sym),
+                            spec.act_order, spec.damp)
+            for n, part in zip(names, iq.split([lins[n].out_features for n in names])):
+                emit(n, part)
         return out
     # AWQ: one capture of every group's inputs, then scales, clipping and quantization. The search
     # sees a sample of the tokens (AutoAWQ's 64k would take minutes per block on a CPU).
     keep = 16384 if torch.device(device).type == "cuda" else 4096
     cap = _Capture({g[0]: lins[g[0]] for g in LINEAR_GROUPS if g[0] in lins}, "inputs", keep_tokens=keep)
     cap._batches = max(1, -(-hidden.shape[0] // batch))
-    _run_block(layer, hidden, ctx, device, dtype, batch)
+    with _phase("awq: calibration forward"):
+        _run_block(layer, hidden, ctx, device, dtype, batch)
     cap.close()
     xs = {n: torch.cat(v).to(device) for n, v in cap.data.items()}
     layer.awq_output_scales = {}  # Linear -> s folded into its output rows (it now computes y / s)
     for sg in awq_groups(layer, lins):
         x = xs[sg.name].to(sg.linears[0].weight.dtype)
-        s = A.search_scale(sg, x, spec.bits, spec.group_size)
+        with _phase("awq: scale search"):
+            s = A.search_scale(sg, x, spec.bits, spec.group_size)
         A.apply_scale(sg, s)
         xs[sg.name] = x / s.to(x.dtype)
         if isinstance(sg.prev, nn.Linear):
@@ -276,8 +310,9 @@ def quantize_block(layer: nn.Module, i: int, spec: QuantSpec, hidden, ctx, devic
     for group in LINEAR_GROUPS:
         for n in group:
             if n in lins and n not in ("self_attn.q_proj", "self_attn.k_proj") and group[0] in xs:
-                A.apply_clip(lins[n], A.search_clip(lins[n], xs[group[0]], spec.bits, spec.group_size),
-                             spec.group_size)
+                with _phase("awq: clip search"):
+                    A.apply_clip(lins[n], A.search_clip(lins[n], xs[group[0]], spec.bits, spec.group_size),
+                                 spec.group_size)
     for n, lin in lins.items():
         emit(n, Q.rtn(lin.weight.data.float().cpu(), 4, spec.group_size, sym=False))
     return out
@@ -341,6 +376,8 @@ def quantize_model(src: str | Path, out: str | Path, spec: QuantSpec, *, device:
         if args.embed_scale:
             hidden = hidden * float(torch.tensor(args.embed_scale, dtype=emb.dtype))
         del emb
+    if hidden is not None:
+        hidden = _home(hidden, dev, dtype)
     n = args.num_hidden_layers
     for i in range(done, n):
         t0 = time.perf_counter()
@@ -350,7 +387,8 @@ def quantize_model(src: str | Path, out: str | Path, spec: QuantSpec, *, device:
         ctx = model.block_context(i, calib_ids.shape[1], dev) if spec.needs_calibration else None
         qt = quantize_block(layer, i, spec, hidden, ctx, dev, dtype, batch)
         if spec.needs_calibration:
-            hidden = _run_block(layer, hidden, ctx, dev, dtype, batch)
+            with _phase("block outputs"):
+                hidden = _run_block(layer, hidden, ctx, dev, dtype, batch)
         block = {}
         state = layer.state_dict()
         for name, t in tensors.items():  # norms, biases, skipped layers: as the method left them
