@@ -1,0 +1,66 @@
+"""The C CPU kernels against the torch reference: every format, every build this CPU runs,
+odd shapes, several batch sizes, outputs poisoned before each call."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from dsq.kernels import cpu, gguf_ref
+from test_kernels_ref import FORMATS, random_blocks
+
+BUILDS = [isa for isa in cpu.supported_isas() if cpu.load(isa) is not None]
+pytestmark = pytest.mark.skipif(not BUILDS, reason="no CPU kernels built")
+
+
+def test_kernels_were_built_here():
+    """On x86-64 Linux with a C compiler, install must have built the kernels (else every test
+    below would silently skip)."""
+    if platform.system() == "Linux" and platform.machine() == "x86_64" and shutil.which("gcc"):
+        assert cpu.available(), cpu.library()[1]
+        assert cpu.library()[1] == cpu.supported_isas()[0]
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("N,M", [(1, 1), (7, 2), (33, 16), (130, 17), (257, 5)])
+def test_gemm_matches_reference(isa, qtype, N, M):
+    rng = np.random.default_rng()
+    per = gguf_ref.BLOCKS[qtype][0]
+    K = per * int(rng.integers(1, 4)) * (1 if per == 256 else 3)  # 1-3 super-blocks, or 3-9 blocks of 32
+    raw = torch.from_numpy(random_blocks(qtype, N, K, rng))
+    x = torch.randn(M, K)
+    out = torch.full((M, N), float("nan"))
+    y = cpu.gguf_linear(x, raw, qtype, K, out=out, lib=cpu.load(isa))
+    assert y.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+    ref = torch.nn.functional.linear(x.double(), gguf_ref.dequantize(raw, qtype, K).double())
+    assert float((y.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_rows_and_dispatch(qtype, monkeypatch):
+    from dsq.kernels import dispatch
+
+    rng = np.random.default_rng()
+    raw = torch.from_numpy(random_blocks(qtype, 50, 512, rng))
+    ids = torch.tensor([[3, 49, 0], [7, 7, 12]])
+    want = gguf_ref.dequantize(raw, qtype, 512)[ids]
+    torch.testing.assert_close(cpu.gguf_rows(ids, raw, qtype, 512), want, rtol=0, atol=0)
+    x = torch.randn(2, 3, 512)
+    bias = torch.randn(50)
+    assert dispatch.implementation("cpu", qtype).startswith("C")
+    fast = dispatch.gguf_linear(x, raw, qtype, 512, bias)
+    monkeypatch.setenv("DSQ_KERNELS", "reference")
+    assert dispatch.implementation("cpu", qtype) == "torch reference"
+    slow = dispatch.gguf_linear(x, raw, qtype, 512, bias)
+    assert float((fast - slow).norm() / slow.norm()) < 1e-5
+
+
+def test_rejects_bad_shapes():
+    raw = torch.zeros(4, 34, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        cpu.gguf_linear(torch.randn(1, 48), raw, "Q8_0", 48)  # 48 is not a multiple of 32
