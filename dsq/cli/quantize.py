@@ -115,7 +115,7 @@ def quantize(
     t0 = time.perf_counter()
     with progress_bar(con) as p:
         task = p.add_task(f"{method.value} {label}: blocks", total=None)
-        summary = quantize_model(ref.path, target, spec, device=device, force=force, calib_ids=calib_ids,
+        quantize_model(ref.path, target, spec, device=device, force=force, calib_ids=calib_ids,
                                  on_block=lambda i, n, dt: p.update(task, completed=i, total=n))
     evals = None
     if eval_tokens:
@@ -123,7 +123,6 @@ def quantize(
     con.print(f"[green]wrote[/green] {target} ({_dir_size(target) / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f}s"
               + (f"; held-out perplexity {evals['perplexity']:.3f} (source {evals['source perplexity']:.3f}), "
                  f"KLD {evals['KLD']:.4f}" if evals else ""))
-    del summary
     from dsq.ui import out_console
 
     out_console().print(str(target))

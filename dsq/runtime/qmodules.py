@@ -45,15 +45,13 @@ class GGUFEmbedding(nn.Module):
 
 
 class _DequantLinear(nn.Module):
-    """A Linear stored in a checkpoint's quantized format, dequantized by the reference path."""
+    """A Linear stored in a checkpoint's quantized format, dequantized by the reference path.
+    Subclasses define `weight_float()`: the (N, K) float32 weight."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
-
-    def weight_float(self) -> torch.Tensor:  # (N, K) float32
-        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight_float().to(x.dtype), self.bias)
