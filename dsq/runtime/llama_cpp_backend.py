@@ -7,8 +7,10 @@ keeps weights out of the AMX buffer type; install.sh builds without AMX in the f
 
 from __future__ import annotations
 
+import atexit
 import codecs
 import ctypes
+import weakref
 import os
 import sys
 from collections import deque
@@ -19,6 +21,20 @@ from typing import Iterator
 from dsq.errors import BackendError, DsqError, MissingDependency
 from dsq.runtime.generate import GenStats, TokenEvent
 from dsq.runtime.sampling import SamplingParams
+
+
+_LIVE: "weakref.WeakSet[LlamaCppModel]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Free llama.cpp models before interpreter teardown (their __del__ fails once llama_cpp's
+    module globals are gone, printing a traceback at exit)."""
+    for m in list(_LIVE):
+        try:
+            m.llm.close()
+        except Exception:
+            pass
 
 
 _LOG: deque[str] = deque(maxlen=20)  # llama.cpp's recent warnings/errors, for error messages
@@ -151,6 +167,7 @@ class LlamaCppModel:
             ) from e
         self.n_ctx = self.llm.n_ctx()
         self._token_set: set[str] | None = None
+        _LIVE.add(self)
         self._vocab = self.llm._model.vocab
         self._llama_cpp = llama_cpp
 
