@@ -88,18 +88,15 @@ def test_greedy_generation_matches_transformers(native, tiny_dir):
 
     from dsq.runtime.sampling import SamplingParams
 
-    m = native("qwen2")
-    ours = [ev.token_id for ev in m.stream(IDS[:20], SamplingParams(temperature=0), 24, ignore_eos=True)
-            if ev.token_id >= 0]
-    m.reset()
     from dsq.runtime.generate import GenStats
 
+    m = native("qwen2")
+    m.reset()
     st = GenStats()
     list(m.stream(IDS[:20], SamplingParams(temperature=0), 24, st, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir("qwen2"), dtype=torch.float32)
     ref = hf.generate(torch.tensor([IDS[:20]]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
     assert st.token_ids == ref[0, 20:].tolist()
-    assert len(ours) <= 24
 
 
 def test_prefix_cache_reuses_and_stays_exact(native):

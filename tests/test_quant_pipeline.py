@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from dsq.cli import app
 from dsq.quant.driver import QuantSpec, quantize_model

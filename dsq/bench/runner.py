@@ -55,6 +55,7 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
     """Benchmark one model (a path, or None for the built-in) across backends x gpu_layers."""
     from dsq.bench.metrics import PeakMemory, gpu_used_bytes
     from dsq.runtime.engine import BACKENDS, load
+    from dsq.runtime.generate import GenStats
     from dsq.runtime.sampling import SamplingParams
 
     if prompt_tokens < 1 or gen_tokens < 2 or repeat < 1:
@@ -84,8 +85,6 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
             for r in range(repeat):
                 if on_status:
                     on_status(f"{backend} --gpu-layers {gl}: run {r + 1}/{repeat}")
-                from dsq.runtime.generate import GenStats
-
                 st = GenStats()
                 m.reset()  # no prefix reuse between repeats: every run prefills the whole prompt
                 with PeakMemory(baseline_gpu=base_gpu) as mem:

@@ -50,6 +50,7 @@ class HFModelDir:
             raise BadModelFile(f"{cfg_path} does not hold a JSON object", "fix or re-download it")
         self._weight_map: dict[str, Path] | None = None
         self._handles: dict[Path, Any] = {}
+        self._mmap: dict[str, Any] | None = None
 
     @property
     def model_type(self) -> str:
@@ -131,11 +132,14 @@ class HFModelDir:
                                "re-download the model") from e
 
     def mmap_tensors(self) -> dict[str, Any]:
-        """Every tensor as a torch view into a memory-mapped file: no copy until written to."""
-        out = {}
-        for f in sorted(set(self.weight_map.values())):
-            out.update(mmap_safetensors(f))
-        return {k: v for k, v in out.items() if k in self.weight_map}
+        """Every tensor as a torch view into a memory-mapped file: no copy until written to.
+        Parsed once per directory (the quantization driver asks for it at every block)."""
+        if self._mmap is None:
+            out = {}
+            for f in sorted(set(self.weight_map.values())):
+                out.update(mmap_safetensors(f))
+            self._mmap = {k: v for k, v in out.items() if k in self.weight_map}
+        return self._mmap
 
     # -- tokenizer --------------------------------------------------------------------------
     def tokenizer_json(self) -> dict | None:

@@ -147,10 +147,11 @@ def _run_block(layer, hidden: torch.Tensor, ctx, device, dtype, batch: int) -> t
 class _Capture:
     """Forward pre-hooks on Linears: Hessians, sampled inputs, or mean squares of their inputs."""
 
-    def __init__(self, mods: dict[str, nn.Linear], kind: str, keep_tokens: int = 8192):
+    def __init__(self, mods: dict[str, nn.Linear], kind: str, keep_tokens: int = 8192, batches: int = 1):
+        """kind "inputs" keeps about `keep_tokens` evenly spaced rows over `batches` forward batches."""
         from dsq.quant.intq import Hessian
 
-        self.kind, self.keep = kind, keep_tokens
+        self.kind, self.keep, self.batches = kind, keep_tokens, batches
         self.data: dict[str, object] = {}
         self.handles = []
         for name, m in mods.items():
@@ -172,11 +173,9 @@ class _Capture:
                 acc[0] += x.double().pow(2).sum(0).to(acc[0].device)
                 acc[1] += x.shape[0]
             else:
-                step = max(1, x.shape[0] * self._batches // self.keep)
+                step = max(1, x.shape[0] * self.batches // self.keep)
                 self.data[name].append(x[::step].float())
         return hook
-
-    _batches = 1
 
     def close(self) -> None:
         for h in self.handles:
@@ -292,8 +291,8 @@ def quantize_block(layer: nn.Module, i: int, spec: QuantSpec, hidden, ctx, devic
     # AWQ: one capture of every group's inputs, then scales, clipping and quantization. The search
     # sees a sample of the tokens (AutoAWQ's 64k would take minutes per block on a CPU).
     keep = 16384 if torch.device(device).type == "cuda" else 4096
-    cap = _Capture({g[0]: lins[g[0]] for g in LINEAR_GROUPS if g[0] in lins}, "inputs", keep_tokens=keep)
-    cap._batches = max(1, -(-hidden.shape[0] // batch))
+    cap = _Capture({g[0]: lins[g[0]] for g in LINEAR_GROUPS if g[0] in lins}, "inputs", keep_tokens=keep,
+                   batches=max(1, -(-hidden.shape[0] // batch)))
     with _phase("awq: calibration forward"):
         _run_block(layer, hidden, ctx, device, dtype, batch)
     cap.close()

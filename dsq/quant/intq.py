@@ -190,8 +190,9 @@ def _block_runner(N: int, B: int, inner: int, bits: int, sym: bool, device):
     """A function (W1, Hinv1, sc, zr) -> (W1, Q1, Err1, group scales, group zeros) for one block."""
     if torch.device(device).type == "cuda" and GPTQ_CUDA_GRAPHS:
         key = (N, B, inner, bits, sym, str(device))
-        if key not in _GRAPHS:
-            _GRAPHS.clear()  # one shape at a time: graphs hold their buffers
+        if key not in _GRAPHS:  # a model has a handful of shapes (qkv, o, gate/up, down)
+            if len(_GRAPHS) >= 8:
+                _GRAPHS.pop(next(iter(_GRAPHS)))
             _GRAPHS[key] = _BlockGraph(N, B, inner, bits, sym, device)
         return _GRAPHS[key]
 
