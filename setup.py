@@ -13,7 +13,8 @@ FLAGS = {
     "generic": [],
 }
 exts = [
-    Extension(f"dsq.kernels._cpu_{isa}", [f"kernels/csrc/cpu_{isa}.c"], depends=["kernels/csrc/gguf_cpu.inc"],
+    Extension(f"dsq.kernels._cpu_{isa}", [f"kernels/csrc/cpu_{isa}.c"],
+              depends=["kernels/csrc/gguf_cpu.inc", "kernels/csrc/intq_cpu.inc"],
               extra_compile_args=["-O3", "-fopenmp", "-std=c11", *flags], extra_link_args=["-fopenmp"], optional=True)
     for isa, flags in FLAGS.items() if X86 or isa == "generic"
 ]

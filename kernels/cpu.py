@@ -13,6 +13,9 @@ from pathlib import Path
 import torch
 
 GGML_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+INT_BITS = (4, 8)  # dsq's integer layout (kernels/intq_ref.py)
+FP8_SCALE_KINDS = {"tensor": 0, "channel": 1, "block": 2}  # kernels/fp8_ref.py scale_kind
+FP8_BLOCK = 128
 
 
 def _cpu_flags() -> set[str]:
@@ -57,6 +60,15 @@ def load(isa: str):
         lib.dsq_gguf_rows.restype = ctypes.c_int
         lib.dsq_gguf_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_int64, ctypes.c_void_p]
+        if hasattr(lib, "dsq_int_gemm"):  # builds older than the integer / FP8 kernels lack them
+            lib.dsq_int_gemm.restype = ctypes.c_int
+            lib.dsq_int_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+            lib.dsq_fp8_gemm.restype = ctypes.c_int
+            lib.dsq_fp8_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                         ctypes.c_int]
         return lib
     return None
 
@@ -104,3 +116,108 @@ def gguf_rows(ids: torch.Tensor, raw: torch.Tensor, qtype: str, dim: int) -> tor
     if lib.dsq_gguf_rows(raw.data_ptr(), GGML_TYPES[qtype], dim, flat.data_ptr(), flat.shape[0], out.data_ptr()):
         raise ValueError(f"dsq_gguf_rows refused {qtype}")
     return out.reshape(*ids.shape, dim)
+
+
+def _lib_with(lib, fn: str):
+    lib = lib or library()[0]
+    if lib is None:
+        raise RuntimeError(f"no compiled CPU kernels: {library()[1]}")
+    if not hasattr(lib, fn):
+        raise RuntimeError(f"this build of the CPU kernels has no {fn}: reinstall dsq to rebuild them")
+    return lib
+
+
+def _desc(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _prepare(x: torch.Tensor, K: int, N: int, out: torch.Tensor | None, what: str):
+    """x (..., K) float on the CPU -> float32 (M, K) contiguous, and y (M, N) float32."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not x.is_cpu:
+        raise TypeError(f"{what}: x must be a floating point CPU tensor, got {_desc(x)}")
+    if x.ndim < 1 or x.shape[-1] != K:
+        raise ValueError(f"{what}: x is {_desc(x)}, its last dimension must be {K}")
+    # (a few microseconds per call matter in decode: skip the no-op conversions)
+    xf = x if x.ndim == 2 and x.dtype == torch.float32 and x.is_contiguous() else \
+        x.reshape(-1, K).to(torch.float32).contiguous()
+    M = xf.shape[0]
+    if out is None:
+        return xf, torch.empty(M, N, dtype=torch.float32)
+    if out.shape != (M, N) or out.dtype != torch.float32 or not out.is_contiguous() or not out.is_cpu:
+        raise ValueError(f"{what}: out must be a contiguous float32 ({M}, {N}) CPU tensor, got {_desc(out)}")
+    return xf, out
+
+
+def _finish(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, N: int, what: str) -> torch.Tensor:
+    if bias is not None:
+        if bias.numel() != N:
+            raise ValueError(f"{what}: bias is {_desc(bias)}, it needs {N} values")
+        y += bias.reshape(N).float()
+    if x.ndim != 2:
+        y = y.reshape(*x.shape[:-1], N)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               lib=None) -> torch.Tensor:
+    """y = x[..., perm] W^T (+ bias) for dsq's integer layout (kernels/intq_ref.py): qweight uint8
+    (N, K/2) for 4 bits or (N, K) for 8, scales float16 (N, G), zeros uint8 (N, G), groups of
+    K/G columns (even for 4 bits). Returns x's dtype; `out` (M, N) float32 may be given (the
+    tests poison it); `lib` picks a build. Bad input raises TypeError / ValueError."""
+    lib = _lib_with(lib, "dsq_int_gemm")
+    if bits not in INT_BITS:
+        raise ValueError(f"int_linear: bits must be 4 or 8, got {bits!r}")
+    what = f"int{bits}_linear"
+    if not (isinstance(qweight, torch.Tensor) and qweight.dtype == torch.uint8 and qweight.ndim == 2
+            and isinstance(scales, torch.Tensor) and scales.dtype == torch.float16 and scales.ndim == 2
+            and isinstance(zeros, torch.Tensor) and zeros.dtype == torch.uint8 and zeros.ndim == 2):
+        raise TypeError(f"{what}: needs qweight uint8 (N, K*{bits}/8), scales float16 (N, G), zeros uint8 (N, G), "
+                        f"got {_desc(qweight)}, {_desc(scales)}, {_desc(zeros)}")
+    N, K = qweight.shape[0], qweight.shape[1] * 8 // bits
+    G = scales.shape[1]
+    if scales.shape[0] != N or zeros.shape != scales.shape or not G or K % G or (bits == 4 and (K // G) % 2):
+        raise ValueError(f"{what}: scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} do not fit "
+                         f"({N}, {K}) weights in groups of an {'even ' if bits == 4 else ''}size dividing {K}")
+    if not (qweight.is_cpu and scales.is_cpu and zeros.is_cpu):
+        raise TypeError(f"{what}: weights must be on the CPU, got {qweight.device}")
+    xf, y = _prepare(x, K, N, out, what)
+    if perm is not None:
+        if not isinstance(perm, torch.Tensor) or perm.dtype not in (torch.int64, torch.int32) or perm.shape != (K,):
+            raise ValueError(f"{what}: perm must be an int64 ({K},) tensor, got {_desc(perm)}")
+        xf = xf[:, perm].contiguous()
+    if xf.shape[0] and N:
+        qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+        if lib.dsq_int_gemm(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), bits, N, K, G, xf.data_ptr(),
+                            xf.shape[0], y.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"dsq_int_gemm refused int{bits} ({N}, {K}) in {G} groups (or ran out of memory)")
+    return _finish(x, y, bias, N, what)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, lib=None) -> torch.Tensor:
+    """y = x (weight * scale)^T (+ bias) for float8_e4m3fn weight (N, K) and a float scale per
+    tensor (1,), per output channel (N, 1) or per 128x128 block (ceil(N/128), ceil(K/128))
+    (kernels/fp8_ref.py). Returns x's dtype; `out` and `lib` as in int_linear."""
+    from dsq.kernels.fp8_ref import scale_kind
+
+    lib = _lib_with(lib, "dsq_fp8_gemm")
+    if not (isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn and weight.ndim == 2
+            and isinstance(scale, torch.Tensor) and scale.is_floating_point()):
+        raise TypeError(f"fp8_linear: needs weight float8_e4m3fn (N, K) and a float scale, "
+                        f"got {_desc(weight)}, {_desc(scale)}")
+    if not (weight.is_cpu and scale.is_cpu):
+        raise TypeError(f"fp8_linear: weights must be on the CPU, got {weight.device}")
+    N, K = weight.shape
+    kind = scale_kind(scale, N)
+    if kind == "block" and tuple(scale.shape) != (-(-N // FP8_BLOCK), -(-K // FP8_BLOCK)):
+        raise ValueError(f"fp8_linear: scale {tuple(scale.shape)} is none of (1,), ({N}, 1) or "
+                         f"({-(-N // FP8_BLOCK)}, {-(-K // FP8_BLOCK)}) for ({N}, {K}) weights")
+    xf, y = _prepare(x, K, N, out, "fp8_linear")
+    if xf.shape[0] and N:
+        w = weight.contiguous().view(torch.uint8)
+        s = scale.to(torch.float32).contiguous()
+        if lib.dsq_fp8_gemm(w.data_ptr(), s.data_ptr(), FP8_SCALE_KINDS[kind], N, K, xf.data_ptr(), xf.shape[0],
+                            y.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"dsq_fp8_gemm refused ({N}, {K}) with a {kind} scale (or ran out of memory)")
+    return _finish(x, y, bias, N, "fp8_linear")

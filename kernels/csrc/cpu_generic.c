@@ -4,3 +4,4 @@
 #include <immintrin.h>
 #endif
 #include "gguf_cpu.inc"
+#include "intq_cpu.inc"
