@@ -44,8 +44,8 @@ def unpack_awq(words: torch.Tensor) -> torch.Tensor:
     """int32 (R, N/8) -> codes (R, N) in natural column order."""
     R, W = words.shape
     w = words.to(torch.int64) & 0xFFFFFFFF
-    nib = (w[:, :, None] >> torch.arange(0, 32, 4, dtype=torch.int64)) & 0xF  # (R, W, 8) by nibble
-    return nib[:, :, AWQ_REVERSE].reshape(R, W * 8)
+    nib = (w[:, :, None] >> torch.arange(0, 32, 4, dtype=torch.int64, device=w.device)) & 0xF  # (R, W, 8) by nibble
+    return nib[:, :, torch.tensor(AWQ_REVERSE, device=w.device)].reshape(R, W * 8)
 
 
 def awq_tensors(q_nk: torch.Tensor, scales_gn: torch.Tensor, zeros_gn: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -86,7 +86,7 @@ def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
     per = 32 // bits
     w = words.to(torch.int64) & 0xFFFFFFFF
-    shifts = (torch.arange(per, dtype=torch.int64) * bits)[None, :, None]
+    shifts = (torch.arange(per, dtype=torch.int64, device=w.device) * bits)[None, :, None]
     return ((w[:, None, :] >> shifts) & ((1 << bits) - 1)).reshape(-1, words.shape[1])
 
 

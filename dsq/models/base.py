@@ -163,8 +163,16 @@ class Attention(nn.Module):
         self.softcap = args.attn_logit_softcapping
 
     def fuse(self) -> bool:
-        """Replace q/k/v by one projection (one weight read, one launch) when all three are float."""
+        """Replace q/k/v by one projection (one weight read, one launch) when all three are float, or
+        all three quantized modules of one format that can stack their rows (fuse_rows)."""
         mods = (self.q_proj, self.k_proj, self.v_proj)
+        if hasattr(type(mods[0]), "fuse_rows"):  # quantized modules that know how to stack their rows
+            fused = type(mods[0]).fuse_rows(mods)
+            if fused is None:
+                return False
+            self.qkv_proj = fused
+            del self.q_proj, self.k_proj, self.v_proj
+            return True
         if not all(type(m) is nn.Linear for m in mods) or len({m.weight.dtype for m in mods}) != 1:
             return False
         w = torch.cat([m.weight for m in mods])
@@ -221,6 +229,13 @@ class MLP(nn.Module):
     def fuse(self) -> bool:
         """Replace gate/up by one projection when both are float."""
         mods = (self.gate_proj, self.up_proj)
+        if hasattr(type(mods[0]), "fuse_rows"):
+            fused = type(mods[0]).fuse_rows(mods)
+            if fused is None:
+                return False
+            self.gate_up_proj = fused
+            del self.gate_proj, self.up_proj
+            return True
         if not all(type(m) is nn.Linear for m in mods) or self.gate_proj.bias is not None:
             return False
         w = torch.cat([m.weight for m in mods])

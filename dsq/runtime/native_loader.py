@@ -16,7 +16,7 @@ from torch import nn
 from dsq.errors import BadModelFile
 from dsq.models.base import Transformer
 from dsq.models.registry import build_args
-from dsq.runtime.qmodules import GGUFEmbedding, GGUFLinear, set_module
+from dsq.runtime.qmodules import GGUFEmbedding, GGUFLinear, prepare_kernels, set_module
 
 FLOAT_GGUF = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -87,6 +87,7 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.devi
         raise BadModelFile(f"{path} lacks lm_head.weight and does not tie embeddings", "fix tie_word_embeddings")
     model.tie_weights()
     _place(model, gpu_layers, gpu)
+    prepare_kernels(model)
     return model.eval(), cfg
 
 
@@ -181,4 +182,5 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.de
     if "model.embed_tokens.weight" in sd:
         model.tie_weights()
     _place(model, gpu_layers, gpu)
+    prepare_kernels(model)
     return model.eval(), cfg

@@ -1,12 +1,15 @@
-"""Quantized modules the runtime swaps into a model before loading: weights stay in their on-disk
-format in memory and every op goes through `dsq.kernels.dispatch` (one line to a faster kernel)."""
+"""Quantized modules. The loader builds the checkpoint's modules (GGUFLinear, AWQLinear, GPTQLinear,
+FP8Linear: tensors exactly as on disk), places them, then `prepare_kernels` turns each into what
+its device's kernels read: on a GPU one `PackedLinear` (kernels/packed.py, Triton) for every
+format; on the CPU GGUF blocks and FP8 stay as they are and AWQ/GPTQ become `IntLinear` (dsq's
+internal int layout, C kernels). Every op goes through `dsq.kernels.dispatch`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from dsq.kernels import dispatch
+from dsq.kernels import dispatch, intq_ref, packed
 from dsq.kernels.gguf_ref import row_bytes
 
 
@@ -23,6 +26,11 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dispatch.gguf_linear(x, self.raw, self.qtype, self.in_features, self.bias)
+
+    def kernel_module(self) -> nn.Module:
+        if dispatch.use_triton(self.raw.device):
+            return PackedLinear(packed.from_gguf(self.raw, self.qtype, self.in_features), self.bias, self.qtype)
+        return self
 
     def extra_repr(self) -> str:
         return f"{self.qtype}, in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -73,6 +81,10 @@ class AWQLinear(_DequantLinear):
 
         return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group)
 
+    def kernel_module(self) -> nn.Module:
+        return IntLinear.build(intq_ref.from_awq(self.qweight, self.qzeros, self.scales, self.group), 4, self.bias,
+                               "awq int4")
+
 
 class GPTQLinear(_DequantLinear):
     """GPTQ: qweight (K*b/32, N), qzeros (G, N*b/32), scales (G, N), g_idx (K,)."""
@@ -92,6 +104,10 @@ class GPTQLinear(_DequantLinear):
 
         return gptq_dequantize(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.v1)
 
+    def kernel_module(self) -> nn.Module:
+        d = intq_ref.from_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.v1)
+        return IntLinear.build(d, self.bits, self.bias, f"gptq int{self.bits}")
+
 
 class FP8Linear(_DequantLinear):
     """FP8 e4m3 weight (N, K) with a channel, tensor or 128x128-block scale."""
@@ -106,6 +122,101 @@ class FP8Linear(_DequantLinear):
         from dsq.formats.fp8 import fp8_dequantize
 
         return fp8_dequantize(self.weight, getattr(self, self.scale_name))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dispatch.fp8_linear(x, self.weight, getattr(self, self.scale_name), self.bias)
+
+    def kernel_module(self) -> nn.Module:
+        if dispatch.use_triton(self.weight.device) and self.in_features % 2 == 0:
+            return PackedLinear(packed.from_fp8(self.weight, getattr(self, self.scale_name)), self.bias, "fp8")
+        return self
+
+
+class IntLinear(nn.Module):
+    """dsq's internal int4/int8 layout (kernels/intq_ref.py) for the CPU kernels."""
+
+    def __init__(self, d: dict[str, torch.Tensor], bits: int, bias: nn.Parameter | None, source: str):
+        super().__init__()
+        self.bits, self.source = bits, source
+        self.out_features, self.in_features = d["qweight"].shape[0], d["qweight"].shape[1] * 8 // bits
+        for k in ("qweight", "scales", "zeros", "perm"):
+            self.register_buffer(k, d.get(k))
+        self.bias = bias
+
+    @staticmethod
+    def build(d: dict[str, torch.Tensor], bits: int, bias, source: str) -> nn.Module:
+        """IntLinear, or on a GPU the PackedLinear that shares its tensors."""
+        if dispatch.use_triton(d["qweight"].device):
+            p = packed.from_int(d["qweight"], d["scales"], d["zeros"], bits, d.get("perm"))
+            return PackedLinear(p, bias, source)
+        return IntLinear(d, bits, bias, source)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dispatch.int_linear(x, self.qweight, self.scales, self.zeros, self.bits, self.perm, self.bias)
+
+    def weight_float(self) -> torch.Tensor:
+        """float32 (N, K) in the checkpoint's channel order."""
+        return _unpermute(intq_ref.dequantize(self.qweight, self.scales, self.zeros, self.bits), self.perm)
+
+    def extra_repr(self) -> str:
+        return f"{self.source}, in={self.in_features}, out={self.out_features}"
+
+
+class PackedLinear(nn.Module):
+    """Any quantized weight in the GPU layout (kernels/packed.py), run by the Triton kernels."""
+
+    PLANES = ("lo", "sc", "hi", "d", "zp", "mn", "dmin", "perm")
+
+    def __init__(self, p: packed.Packed, bias: nn.Parameter | None, source: str):
+        super().__init__()
+        self.fmt, self.in_features, self.out_features, self.source = p.fmt, p.K, p.N, source
+        for k in self.PLANES:
+            self.register_buffer(k, getattr(p, k))
+        self.bias = bias
+
+    @property
+    def packed(self) -> packed.Packed:
+        return packed.Packed(self.fmt, self.out_features, self.in_features,
+                             **{k: getattr(self, k) for k in self.PLANES})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dispatch.packed_linear(x, self.packed, self.bias)
+
+    def weight_float(self) -> torch.Tensor:
+        return _unpermute(packed.dequantize(self.packed), self.perm)
+
+    @staticmethod
+    def fuse_rows(mods) -> PackedLinear | None:
+        """One PackedLinear for several of the same format and input (q/k/v, gate/up), or None."""
+        if not all(isinstance(m, PackedLinear) for m in mods) or len({m.bias is None for m in mods}) != 1:
+            return None
+        try:
+            p = packed.Packed.cat([m.packed for m in mods])
+        except ValueError:
+            return None
+        bias = None if mods[0].bias is None else nn.Parameter(torch.cat([m.bias for m in mods]),
+                                                               requires_grad=False)
+        return PackedLinear(p, bias, mods[0].source)
+
+    def extra_repr(self) -> str:
+        return f"{self.source}, in={self.in_features}, out={self.out_features}"
+
+
+def _unpermute(w: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    return w if perm is None else w[:, torch.argsort(perm)]
+
+
+def prepare_kernels(model: nn.Module) -> int:
+    """Replace each quantized module by the one its device's kernels read (after placement).
+    Returns how many were replaced."""
+    n = 0
+    for name, m in list(model.named_modules()):
+        if hasattr(m, "kernel_module"):
+            new = m.kernel_module()
+            if new is not m:
+                set_module(model, name, new)
+                n += 1
+    return n
 
 
 def set_module(root: nn.Module, name: str, module: nn.Module) -> None:

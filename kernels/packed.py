@@ -1,0 +1,226 @@
+"""One GPU weight layout for every quantized format: `Packed`, what the Triton kernels read.
+
+Every format becomes row-major planes, rows = output features, contiguous along K, so a tile of
+rows x K streams with wide coalesced loads and the same kernel serves GEMV (decode) and tl.dot
+(prefill):
+- codes: 4-bit formats keep pairs in a byte, `lo` uint8 (N, K/2): byte j = c[2j] | c[2j+1] << 4;
+  Q5 formats add a 1-bit plane `hi` (N, K/8) (bit i of byte b = element 8b+i), Q6_K a 2-bit plane
+  (N, K/4) (bits 2i..2i+1 of byte b = element 4b+i). 8-bit formats keep one byte per element,
+  `lo` (N, K) (int8 for Q8_0, uint8 for int8, e4m3 bits for FP8).
+- scales: `sc` (N/sc_rows, K/sub) in the format's own type (fp16 d for Q4_0/Q5_0/Q8_0 and the
+  integer formats, int8/uint8 sub-block scales for K-quants, float32 for FP8), times a per-256
+  fp16 super-scale `d` (N, K/256) for K-quants.
+- zero: a constant offset (Q4_0 8, Q5_0 16, Q6_K 32), integer zero points `zp` like `sc`
+  (AWQ/GPTQ/int8), or K-quant mins: w -= dmin (N, K/256) * mn (N, K/32).
+W[n, k] = s * (c - zero) - min, in float32. The repacking keeps every number of the source, so
+the kernels are held to the same references as the source formats (gguf_ref, intq_ref, fp8_ref).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from dsq.kernels import gguf_ref
+
+# code kinds
+NIB, U8, I8, FP8 = 0, 1, 2, 3
+# zero kinds
+Z_NONE, Z_CONST, Z_ARRAY = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Fmt:
+    """The kernel's compile-time description of a packed format."""
+    codes: int = NIB
+    hi_bits: int = 0  # 0, 1 (Q5) or 2 (Q6_K)
+    sub: int = 32  # elements along K per `sc` entry
+    sc_rows: int = 1  # rows per `sc` entry (128 for FP8 block scales)
+    two_level: bool = False  # sc times d per 256 (K-quants)
+    zero: int = Z_NONE
+    offset: int = 0
+    mins: bool = False  # K-quant mins (Q4_K, Q5_K)
+
+
+@dataclass
+class Packed:
+    fmt: Fmt
+    N: int
+    K: int
+    lo: torch.Tensor
+    sc: torch.Tensor
+    hi: torch.Tensor | None = None
+    d: torch.Tensor | None = None
+    zp: torch.Tensor | None = None
+    mn: torch.Tensor | None = None
+    dmin: torch.Tensor | None = None
+    perm: torch.Tensor | None = None  # act-order: y = x[..., perm] @ W^T
+    extra: dict = field(default_factory=dict)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, k) for k in ("lo", "sc", "hi", "d", "zp", "mn", "dmin", "perm")
+                if getattr(self, k) is not None}
+
+    def to(self, device) -> Packed:
+        kw = {k: v.to(device) for k, v in self.tensors().items()}
+        return Packed(self.fmt, self.N, self.K, **kw)
+
+    def nbytes(self) -> int:
+        """Bytes a matmul must read (everything but the permutation)."""
+        return sum(t.numel() * t.element_size() for k, t in self.tensors().items() if k != "perm")
+
+    @staticmethod
+    def cat(parts: list[Packed]) -> Packed:
+        """Stack packed weights of the same format and K along N (fused q/k/v, gate/up)."""
+        p0 = parts[0]
+        ok = all(p.fmt == p0.fmt and p.K == p0.K and p.perm is None for p in parts)
+        if not ok or (p0.fmt.sc_rows > 1 and any(p.N % p0.fmt.sc_rows for p in parts[:-1])):
+            raise ValueError("cannot fuse packed weights of different formats")
+        kw = {k: torch.cat([getattr(p, k) for p in parts]) for k in p0.tensors()}
+        return Packed(p0.fmt, sum(p.N for p in parts), p0.K, **kw)
+
+
+# -- generic reference over the packed layout (tests; any device) -------------------------------
+def codes(p: Packed) -> torch.Tensor:
+    """-> int32 or float32 (FP8) codes (N, K)."""
+    f = p.fmt
+    if f.codes == NIB:
+        b = p.lo.to(torch.int32)
+        c = torch.stack([b & 15, b >> 4], dim=-1).reshape(p.N, p.K)
+        if f.hi_bits == 1:
+            h = p.hi.to(torch.int32)
+            c = c | (((h[:, :, None] >> torch.arange(8, device=h.device)) & 1).reshape(p.N, p.K) << 4)
+        elif f.hi_bits == 2:
+            h = p.hi.to(torch.int32)
+            c = c | (((h[:, :, None] >> (2 * torch.arange(4, device=h.device))) & 3).reshape(p.N, p.K) << 4)
+        return c
+    if f.codes == FP8:
+        return p.lo.view(torch.float8_e4m3fn).float()
+    return p.lo.view(torch.int8 if f.codes == I8 else torch.uint8).to(torch.int32)
+
+
+def dequantize(p: Packed) -> torch.Tensor:
+    """-> float32 (N, K), stored column order."""
+    f = p.fmt
+
+    def expand(t, sub, rows=1):
+        t = t.float().repeat_interleave(sub, dim=1)[:, :p.K]
+        return t.repeat_interleave(rows, dim=0)[:p.N] if rows > 1 else t
+
+    c = codes(p).float()
+    s = expand(p.sc, f.sub, f.sc_rows)
+    if f.two_level:
+        s = s * expand(p.d, 256)
+    if f.zero == Z_CONST:
+        c = c - f.offset
+    elif f.zero == Z_ARRAY:
+        c = c - expand(p.zp, f.sub)
+    w = s * c
+    if f.mins:
+        w = w - expand(p.dmin, 256) * expand(p.mn, 32)
+    return w
+
+
+def linear_ref(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    xf = x.float()
+    if p.perm is not None:
+        xf = xf[..., p.perm]
+    y = xf @ dequantize(p).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+# -- packing from each source format ---------------------------------------------------------------
+def _pairs(c: torch.Tensor) -> torch.Tensor:
+    c = c.to(torch.uint8)
+    return (c[:, 0::2] & 15 | ((c[:, 1::2] & 15) << 4)).contiguous()
+
+
+def _plane(c: torch.Tensor, bits: int) -> torch.Tensor:
+    """High bits (above the low 4) of codes (N, K) -> plane of `bits`-bit fields, 8/bits per byte."""
+    per = 8 // bits
+    h = (c.to(torch.int32) >> 4).reshape(c.shape[0], -1, per)
+    shifts = torch.arange(per, device=c.device, dtype=torch.int32) * bits
+    return (h << shifts).sum(-1).to(torch.uint8).contiguous()
+
+
+def from_int(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+             perm: torch.Tensor | None = None) -> Packed:
+    """dsq's internal int layout (kernels/intq_ref.py) -> Packed (shares the tensors)."""
+    N, G = scales.shape
+    K = qweight.shape[1] * (2 if bits == 4 else 1)
+    fmt = Fmt(codes=NIB if bits == 4 else U8, sub=K // G, zero=Z_ARRAY)
+    return Packed(fmt, N, K, lo=qweight, sc=scales, zp=zeros, perm=perm)
+
+
+def from_fp8(weight: torch.Tensor, scale: torch.Tensor) -> Packed:
+    from dsq.kernels.fp8_ref import BLOCK, scale_kind
+
+    N, K = weight.shape
+    kind = scale_kind(scale, N)
+    s = scale.float()
+    if kind == "tensor":
+        s, fmt = s.reshape(1, 1).expand(N, 1).contiguous(), Fmt(codes=FP8, sub=K)
+    elif kind == "channel":
+        s, fmt = s.reshape(N, 1).contiguous(), Fmt(codes=FP8, sub=K)
+    else:
+        s, fmt = s.contiguous(), Fmt(codes=FP8, sub=BLOCK, sc_rows=BLOCK)
+    return Packed(fmt, N, K, lo=weight.view(torch.uint8), sc=s)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16)
+
+
+def _k_scales(s: torch.Tensor):
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+def _nib(qs: torch.Tensor) -> torch.Tensor:
+    return torch.stack((qs & 0x0F, qs >> 4), dim=-2)
+
+
+def from_gguf(raw: torch.Tensor, qtype: str, K: int) -> Packed:
+    """GGUF blocks (N, row_bytes) uint8 -> Packed, on raw's device. Codes are unsigned (with the
+    format's offset) except Q8_0 (int8)."""
+    N = raw.shape[0]
+    per, nbytes = gguf_ref.BLOCKS[qtype]
+    b = raw.reshape(N * (K // per), nbytes)
+    nb = b.shape[0]
+    if qtype == "Q4_0":
+        c = _nib(b[:, 2:18]).reshape(N, K)
+        return Packed(Fmt(sub=32, zero=Z_CONST, offset=8), N, K, lo=_pairs(c), sc=_f16(b[:, 0:2]).reshape(N, -1))
+    if qtype == "Q5_0":
+        hi = ((b[:, 2:6, None] >> torch.arange(8, dtype=torch.uint8, device=b.device)) & 1).reshape(nb, 32)
+        c = (_nib(b[:, 6:22]).reshape(nb, 32) | (hi << 4)).reshape(N, K)
+        return Packed(Fmt(hi_bits=1, sub=32, zero=Z_CONST, offset=16), N, K, lo=_pairs(c), hi=_plane(c, 1),
+                      sc=_f16(b[:, 0:2]).reshape(N, -1))
+    if qtype == "Q8_0":
+        return Packed(Fmt(codes=I8, sub=32), N, K, lo=b[:, 2:34].contiguous().reshape(N, K),
+                      sc=_f16(b[:, 0:2]).reshape(N, -1))
+    if qtype in ("Q4_K", "Q5_K"):
+        sc, mn = _k_scales(b[:, 4:16])
+        if qtype == "Q4_K":
+            c = _nib(b[:, 16:144].reshape(nb, 4, 32)).reshape(N, K)
+        else:
+            qh = b[:, 16:48]
+            lo = _nib(b[:, 48:176].reshape(nb, 4, 32)).reshape(nb, 8, 32)
+            hi = (qh[:, None, :] >> torch.arange(8, device=b.device, dtype=torch.uint8)[None, :, None]) & 1
+            c = (lo | (hi << 4)).reshape(N, K)
+        fmt = Fmt(hi_bits=0 if qtype == "Q4_K" else 1, sub=32, two_level=True, mins=True)
+        return Packed(fmt, N, K, lo=_pairs(c), hi=None if qtype == "Q4_K" else _plane(c, 1),
+                      sc=sc.reshape(N, -1).contiguous(), d=_f16(b[:, 0:2]).reshape(N, -1),
+                      mn=mn.reshape(N, -1).contiguous(), dmin=_f16(b[:, 2:4]).reshape(N, -1))
+    if qtype == "Q6_K":
+        ql = _nib(b[:, 0:128].reshape(nb, 2, 64)).reshape(nb, 8, 32)
+        qh = b[:, 128:192].reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8,
+                                                                 device=b.device).reshape(1, 1, 4, 1)
+        c = (ql | ((qh & 3).reshape(nb, 8, 32) << 4)).reshape(N, K)
+        fmt = Fmt(hi_bits=2, sub=16, two_level=True, zero=Z_CONST, offset=32)
+        return Packed(fmt, N, K, lo=_pairs(c), hi=_plane(c, 2), sc=b[:, 192:208].contiguous().view(torch.int8)
+                      .reshape(N, -1), d=_f16(b[:, 208:210]).reshape(N, -1))
+    raise ValueError(f"no packed layout for {qtype}")

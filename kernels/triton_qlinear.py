@@ -1,0 +1,350 @@
+"""Triton kernels: fused dequantize + matmul over the packed layout (kernels/packed.py), for every
+format dsq holds (int4/int8 from AWQ and GPTQ, FP8, GGUF Q4_0..Q6_K).
+
+- `_gemv` (M = 1, decode): each program owns BN output rows and streams their K codes in wide
+  row-contiguous tiles, dequantizing in registers; partial products accumulate in a (BN, BK/2)
+  register tile and are reduced once at the end. Several loads are in flight through the loop's
+  software pipelining (num_stages).
+- `_gemm` (M > 1: batched decode and prefill): the same dequantized tiles fed to `tl.dot` (tensor
+  cores), BM rows of x per program; M is the fastest grid axis so weight tiles are reused from L2.
+Codes come in pairs (even, odd element of K) so nothing is interleaved: even and odd columns of x
+are loaded separately and meet their weights in two dots / two products.
+
+Runs under TRITON_INTERPRET=1 on the CPU (the CI tests); on a GPU the tile shapes are autotuned
+per (N, K, format) on first use.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from dsq.kernels.packed import NIB, Packed
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _to_float(c):
+    """Small non-negative int32 (< 2^23) -> float32 without a conversion instruction: 2^23 + c has
+    c in its mantissa bits."""
+    return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _codes(lo_ptr, hi_ptr, rn4, w, i4, mask, s_lo, s_hi, CODES: tl.constexpr, HI_BITS: tl.constexpr):
+    """Codes of rows rn4 (BN,1,1,1) in 32-bit words w (1,GT,GW,1), element i4 (1,1,1,EPW) of each word,
+    as float32 (BN, GT, GW, EPW). Words are read whole (wide loads), elements split in registers."""
+    word = tl.load(lo_ptr + rn4 * s_lo + w, mask=mask, other=0)
+    if CODES == 0:  # 8 nibbles per word, element 8w + i at bits 4i
+        c = (word >> (4 * i4)) & 15
+        if HI_BITS == 1:  # one bit per element: 32 per word of the plane
+            h = tl.load(hi_ptr + rn4 * s_hi + w // 4, mask=mask, other=0)
+            c = c | (((h >> (8 * (w % 4) + i4)) & 1) << 4)
+        if HI_BITS == 2:  # two bits per element: 16 per word
+            h = tl.load(hi_ptr + rn4 * s_hi + w // 2, mask=mask, other=0)
+            c = c | (((h >> (16 * (w % 2) + 2 * i4)) & 3) << 4)
+        v = _to_float(c)
+    else:  # 4 bytes per word
+        c = (word >> (8 * i4)) & 0xFF
+        if CODES == 3:  # e4m3 -> fp16 bits (value / 256): sign to bit 15, exponent and mantissa shifted by 7
+            hb = ((c & 0x80) << 8) | ((c & 0x7F) << 7)
+            v = hb.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        else:
+            v = _to_float(c)
+            if CODES == 2:  # int8: two's complement bytes
+                v = tl.where(v > 127.0, v - 256.0, v)
+    return v
+
+
+@triton.jit
+def _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn2, e2, gmask, s_sc, s_d, s_zp, s_mn, s_dmin,
+                  SUB: tl.constexpr, SC_ROWS: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
+                  OFFSET: tl.constexpr, MINS: tl.constexpr):
+    """Per scale group (rows rn2 (BN,1), first elements e2 (1,GT)): scale s, zero z and min m with
+    W = s * (c - z) - m."""
+    s = tl.load(sc_ptr + (rn2 // SC_ROWS) * s_sc + e2 // SUB, mask=gmask, other=0).to(tl.float32)
+    if TWO_LEVEL:
+        s = s * tl.load(d_ptr + rn2 * s_d + e2 // 256, mask=gmask, other=0).to(tl.float32)
+    z = tl.zeros_like(s)
+    if ZERO == 1:
+        z += OFFSET
+    if ZERO == 2:
+        z = tl.load(zp_ptr + rn2 * s_zp + e2 // SUB, mask=gmask, other=0).to(tl.float32)
+    m = tl.zeros_like(s)
+    if MINS:
+        m = (tl.load(dmin_ptr + rn2 * s_dmin + e2 // 256, mask=gmask, other=0).to(tl.float32)
+             * tl.load(mn_ptr + rn2 * s_mn + e2 // 32, mask=gmask, other=0).to(tl.float32))
+    return s, z, m
+
+
+@triton.jit
+def _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, row, w, e, wm, gm,
+              s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES: tl.constexpr,
+              HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr, TWO_LEVEL: tl.constexpr,
+              ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr):
+    """One row's code words (GT, GW) and, per word, its group's scale s, zero point z, high-bit
+    word (already shifted to this word's bits) and min m."""
+    word = tl.load(lo_ptr + row * s_lo + w, mask=wm, other=0)
+    s = tl.load(sc_ptr + (row // SC_ROWS) * s_sc + e // SUB, mask=gm, other=0).to(tl.float32)
+    if TWO_LEVEL:
+        s = s * tl.load(d_ptr + row * s_d + e // 256, mask=gm, other=0).to(tl.float32)
+    z = tl.zeros_like(s)
+    if ZERO == 1:
+        z += OFFSET
+    if ZERO == 2:
+        z += tl.load(zp_ptr + row * s_zp + e // SUB, mask=gm, other=0).to(tl.float32)
+    if CODES == 2:  # int8 -> unsigned (c + 128) by flipping each byte's sign bit
+        word = word ^ -2139062144  # 0x80808080 as an int32
+        z += 128.0
+    h = word
+    if HI_BITS == 1:
+        h = tl.load(hi_ptr + row * s_hi + w // 4, mask=wm, other=0) >> (8 * (w % 4))
+    if HI_BITS == 2:
+        h = tl.load(hi_ptr + row * s_hi + w // 2, mask=wm, other=0) >> (16 * (w % 2))
+    m = tl.zeros_like(s)
+    if MINS:
+        m = (tl.load(dmin_ptr + row * s_dmin + e // 256, mask=gm, other=0).to(tl.float32)
+             * tl.load(mn_ptr + row * s_mn + e // 32, mask=gm, other=0).to(tl.float32))
+    return word, s, z, h, m
+
+
+@triton.jit
+def _place(v, SRC: tl.constexpr, DST: tl.constexpr, NBITS: tl.constexpr):
+    """Bits SRC..SRC+NBITS-1 of v moved to DST.., everything else cleared (one shift, one and)."""
+    if DST >= SRC:
+        r = v << (DST - SRC)
+    else:
+        r = v >> (SRC - DST)
+    return r & (((1 << NBITS) - 1) << DST)
+
+
+@triton.jit
+def _element(word, h, i: tl.constexpr, CODES: tl.constexpr, HI_BITS: tl.constexpr):
+    """Element i of each word as f = 1 + c / 2^CB (CB code bits), built by writing the code into
+    the top of a float's mantissa: no int->float conversion. FP8: the value itself."""
+    if CODES == 3:  # e4m3 -> fp16 bits: value / 256 (the caller multiplies by 256 once per word)
+        hb = _place(word, 8 * i + 7, 15, 1) | _place(word, 8 * i, 7, 7)
+        return hb.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if CODES == 0:
+        if HI_BITS == 0:
+            bits = _place(word, 4 * i, 19, 4)
+        elif HI_BITS == 1:
+            bits = _place(word, 4 * i, 18, 4) | _place(h, i, 22, 1)
+        else:
+            bits = _place(word, 4 * i, 17, 4) | _place(h, 2 * i, 21, 2)
+    else:
+        bits = _place(word, 8 * i, 15, 8)
+    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
+          s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+          CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
+          TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
+          HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """M = 1, four rows per program (BN must be 4). All tensors share the layout of one row's code
+    words (GT, GW): each x element is loaded and converted once and used by the four rows, the
+    elements of a word are taken one at a time (unrolled), and threads combine their sums once,
+    after the loop. Per element: a shift, an and/or and one FMA (see _element); per word:
+    sum c x = 2^CB (sum f x - sum x), then W x = s (sum c x - z sum x) - m sum x."""
+    EPW: tl.constexpr = 8 if CODES == 0 else 4  # elements per 32-bit word
+    CB: tl.constexpr = 4 + HI_BITS if CODES == 0 else 8  # code bits
+    SC: tl.constexpr = 1 << CB
+    GS: tl.constexpr = SUB if SUB < BK else BK  # elements per scale group inside a tile
+    GT: tl.constexpr = BK // GS
+    GW: tl.constexpr = GS // EPW
+    r0 = tl.program_id(0) * 4
+    wt = (tl.arange(0, GT) * GW)[:, None] + tl.arange(0, GW)[None, :]  # word index in the tile
+    et = (tl.arange(0, GT) * GS)[:, None]  # first element of each group (GT, 1): loaded once, broadcast
+    KW = K // EPW
+    a0 = tl.zeros((GT, GW), dtype=tl.float32)
+    a1 = tl.zeros((GT, GW), dtype=tl.float32)
+    a2 = tl.zeros((GT, GW), dtype=tl.float32)
+    a3 = tl.zeros((GT, GW), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        w = k0 // EPW + wt
+        e = k0 + et
+        km = w < KW
+        rw = wt * 0 + r0  # the row index as tensors (masks of tensor & tensor), per word and per group
+        rv = et * 0 + r0
+        em = e < K
+        q0, s0, z0, h0, m0 = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r0, w, e,
+                                       km & (rw < N), em & (rv < N), s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+                                       CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
+        q1, s1, z1, h1, m1 = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r0 + 1, w, e,
+                                       km & (rw + 1 < N), em & (rv + 1 < N), s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+                                       CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
+        q2, s2, z2, h2, m2 = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r0 + 2, w, e,
+                                       km & (rw + 2 < N), em & (rv + 2 < N), s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+                                       CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
+        q3, s3, z3, h3, m3 = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r0 + 3, w, e,
+                                       km & (rw + 3 < N), em & (rv + 3 < N), s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+                                       CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
+        t0 = tl.zeros((GT, GW), dtype=tl.float32)
+        t1 = tl.zeros((GT, GW), dtype=tl.float32)
+        t2 = tl.zeros((GT, GW), dtype=tl.float32)
+        t3 = tl.zeros((GT, GW), dtype=tl.float32)
+        xs = tl.zeros((GT, GW), dtype=tl.float32)
+        for i in tl.static_range(EPW):
+            xv = tl.load(x_ptr + w * EPW + i, mask=km, other=0).to(tl.float32)
+            t0 += _element(q0, h0, i, CODES, HI_BITS) * xv
+            t1 += _element(q1, h1, i, CODES, HI_BITS) * xv
+            t2 += _element(q2, h2, i, CODES, HI_BITS) * xv
+            t3 += _element(q3, h3, i, CODES, HI_BITS) * xv
+            xs += xv
+        if CODES == 3:
+            a0 += (256.0 * s0) * t0
+            a1 += (256.0 * s1) * t1
+            a2 += (256.0 * s2) * t2
+            a3 += (256.0 * s3) * t3
+        else:
+            a0 += s0 * (SC * t0 - (SC + z0) * xs) - m0 * xs
+            a1 += s1 * (SC * t1 - (SC + z1) * xs) - m1 * xs
+            a2 += s2 * (SC * t2 - (SC + z2) * xs) - m2 * xs
+            a3 += s3 * (SC * t3 - (SC + z3) * xs) - m3 * xs
+    for r in tl.static_range(4):
+        acc = a0 if r == 0 else (a1 if r == 1 else (a2 if r == 2 else a3))
+        out = tl.sum(tl.sum(acc, axis=1), axis=0)
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + r0 + r, mask=r0 + r < N, other=0).to(tl.float32)
+        tl.store(y_ptr + r0 + r, out.to(y_ptr.dtype.element_ty), mask=r0 + r < N)
+
+
+@triton.jit
+def _gemm(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, M, N, K, s_xm, s_ym,
+          s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+          CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
+          TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
+          HAS_BIAS: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """M > 1: tiles dequantized in registers (group parameters broadcast, not gathered) into tl.dot."""
+    EPW: tl.constexpr = 8 if CODES == 0 else 4
+    GS: tl.constexpr = SUB if SUB < BK else BK
+    GT: tl.constexpr = BK // GS
+    GW: tl.constexpr = GS // EPW
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rn4 = rn[:, None, None, None]
+    rn2 = rn[:, None]
+    g2 = tl.arange(0, GT)[None, :]
+    wt = (tl.arange(0, GT) * GW)[None, :, None, None] + tl.arange(0, GW)[None, None, :, None]
+    i4 = tl.arange(0, EPW)[None, None, None, :]
+    kt = tl.arange(0, BK)
+    KW = K // EPW
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        w = k0 // EPW + wt
+        v = _codes(lo_ptr, hi_ptr, rn4, w, i4, (rn4 < N) & (w < KW), s_lo, s_hi, CODES, HI_BITS)
+        e2 = k0 + g2 * GS
+        s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn2, e2, (rn2 < N) & (e2 < K),
+                                s_sc, s_d, s_zp, s_mn, s_dmin, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
+        wf = tl.reshape((v - z[:, :, None, None]) * s[:, :, None, None] - m[:, :, None, None], (BN, BK))
+        kk = k0 + kt
+        xt = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0)
+        if F32:
+            acc += tl.dot(xt.to(tl.float32), tl.trans(wf), input_precision="ieee")
+        else:
+            acc += tl.dot(xt, tl.trans(wf.to(xt.dtype)))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0).to(tl.float32)[None, :]
+    ym = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ym)
+
+
+_FMT_KEYS = ["CODES", "HI_BITS", "SUB", "SC_ROWS", "TWO_LEVEL", "ZERO", "MINS"]
+_GEMV_CONFIGS = [triton.Config({"BN": 4, "BK": bk}, num_warps=w, num_stages=s)  # BN: 4 rows per program
+                 for bk, w, s in [(512, 1, 4), (1024, 2, 3), (1024, 4, 3), (2048, 4, 2), (4096, 8, 2)]]
+_GEMM_CONFIGS = [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+                 for bm, bn, bk, w, s in [(16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 32, 256, 4, 3),
+                                          (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 128, 8, 3)]]
+
+def _autotune(configs, key, **kw):
+    """triton.autotune, keeping its choices on disk where this Triton can (cache_results)."""
+    try:
+        return triton.autotune(configs, key=key, cache_results=True, **kw)
+    except TypeError:
+        return triton.autotune(configs, key=key, **kw)
+
+
+_gemv_tuned = _autotune(_GEMV_CONFIGS, ["N", "K", *_FMT_KEYS])(_gemv)
+
+
+def _m_bucket(m: int) -> int:
+    return 16 if m <= 16 else 64 if m <= 64 else 256 if m <= 256 else 1024
+
+
+@triton.jit
+def _gemm_bucketed(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, M, N, K,
+                   s_xm, s_ym, s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, M_BUCKET,
+                   CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
+                   TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr):
+    """_gemm with an extra M_BUCKET argument so the autotuner keeps one choice per size class."""
+    _gemm(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, M, N, K, s_xm, s_ym,
+          s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS,
+          HAS_BIAS, F32, BM, BN, BK)
+
+
+def _prune_gemm(configs, named_args, **kw):
+    """Small M: only BM=16 tiles; large M: no BM=16 tiles."""
+    small = named_args["M_BUCKET"] <= 16
+    return [c for c in configs if (c.kwargs["BM"] == 16) == small] or configs
+
+
+_gemm_tuned = _autotune(_GEMM_CONFIGS, ["N", "K", "M_BUCKET", *_FMT_KEYS],
+                        prune_configs_by={"early_config_prune": _prune_gemm})(_gemm_bucketed)
+
+
+def supported(p: Packed, x: torch.Tensor) -> bool:
+    """Tiles hold whole scale groups or lie inside one: a group is a power of two >= 16, or a row."""
+    sub = p.fmt.sub
+    group_ok = sub >= p.K or (sub >= 16 and sub & (sub - 1) == 0)
+    words_ok = p.K % (8 if p.fmt.codes == NIB else 4) == 0  # codes are read as 32-bit words
+    return words_ok and group_ok and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
+def packed_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) for a Packed weight on x's device; y in x's dtype. `out` (M, N) may be
+    given (the tests poison it); `config` fixes the tile sizes (no autotuning)."""
+    shape = x.shape
+    x2 = x.reshape(-1, p.K)
+    if p.perm is not None:
+        x2 = x2[:, p.perm]
+    x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
+    f = p.fmt
+    lo = p.lo.view(torch.int32)
+    none = p.sc  # stands in for absent planes (never read: their constexpr flag is off)
+    planes = [lo, p.hi.view(torch.int32) if p.hi is not None else none, p.sc, p.d if p.d is not None else none,
+              p.zp if p.zp is not None else none, p.mn if p.mn is not None else none,
+              p.dmin if p.dmin is not None else none]
+    strides = [t.stride(0) for t in planes]
+    flags = {"CODES": f.codes, "HI_BITS": f.hi_bits, "SUB": f.sub, "SC_ROWS": f.sc_rows, "TWO_LEVEL": f.two_level,
+                 "ZERO": f.zero, "OFFSET": f.offset, "MINS": f.mins, "HAS_BIAS": bias is not None}
+    b = bias if bias is not None else y
+    tune = config is None and not INTERPRET
+    if M == 1:
+        if tune:
+            grid = lambda meta: (triton.cdiv(p.N, meta["BN"]),)  # noqa: E731
+            _gemv_tuned[grid](x2, y, b, *planes, p.N, p.K, *strides, **flags)
+        else:
+            cfg = {**(config or {"BK": 64}), "BN": 4}
+            _gemv[(triton.cdiv(p.N, cfg["BN"]),)](x2, y, b, *planes, p.N, p.K, *strides, **flags, **cfg)
+    else:
+        # float32 dots for float32 x, and under the interpreter (its bf16 dot is wrong)
+        flags["F32"] = x.dtype == torch.float32 or INTERPRET
+        if tune:
+            grid = lambda meta: (triton.cdiv(M, meta["BM"]), triton.cdiv(p.N, meta["BN"]))  # noqa: E731
+            _gemm_tuned[grid](x2, y, b, *planes, M, p.N, p.K, x2.stride(0), y.stride(0), *strides, _m_bucket(M),
+                              **flags)
+        else:
+            cfg = config or {"BM": 16, "BN": 16, "BK": 64}
+            grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(p.N, cfg["BN"]))
+            _gemm[grid](x2, y, b, *planes, M, p.N, p.K, x2.stride(0), y.stride(0), *strides, **flags, **cfg)
+    return y.reshape(*shape[:-1], p.N)
