@@ -109,7 +109,7 @@ def _block_tensors(hf, i: int) -> dict[str, torch.Tensor]:
 
 
 def _materialize(layer: nn.Module, tensors: dict[str, torch.Tensor], device, dtype) -> None:
-    layer.to_empty(device=device)
+    layer.to_empty(device=device).to(dtype)  # the block computes in `dtype` (bf16 on a GPU), not float32
     sd = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items() if not k.endswith("inv_freq")}
     missing, unexpected = layer.load_state_dict(sd, strict=False)
     if missing or unexpected:
@@ -185,7 +185,11 @@ class _Capture:
 class Progress:
     """Resumable state of a run: finished blocks and the activations entering the next one."""
 
+    SAVE_EVERY_S = 30.0  # large activation sets (GBs for an 8B model) are saved at most this often
+    SMALL_BYTES = 256 << 20
+
     def __init__(self, partial: Path, key: str):
+        self.last_save = time.perf_counter()
         self.dir = partial / ".dsq-state"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.key = key
@@ -205,6 +209,12 @@ class Progress:
         return int(st["done"]), hidden
 
     def save(self, done: int, hidden: torch.Tensor | None) -> None:
+        """Record `done` finished blocks (with the activations entering the next). Large activation
+        sets are written at most every SAVE_EVERY_S: a resumed run then redoes a few blocks."""
+        if hidden is not None and hidden.numel() * hidden.element_size() > self.SMALL_BYTES \
+                and time.perf_counter() - self.last_save < self.SAVE_EVERY_S:
+            return
+        self.last_save = time.perf_counter()
         if hidden is not None:
             from safetensors.torch import save_file
 

@@ -83,12 +83,19 @@ class Hessian:
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()
+        x = x.reshape(-1, x.shape[-1])
+        # bf16/fp16 values are exact in TF32, so on a GPU their products can use it (4x faster)
+        tf32 = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+        x = x.float()
         m = x.shape[0]
         self.H *= self.n / (self.n + m)
         self.n += m
-        x = x * (2.0 / self.n) ** 0.5
-        self.H += x.t() @ x
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32 or prev
+        try:
+            self.H.addmm_(x.t(), x, alpha=2.0 / self.n)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def gptq(w: torch.Tensor, H: torch.Tensor, bits: int, group: int, sym: bool, act_order: bool = False,
