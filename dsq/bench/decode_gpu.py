@@ -85,12 +85,90 @@ def random_model(shape: str, dtype=torch.bfloat16):
 
 def weight_bytes_per_token(model) -> int:
     """Every Linear weight is read once per decoded token (the embedding only one row)."""
+    from dsq.runtime.qmodules import PackedLinear
+
     seen, n = set(), 0
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and id(mod.weight) not in seen:
             seen.add(id(mod.weight))
             n += mod.weight.numel() * mod.weight.element_size()
+        elif isinstance(mod, PackedLinear):
+            n += mod.packed.nbytes()
     return n
+
+
+# -- round-to-nearest into each packed format (benchmarks on random models; not dsq's quantizers) --
+def _q4k(w: torch.Tensor, hi: int = 15):
+    """Q4_K/Q5_K-style codes: per 32 an asymmetric scale and min, both 6-bit under fp16 per-256 ones."""
+    N, K = w.shape
+    x = w.float().reshape(N, K // 32, 32)
+    mn = (-x.amin(-1)).clamp(min=0)
+    s = (x.amax(-1) + mn) / hi
+    d = (s.reshape(N, K // 256, 8).amax(-1) / 63).clamp(min=1e-8).half()
+    dmin = (mn.reshape(N, K // 256, 8).amax(-1) / 63).clamp(min=1e-8).half()
+    sc = (s.reshape(N, -1, 8) / d.float()[..., None]).round().clamp(0, 63).reshape(N, -1)
+    m6 = (mn.reshape(N, -1, 8) / dmin.float()[..., None]).round().clamp(0, 63).reshape(N, -1)
+    step = (sc.reshape(N, -1, 8) * d.float()[..., None]).reshape(N, -1, 1)
+    off = (m6.reshape(N, -1, 8) * dmin.float()[..., None]).reshape(N, -1, 1)
+    q = ((x + off) / step.clamp(min=1e-12)).round().clamp(0, hi).reshape(N, K)
+    return q, sc.to(torch.uint8), m6.to(torch.uint8), d, dmin
+
+
+def quantize_packed(w: torch.Tensor, fmt: str):
+    """A Packed weight in `fmt` from a float weight (N, K) by round to nearest, on w's device."""
+    from dsq.kernels import intq_ref, packed
+
+    N, K = w.shape
+    if fmt in ("int4", "int4-actorder"):
+        perm = torch.randperm(K, device=w.device) if fmt == "int4-actorder" else None
+        x = (w[:, perm] if perm is not None else w).float().reshape(N, K // 128, 128)
+        lo, hi = x.amin(-1), x.amax(-1)
+        s = ((hi - lo) / 15).clamp(min=1e-8).half()
+        z = (-lo / s.float()).round().clamp(0, 15)
+        q = (x / s.float()[..., None] + z[..., None]).round().clamp(0, 15).reshape(N, K)
+        d = intq_ref.pack(q, s, z, 4, perm)
+        return packed.from_int(d["qweight"], d["scales"], d["zeros"], 4, d.get("perm"))
+    if fmt == "fp8":
+        s = (w.float().abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+        return packed.from_fp8((w.float() / s).to(torch.float8_e4m3fn), s)
+    if fmt == "Q4_K":
+        q, sc, mn, d, dmin = _q4k(w)
+        return packed.Packed(packed.Fmt(sub=32, two_level=True, mins=True), N, K, lo=packed._pairs(q), sc=sc, d=d,
+                             mn=mn, dmin=dmin)
+    if fmt == "Q6_K":
+        x = w.float().reshape(N, K // 16, 16)
+        s = x.abs().amax(-1) / 31
+        d = (s.reshape(N, K // 256, 16).amax(-1) / 127).clamp(min=1e-8).half()
+        sc = (s.reshape(N, -1, 16) / d.float()[..., None]).round().clamp(1, 127)
+        step = (sc * d.float()[..., None]).reshape(N, -1, 1)
+        q = ((x / step).round() + 32).clamp(0, 63).reshape(N, K)
+        return packed.Packed(packed.Fmt(hi_bits=2, sub=16, two_level=True, zero=packed.Z_CONST, offset=32), N, K,
+                             lo=packed._pairs(q), hi=packed._plane(q.to(torch.int32), 2),
+                             sc=sc.reshape(N, -1).to(torch.int8), d=d)
+    raise ValueError(fmt)
+
+
+def _more_bits(i: int, n: int) -> bool:  # llama.cpp's Q4_K_M rule for attn_v / ffn_down
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def quantize_model(model, fmt: str) -> None:
+    """Replace the decoder Linears (and for Q4_K_M the head) by PackedLinears in `fmt`, in place:
+    awq/gptq int4 g128 (gptq with act-order), fp8 per channel, or Q4_K_M's type mix."""
+    from dsq.runtime.qmodules import PackedLinear, set_module
+
+    n = len(model.model.layers)
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, torch.nn.Linear) or (name == "lm_head" and fmt != "q4_k_m"):
+            continue
+        if fmt == "q4_k_m":
+            layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+            more = name == "lm_head" or (name.endswith(("v_proj", "down_proj")) and _more_bits(layer, n))
+            f = "Q6_K" if more else "Q4_K"
+        else:
+            f = {"awq-int4": "int4", "gptq-int4-actorder": "int4-actorder", "fp8": "fp8"}[fmt]
+        set_module(model, name, PackedLinear(quantize_packed(mod.weight.data, f), mod.bias, f))
+    torch.cuda.empty_cache()
 
 
 def time_native(nm, prompt: list[int], gen: int, repeat: int) -> dict:
@@ -138,6 +216,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--variants", default="eager,graph,graph+fused,compile+graph+fused")
     ap.add_argument("--transformers", default="eager", help="comma list of eager,static-compile ('' skips)")
+    ap.add_argument("--formats", default="awq-int4,gptq-int4-actorder,fp8,q4_k_m",
+                    help="quantized models to time after the bf16 variants (graph+fused, Triton kernels)")
     ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of one compiled decode step")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -191,8 +271,11 @@ def main(argv=None) -> None:
         del hf
         torch.cuda.empty_cache()
 
+    check_ids = torch.tensor([prompt[:64]], device="cuda")
+    with torch.inference_mode():
+        bf16_logits = model(check_ids).float()
     done_fuse = False
-    for v in a.variants.split(","):
+    for v in [v for v in a.variants.split(",") if v]:
         parts = set(v.split("+"))
         if "fused" in parts and not done_fuse:
             model.fuse_projections()
@@ -243,6 +326,31 @@ def main(argv=None) -> None:
         del nm
         torch.cuda.empty_cache()
 
+    del model
+    torch.cuda.empty_cache()
+    for fmt in [f for f in a.formats.split(",") if f]:
+        model, _ = random_model(a.shape)  # the same seeded weights as the bf16 runs
+        quantize_model(model, fmt)
+        model.fuse_projections()
+        nbytes = weight_bytes_per_token(model)
+        with torch.inference_mode():
+            q_logits = model(check_ids).float()
+        rel = float((q_logits - bf16_logits).norm() / bf16_logits.norm())
+        t0 = time.perf_counter()
+        nm = NativeModel.from_model(model, cfg, NullTokenizer(), n_ctx=n_ctx, gpu_layers=-1, cuda_graph=True,
+                                    fuse=False)
+        setup_s = time.perf_counter() - t0
+        r = time_native(nm, prompt, a.gen_tokens, a.repeat)
+        roof = bw / nbytes
+        r.update(name=f"native {fmt} graph+fused", setup_s=setup_s, bytes_per_token=nbytes, roofline_tok_s=roof,
+                 logits_rel_err_vs_bf16=rel)
+        rows.append(r)
+        print(f"{r['name']}: {r['decode_tok_s']:.1f} tok/s = {r['decode_tok_s'] / roof:.0%} of its roofline "
+              f"{roof:.0f} ({nbytes / 1e9:.2f} GB/token), TTFT {r['ttft_ms']:.1f} ms, logits vs bf16 rel err "
+              f"{rel:.3f}, setup {setup_s:.1f}s", flush=True)
+        del nm, model
+        torch.cuda.empty_cache()
+
     ref_tokens = next((r["tokens"] for r in rows if r.get("name", "").startswith("native eager")), None)
     print(f"\n{a.shape}, batch 1, {a.prompt_tokens}-token prompt, {a.gen_tokens} generated; "
           f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; "
@@ -252,7 +360,8 @@ def main(argv=None) -> None:
         if "decode_tok_s" not in r:
             continue
         same = "" if ref_tokens is None else ("yes" if r["tokens"][:32] == ref_tokens[:32] else "no")
-        print(f"{r['name']:36} {r['decode_tok_s']:12.1f} {r['decode_tok_s'] / roofline:10.0%} "
+        roof = r.get("roofline_tok_s", roofline)
+        print(f"{r['name']:36} {r['decode_tok_s']:12.1f} {r['decode_tok_s'] / roof:10.0%} "
               f"{r['ttft_ms']:9.1f} {same:>11}")
     if a.json:
         for r in rows:

@@ -33,7 +33,8 @@ def write_random_model(shape: str, out: Path, layers: int | None = None) -> Path
     out.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
         model = Transformer(args)
-    g = torch.Generator().manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # random numbers for 8B weights: seconds on a GPU
+    g = torch.Generator(device=dev).manual_seed(0)
     shard, n, index = {}, 0, {}
 
     def flush():
@@ -46,8 +47,9 @@ def write_random_model(shape: str, out: Path, layers: int | None = None) -> Path
     for name, p in model.named_parameters():
         if name == "lm_head.weight" and args.tie_word_embeddings:
             continue
-        t = (1 + 0.05 * torch.randn(p.shape, generator=g)) if "norm" in name else 0.02 * torch.randn(p.shape, generator=g)
-        shard[name] = t.to(torch.bfloat16)
+        t = torch.randn(p.shape, generator=g, device=dev)
+        t = (1 + 0.05 * t) if "norm" in name else 0.02 * t
+        shard[name] = t.to(torch.bfloat16).cpu()
         if sum(x.numel() for x in shard.values()) > 1_000_000_000:
             flush()
     if shard:

@@ -1,0 +1,56 @@
+"""The round-to-nearest packers the GPU decode benchmark uses (dsq.bench.decode_gpu) produce valid
+packed weights: dequantized they approximate the float weight, and a model converted by them
+computes the logits of its own dequantized weights (through the packed reference on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsq.bench.decode_gpu import quantize_model, quantize_packed
+from dsq.kernels import packed
+
+
+@pytest.mark.parametrize("fmt,tol", [("int4", 0.12), ("int4-actorder", 0.12), ("fp8", 0.05), ("Q4_K", 0.15),
+                                     ("Q6_K", 0.04)])
+def test_packers_approximate_the_weight(fmt, tol):
+    w = torch.randn(64, 512) * 0.02
+    p = quantize_packed(w, fmt)
+    deq = packed.dequantize(p)
+    if p.perm is not None:
+        deq = deq[:, torch.argsort(p.perm)]
+    err = float((deq - w).norm() / w.norm())
+    assert err < tol, err
+    assert float((deq - w[torch.randperm(64)]).norm() / w.norm()) > 1  # a wrong weight would fail
+
+
+@pytest.mark.parametrize("fmt", ["awq-int4", "gptq-int4-actorder", "fp8", "q4_k_m"])
+def test_quantized_model_keeps_its_logits(fmt):
+    from dsq.models.base import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                     max_position_embeddings=256, rope={"rope_type": "default", "rope_theta": 10000.0})
+    model = Transformer(args).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(1 + 0.05 * torch.randn(p.shape) if "norm" in n else 0.05 * torch.randn(p.shape))
+    ids = torch.randint(0, 300, (1, 16))
+    with torch.inference_mode():
+        ref = model(ids).float()
+        quantize_model(model, fmt)
+        model.fuse_projections()
+        got = model(ids).float()
+    from dsq.runtime.qmodules import PackedLinear, set_module
+
+    assert any(isinstance(m, PackedLinear) for m in model.modules())
+    for name, m in list(model.named_modules()):  # the same weights, dequantized, as plain Linears
+        if isinstance(m, PackedLinear):
+            lin = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+            lin.weight.data, lin.bias = m.weight_float(), m.bias
+            set_module(model, name, lin)
+    with torch.inference_mode():
+        fake = model(ids).float()
+    assert float((got - fake).norm() / fake.norm()) < 1e-5  # the packed path computes its weights exactly
+    assert float((got - ref).norm() / ref.norm()) < 0.5  # and they are the float model's, quantized
