@@ -123,7 +123,7 @@ def main(argv=None) -> None:
             Path(a.out).write_text(json.dumps(results, indent=2))
     order = {n: i for i, (n, _) in enumerate(ROWS)}
     rows = sorted(results["rows"], key=lambda x: order.get(x["name"], 99))
-    print(f"\n| quantization | size MiB | bits/weight (blocks) | perplexity | Δppl | KLD | top-1 |\n|---|---|---|---|---|---|---|")
+    print("\n| quantization | size MiB | bits/weight (blocks) | perplexity | Δppl | KLD | top-1 |\n|---|---|---|---|---|---|---|")
     print(f"| bf16 (reference) | | 16 | {base['perplexity']:.3f} | | | |")
     for x in rows:
         print(f"| {x['name']} | {x['size_mib']} | {x['block_bpw']} | {x['perplexity']:.3f} | {x['delta_ppl']:+.3f} "

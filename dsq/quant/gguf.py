@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from dsq.errors import BackendError, DsqError
 from dsq.formats.gguf_file import GGUFFile
