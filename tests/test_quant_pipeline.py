@@ -339,3 +339,16 @@ def test_artifact_computes_what_the_driver_computed(method, tiny_dir, tmp_path):
         want = model(torch.tensor([toks]))[0].numpy()
     got = NativeModel(tmp_path / "q", "hf", n_ctx=64, dtype="fp32").logits(toks)
     assert np.abs(got - want).max() < 1e-3 * max(1.0, float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_bf16_blocks_as_on_a_gpu(method, tiny_dir, tmp_path):
+    """On a GPU blocks compute in bf16: every step must keep the weights in that dtype (an AWQ
+    scale search once left float32 weights behind, and the next forward failed)."""
+    from dsq.runtime.native import NativeModel
+
+    out = tmp_path / method
+    quantize_model(tiny_dir("llama"), out, QuantSpec(method, calib_samples=4, calib_seq_len=32),
+                   compute_dtype=torch.bfloat16)
+    m = NativeModel(out, "hf", n_ctx=64, dtype="fp32")
+    assert torch.isfinite(torch.as_tensor(m.logits(list(range(3, 20))))).all()

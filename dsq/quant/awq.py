@@ -57,7 +57,7 @@ def search_scale(group: ScaleGroup, x: torch.Tensor, bits: int, gsize: int) -> t
             s = (x_mean.pow(a) / (w_mean.pow(1 - a) + 1e-4)).clamp(min=1e-4)
             s = s / (s.max() * s.min()).sqrt()
             for lin, w0 in zip(group.linears, originals):
-                lin.weight.data = fake_quant(w0 * s, bits, gsize) / s
+                lin.weight.data = (fake_quant(w0.float() * s, bits, gsize) / s).to(w0.dtype)
             err = (group.inspect(x) - ref).float().pow(2).mean().item()
             if err < best_err:
                 best_err, best = err, s.clone()

@@ -323,7 +323,7 @@ def quantize_block(layer: nn.Module, i: int, spec: QuantSpec, hidden, ctx, devic
                     A.apply_clip(lins[n], A.search_clip(lins[n], xs[group[0]], spec.bits, spec.group_size),
                                  spec.group_size)
     for n, lin in lins.items():
-        emit(n, Q.rtn(lin.weight.data.float().cpu(), 4, spec.group_size, sym=False))
+        emit(n, Q.rtn(lin.weight.data.float(), 4, spec.group_size, sym=False).cpu())  # rounded where it lives
     return out
 
 
@@ -350,7 +350,7 @@ def awq_groups(layer, lins) -> list:
 # ---------------------------------------------------------------------------------------------
 def quantize_model(src: str | Path, out: str | Path, spec: QuantSpec, *, device: str = "auto", force: bool = False,
                    on_block: Callable[[int, int, float], None] | None = None, calib_ids: torch.Tensor | None = None,
-                   batch: int = 8) -> dict:
+                   batch: int = 8, compute_dtype: torch.dtype | None = None) -> dict:
     """Quantize the HF model at `src` into an HF directory at `out`. Returns a run summary."""
     from dsq.formats.hf import HFModelDir, ShardedSafetensorsWriter, write_json
     from dsq.models.registry import build_args
@@ -364,7 +364,7 @@ def quantize_model(src: str | Path, out: str | Path, spec: QuantSpec, *, device:
     check_model(hf, spec)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    dtype = compute_dtype or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     if spec.needs_calibration and calib_ids is None:
         calib_ids = calibration_for(hf, spec)
 

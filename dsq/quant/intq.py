@@ -35,6 +35,9 @@ class IntQuant:
             start += r
         return out
 
+    def cpu(self) -> "IntQuant":
+        return IntQuant(self.q.cpu(), self.scales.cpu(), self.zeros.cpu(), self.g_idx.cpu(), self.bits)
+
     def dequantize(self) -> torch.Tensor:
         gi = self.g_idx.long()
         return (self.q.float() - self.zeros.float().t()[:, gi]) * self.scales.t()[:, gi]
