@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import warnings
+
 import torch
 
 
@@ -198,13 +200,30 @@ class _BlockGraph:
 
 def _block_runner(N: int, B: int, inner: int, bits: int, sym: bool, device):
     """A function (W1, Hinv1, sc, zr) -> (W1, Q1, Err1, group scales, group zeros) for one block."""
+    global GPTQ_CUDA_GRAPHS
     if torch.device(device).type == "cuda" and GPTQ_CUDA_GRAPHS:
         key = (N, B, inner, bits, sym, str(device))
-        if key not in _GRAPHS:  # a model has a handful of shapes (qkv, o, gate/up, down)
-            if len(_GRAPHS) >= 8:
-                _GRAPHS.pop(next(iter(_GRAPHS)))
-            _GRAPHS[key] = _BlockGraph(N, B, inner, bits, sym, device)
-        return _GRAPHS[key]
+        if key in _GRAPHS:
+            return _GRAPHS[key]
+        # a model has a handful of shapes (qkv, o, gate/up, down); each new graph is checked once
+        # against the eager loop on its first real block, and graphs are given up if they differ
+        if len(_GRAPHS) >= 8:
+            _GRAPHS.pop(next(iter(_GRAPHS)))
+        graph = _BlockGraph(N, B, inner, bits, sym, device)
+
+        def checked(W1, Hinv1, sc, zr):
+            want = _eager_block(W1, Hinv1, sc, zr, N, B, inner, bits, sym)
+            got = [t.clone() for t in graph(W1, Hinv1, sc, zr)]
+            if all(torch.equal(a, b) for a, b in zip(got, want)):
+                _GRAPHS[key] = graph
+                return got
+            global GPTQ_CUDA_GRAPHS
+            GPTQ_CUDA_GRAPHS = False
+            warnings.warn("GPTQ: the CUDA-graph block differs from the eager loop; using the eager loop",
+                          RuntimeWarning, stacklevel=2)
+            return want
+
+        return checked
 
     def eager(W1, Hinv1, sc, zr):
         W1 = W1.clone()
@@ -217,6 +236,10 @@ def _block_runner(N: int, B: int, inner: int, bits: int, sym: bool, device):
         return W1, Q1, Err1, sc_blk, zr_blk
 
     return eager
+
+
+def _eager_block(W1, Hinv1, sc, zr, N: int, B: int, inner: int, bits: int, sym: bool):
+    return _block_runner(N, B, inner, bits, sym, "cpu")(W1, Hinv1, sc, zr)
 
 
 GPTQ_CUDA_GRAPHS = True
