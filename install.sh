@@ -2,7 +2,8 @@
 # Install dsq into the current Python environment (a venv is recommended).
 #
 #   ./install.sh          dsq and everything it needs to run
-#   ./install.sh --dev    plus the test tools (pytest, transformers as the reference implementation)
+#   ./install.sh --dev    plus the test tools (pytest, transformers as the reference implementation;
+#                         on x86-64 as root, apt's aarch64 cross compiler and qemu for the NEON test)
 #
 # Two choices a plain `pip install -e .` would get wrong:
 # - PyTorch: with no NVIDIA GPU, the CPU build (a plain `torch` requirement pulls a multi-GB CUDA
@@ -46,4 +47,25 @@ if ! "$PY" -c "import llama_cpp" >/dev/null 2>&1; then
 fi
 
 pipi -e ".$EXTRA"
+
+# --dev on x86-64: a cross compiler and qemu, so tests/test_kernels_neon_qemu.py can check the
+# aarch64 NEON kernels (best effort, as root with apt; without them that test skips)
+neon_test_tools() {
+  [ "$(uname -m)" = "x86_64" ] || return 0
+  command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 && [ -d /usr/aarch64-linux-gnu/include ] &&
+    { command -v qemu-aarch64 || command -v qemu-aarch64-static; } >/dev/null 2>&1 && return 0
+  local pkgs="gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user"
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    if apt-get install -y -qq --no-install-recommends $pkgs >/dev/null 2>&1 ||
+       { apt-get update -qq >/dev/null 2>&1 &&
+         apt-get install -y -qq --no-install-recommends $pkgs >/dev/null 2>&1; }; then
+      echo "install.sh: installed $pkgs (for the NEON kernel test)"
+      return 0
+    fi
+  fi
+  echo "install.sh: could not install $pkgs (needs root and apt): the NEON kernel test will skip"
+}
+if [ -n "$EXTRA" ]; then neon_test_tools; fi
+
 echo "install.sh: done. Try: dsq run -p \"The history of the Roman Empire\" --max-tokens 32"

@@ -2,20 +2,77 @@
 instruction set so the best one can be picked at run time. Optional: without a compiler dsq still
 installs and falls back to its torch reference kernels."""
 
+import os
 import platform
+import sys
+import tempfile
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
-X86 = platform.machine() in ("x86_64", "AMD64")
+MACHINE = platform.machine()
+X86 = MACHINE in ("x86_64", "AMD64")
+ARM64 = MACHINE in ("aarch64", "arm64")
 FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    # aarch64: baseline Armv8-A; the dot product path is compiled for Armv8.2-A+dotprod per function
+    # and taken only where the CPU has it. macOS: the compiler's default (Apple M: dotprod built in).
+    "neon": [] if sys.platform == "darwin" else ["-march=armv8-a"],
     "generic": [],
 }
+ISAS = [isa for isa in FLAGS if isa == "generic" or (X86 and isa in ("avx512", "avx2")) or (ARM64 and isa == "neon")]
+
+_OMP_TEST = """#include <omp.h>
+int main(void) {
+    int n = 0;
+#pragma omp parallel reduction(+ : n)
+    n += 1;
+    return n > 0 && omp_get_max_threads() > 0 ? 0 : 1;
+}
+"""
+
+
+def _accepts(compiler, flags: list[str], link: bool) -> bool:
+    """Whether the build's C compiler compiles (and links) the OpenMP test program with `flags`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "omp_test.c")
+        with open(src, "w") as f:
+            f.write(_OMP_TEST if link else "int f(int *x) {\n#pragma omp simd\n  for (int i = 0; i < 8; i++) x[i]++;\n"
+                    "  return 0;\n}\n")
+        try:
+            objs = compiler.compile([src], output_dir=tmp, extra_postargs=flags)
+            if link:
+                compiler.link_executable(objs, os.path.join(tmp, "omp_test"), extra_postargs=flags)
+        except Exception:
+            return False
+    return True
+
+
+class BuildExt(build_ext):
+    """OpenMP where the compiler has it (GCC; clang with its runtime). Else (macOS's clang has no
+    -fopenmp by default) the kernels build without it and run on one thread, keeping `omp simd`
+    through -fopenmp-simd where the compiler knows it."""
+
+    def build_extensions(self):
+        if _accepts(self.compiler, ["-fopenmp"], link=True):
+            cflags, lflags = ["-fopenmp"], ["-fopenmp"]
+        elif _accepts(self.compiler, ["-fopenmp-simd"], link=False):
+            cflags, lflags = ["-fopenmp-simd"], []
+        else:
+            cflags, lflags = [], []
+        if cflags != ["-fopenmp"]:
+            print(f"dsq: no OpenMP in this C compiler: the CPU kernels will run on one thread ({cflags or 'no flags'})")
+        for ext in self.extensions:
+            ext.extra_compile_args = [*ext.extra_compile_args, *cflags]
+            ext.extra_link_args = [*ext.extra_link_args, *lflags]
+        super().build_extensions()
+
+
 exts = [
     Extension(f"dsq.kernels._cpu_{isa}", [f"kernels/csrc/cpu_{isa}.c"],
-              depends=["kernels/csrc/gguf_cpu.inc", "kernels/csrc/intq_cpu.inc"],
-              extra_compile_args=["-O3", "-fopenmp", "-std=c11", *flags], extra_link_args=["-fopenmp"], optional=True)
-    for isa, flags in FLAGS.items() if X86 or isa == "generic"
+              depends=["kernels/csrc/gguf_cpu.inc", "kernels/csrc/gguf_gemm_vnni.inc", "kernels/csrc/intq_cpu.inc"],
+              extra_compile_args=["-O3", "-std=c11", *FLAGS[isa]], optional=True)
+    for isa in ISAS
 ]
-setup(ext_modules=exts)
+setup(ext_modules=exts, cmdclass={"build_ext": BuildExt})

