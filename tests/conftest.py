@@ -12,6 +12,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("DSQ_QUIET", "1")
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without a GPU the Triton kernels run in Triton's interpreter. Triton reads this when a kernel is
+# decorated, i.e. when dsq.kernels.triton_qlinear is first imported, by whichever test does it first.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """kind -> path of a tiny random HF model directory (built once per session)."""
