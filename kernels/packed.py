@@ -18,7 +18,7 @@ the kernels are held to the same references as the source formats (gguf_ref, int
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from dsq.kernels import gguf_ref
@@ -55,7 +55,6 @@ class Packed:
     mn: torch.Tensor | None = None
     dmin: torch.Tensor | None = None
     perm: torch.Tensor | None = None  # act-order: y = x[..., perm] @ W^T
-    extra: dict = field(default_factory=dict)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: getattr(self, k) for k in ("lo", "sc", "hi", "d", "zp", "mn", "dmin", "perm")

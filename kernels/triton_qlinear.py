@@ -88,14 +88,8 @@ def _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, row, w, e
     """One row's code words (GT, GW) and, per word, its group's scale s, zero point z, high-bit
     word (already shifted to this word's bits) and min m."""
     word = tl.load(lo_ptr + row * s_lo + w, mask=wm, other=0)
-    s = tl.load(sc_ptr + (row // SC_ROWS) * s_sc + e // SUB, mask=gm, other=0).to(tl.float32)
-    if TWO_LEVEL:
-        s = s * tl.load(d_ptr + row * s_d + e // 256, mask=gm, other=0).to(tl.float32)
-    z = tl.zeros_like(s)
-    if ZERO == 1:
-        z += OFFSET
-    if ZERO == 2:
-        z += tl.load(zp_ptr + row * s_zp + e // SUB, mask=gm, other=0).to(tl.float32)
+    s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, row, e, gm, s_sc, s_d, s_zp, s_mn, s_dmin,
+                            SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
     if CODES == 2:  # int8 -> unsigned (c + 128) by flipping each byte's sign bit
         word = word ^ -2139062144  # 0x80808080 as an int32
         z += 128.0
@@ -104,10 +98,6 @@ def _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, row, w, e
         h = tl.load(hi_ptr + row * s_hi + w // 4, mask=wm, other=0) >> (8 * (w % 4))
     if HI_BITS == 2:
         h = tl.load(hi_ptr + row * s_hi + w // 2, mask=wm, other=0) >> (16 * (w % 2))
-    m = tl.zeros_like(s)
-    if MINS:
-        m = (tl.load(dmin_ptr + row * s_dmin + e // 256, mask=gm, other=0).to(tl.float32)
-             * tl.load(mn_ptr + row * s_mn + e // 32, mask=gm, other=0).to(tl.float32))
     return word, s, z, h, m
 
 
