@@ -34,42 +34,36 @@ def use_triton(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and not _reference() and _triton_ok()
 
 
-@torch.compiler.assume_constant_result
 def _cpu_kernels() -> bool:
-    """Whether CPU tensors go to the C kernels (torch.compile takes the answer as a constant
-    instead of tracing the library lookup)."""
+    """Whether CPU tensors go to the C kernels (DSQ_KERNELS is read at every call)."""
     return not _reference() and cpu.available()
 
 
 def _cpu(x: torch.Tensor, fn: str):
-    """The C kernel `fn` when x is on the CPU and the kernels were built, else None."""
-    if x.device.type != "cpu" or not _cpu_kernels():
+    """The C kernel `fn` when x is on the CPU and the kernels were built, else None. Under
+    torch.compile: the same kernel as an operator it can trace (kernels/ops.py)."""
+    if x.device.type != "cpu":
         return None
-    return getattr(cpu, fn, None)
+    if torch.compiler.is_compiling():
+        from dsq.kernels import ops
+
+        return getattr(ops, fn) if ops.available() else None
+    return getattr(cpu, fn) if _cpu_kernels() else None
 
 
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_features: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    # (the CPU test comes first and stays lean: a decode step makes ~130 of these calls)
-    if x.device.type == "cpu" and qtype in cpu.GGML_TYPES and _cpu_kernels():
-        if torch.compiler.is_compiling():  # the same kernel as an operator torch.compile can trace
-            return _ops().gguf_linear(x, raw, qtype, in_features, bias)
-        return cpu.gguf_linear(x, raw, qtype, in_features, bias)
+    k = _cpu(x, "gguf_linear")
+    if k is not None and qtype in cpu.GGML_TYPES:
+        return k(x, raw, qtype, in_features, bias)
     return gguf_ref.gguf_linear_ref(x, raw, qtype, in_features, bias)
 
 
 def gguf_embedding(ids: torch.Tensor, raw: torch.Tensor, qtype: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    if ids.device.type == "cpu" and qtype in cpu.GGML_TYPES and _cpu_kernels():
-        rows = _ops().gguf_rows if torch.compiler.is_compiling() else cpu.gguf_rows
-        return rows(ids, raw, qtype, dim).to(dtype)
+    k = _cpu(ids, "gguf_rows")
+    if k is not None and qtype in cpu.GGML_TYPES:
+        return k(ids, raw, qtype, dim).to(dtype)
     return gguf_ref.gguf_embedding_ref(ids, raw, qtype, dim, dtype)
-
-
-def _ops():
-    """kernels/ops.py: the C kernels registered as torch operators (imported when first needed)."""
-    from dsq.kernels import ops
-
-    return ops
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
@@ -77,8 +71,6 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     """dsq's internal int4/int8 layout (kernels/intq_ref.py)."""
     k = _cpu(x, "int_linear")
     if k is not None:
-        if torch.compiler.is_compiling():
-            return _ops().int_linear(x, qweight, scales, zeros, bits, perm, bias)
         return k(x, qweight, scales, zeros, bits, perm, bias)
     return intq_ref.int_linear_ref(x, qweight, scales, zeros, bits, perm, bias)
 
@@ -87,8 +79,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     k = _cpu(x, "fp8_linear")
     if k is not None:
-        if torch.compiler.is_compiling():
-            return _ops().fp8_linear(x, weight, scale, bias)
         return k(x, weight, scale, bias)
     return fp8_ref.fp8_linear_ref(x, weight, scale, bias)
 

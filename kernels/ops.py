@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from dsq.kernels import cpu
+from dsq.kernels import cpu, dispatch
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """dispatch's answer to "do CPU tensors go to the C kernels?", a constant to torch.compile
+    (which would otherwise trace the library lookup). Decided once per graph."""
+    return dispatch._cpu_kernels()
+
 
 _lib = torch.library.Library("dsq", "DEF")
 _lib.define("gguf_linear(Tensor x, Tensor raw, str qtype, int in_features, Tensor? bias=None) -> Tensor")

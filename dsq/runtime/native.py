@@ -70,7 +70,8 @@ class _CompiledStep:
     """The CPU decode step (B, 1) under torch.compile. Inductor fuses each layer's ~60 small ops
     (norms, rope, attention, residuals, the KV write) into a few C++ loops around the C kernels,
     which it calls as operators (kernels/ops.py): ~30% off the built-in model's step on 2 cores
-    (17.5 -> 12.5 ms). Compiling takes ~20 s on 2 cores, ~7 s once inductor's cache holds it.
+    (17.5 -> 12.5 ms). Compiling takes ~40 s on 2 cores the first time, ~7 s once inductor's
+    on-disk cache holds the graph's kernels.
 
     - One graph for every cache position: compiled once, here, with kv_len symbolic (writing
       cache slot 1, which any real prompt overwrites).

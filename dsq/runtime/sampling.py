@@ -79,7 +79,7 @@ def argmax(logits, chunk: int = 512):
     import torch
 
     B, V = logits.shape
-    if logits.device.type != "cpu" or V % chunk or V < 64 * chunk:
+    if logits.device.type != "cpu" or V % chunk or V < 64 * chunk or not logits.is_contiguous():
         return logits.argmax(-1)
     rows = logits.view(B, V // chunk, chunk)
     first = rows.amax(-1).argmax(-1)  # (B,)
