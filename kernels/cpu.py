@@ -69,6 +69,14 @@ def load(isa: str):
         lib.dsq_gguf_rows.restype = ctypes.c_int
         lib.dsq_gguf_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_int64, ctypes.c_void_p]
+        if hasattr(lib, "dsq_rms_norm"):  # builds older than the norm kernel lack it
+            lib.dsq_rms_norm.restype = ctypes.c_int
+            lib.dsq_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                         ctypes.c_float, ctypes.c_void_p]
+        if hasattr(lib, "dsq_attn_decode"):
+            lib.dsq_attn_decode.restype = ctypes.c_int
+            lib.dsq_attn_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                            *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_void_p]
         if hasattr(lib, "dsq_int_gemm"):  # builds older than the integer / FP8 kernels lack them
             lib.dsq_int_gemm.restype = ctypes.c_int
             lib.dsq_int_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -130,6 +138,54 @@ def gguf_rows(ids: torch.Tensor, raw: torch.Tensor, qtype: str, dim: int) -> tor
     out = torch.empty(*ids.shape, dim)
     if lib.dsq_gguf_rows(raw.data_ptr(), GGML_TYPES[qtype], dim, flat.data_ptr(), flat.numel(), out.data_ptr()):
         raise ValueError(f"dsq_gguf_rows refused {qtype}")
+    return out
+
+
+def has_rms_norm() -> bool:
+    lib = library()[0]
+    return lib is not None and hasattr(lib, "dsq_rms_norm")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib=None) -> torch.Tensor:
+    """torch.rms_norm(x, (D,), weight, eps) for contiguous float32 x (..., D) and weight (D,) on
+    the CPU, in one C call (decode runs ~100 of these per token, each ~8 ops in eager torch)."""
+    lib = _lib_with(lib, "dsq_rms_norm")
+    D = weight.shape[0]
+    if not (x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu and x.shape[-1] == D
+            and x.is_contiguous() and weight.is_contiguous()):
+        raise ValueError(f"rms_norm: needs contiguous float32 CPU x (..., {D}) and weight ({D},), "
+                         f"got {_desc(x)}, {_desc(weight)}")
+    y = torch.empty_like(x)
+    if lib.dsq_rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // D, D, eps, y.data_ptr()):
+        raise ValueError(f"dsq_rms_norm refused {_desc(x)}")
+    return y
+
+
+def has_attn_decode() -> bool:
+    lib = library()[0]
+    return lib is not None and hasattr(lib, "dsq_attn_decode")
+
+
+def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                lib=None) -> torch.Tensor:
+    """Attention of one new token per sequence: q (B, H, D) (any shape whose memory is that, e.g.
+    (B, 1, H, D)), k and v (B, Hk, S, D) float32 with rows of D contiguous (a slice of the KV
+    cache), mask (B, S) bool (True = attend; any shape of B * S contiguous values) or None.
+    Returns softmax(q k^T * scale) v as (B, 1, H * D) float32, in one C call."""
+    lib = _lib_with(lib, "dsq_attn_decode")
+    B, Hk, S, D = k.shape
+    H = q.numel() // (B * D)
+    if not (q.dtype == k.dtype == v.dtype == torch.float32 and q.is_contiguous() and q.numel() == B * H * D
+            and H % Hk == 0 and v.shape == k.shape and v.stride() == k.stride() and k.stride(-1) == 1
+            and k.stride(-2) == D and q.is_cpu and k.is_cpu and v.is_cpu):
+        raise ValueError(f"attn_decode: needs contiguous float32 q (B, H, D) and k, v (B, Hk, S, D) with "
+                         f"contiguous rows, got {_desc(q)}, {_desc(k)}, {_desc(v)}")
+    if mask is not None and (mask.dtype != torch.bool or mask.numel() != B * S or not mask.is_contiguous()):
+        raise ValueError(f"attn_decode: mask must be a contiguous bool tensor of {B} x {S} values, got {_desc(mask)}")
+    out = torch.empty(B, 1, H * D)
+    if lib.dsq_attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
+                           B, H, Hk, S, D, k.stride(0), k.stride(1), scale, out.data_ptr()):
+        raise ValueError(f"dsq_attn_decode refused q {_desc(q)}, k {_desc(k)} (or ran out of memory)")
     return out
 
 

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsq.kernels import dispatch
+
 
 @dataclass
 class ModelArgs:
@@ -157,9 +159,12 @@ class RMSNorm(nn.Module):
         if x.is_cpu and (self.offset or x.dtype == self.weight.dtype == torch.float32):
             # on the CPU torch.rms_norm computes x * rsqrt(mean(x^2) + eps) * w bit for bit as the
             # lines below do in float32, in one call (a decode step runs ~100 norms)
-            if self.offset:
-                return _cast(torch.rms_norm(x.float(), self.weight.shape, self._offset_weight(), self.eps), x.dtype)
-            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            # (small rows in eager mode, decode: one C call each instead of torch's ~8 ops)
+            xf, w = x.float(), (self._offset_weight() if self.offset else self.weight)
+            y = dispatch.rms_norm_cpu(xf, w, self.eps)
+            if y is None:
+                y = torch.rms_norm(xf, self.weight.shape, w, self.eps)
+            return _cast(y, x.dtype)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:  # Gemma: scale in float32, then cast
@@ -190,10 +195,17 @@ class Attention(nn.Module):
         mods = (self.q_proj, self.k_proj, self.v_proj)
         if hasattr(type(mods[0]), "fuse_rows"):  # quantized modules that know how to stack their rows
             fused = type(mods[0]).fuse_rows(mods)
+            if fused is not None:
+                self.qkv_proj = fused
+                del self.q_proj, self.k_proj, self.v_proj
+                return True
+            # GGUF K-quant mixes often store v in another type than q and k (the built-in model:
+            # q, k Q5_0, v Q8_0): stack q and k at least
+            fused = type(mods[0]).fuse_rows(mods[:2])
             if fused is None:
                 return False
-            self.qkv_proj = fused
-            del self.q_proj, self.k_proj, self.v_proj
+            self.qk_proj = fused
+            del self.q_proj, self.k_proj
             return True
         if not all(type(m) is nn.Linear for m in mods) or len({m.weight.dtype for m in mods}) != 1:
             return False
@@ -213,6 +225,10 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split((nq, nk, nk), dim=-1)
             q = q.view(B, T, self.n_head, self.head_dim)
             k, v = k.view(B, T, self.n_kv, self.head_dim), v.view(B, T, self.n_kv, self.head_dim)
+        elif "qk_proj" in self._modules:
+            q, k = self.qk_proj(x).split((self.n_head * self.head_dim, self.n_kv * self.head_dim), dim=-1)
+            q, k = q.view(B, T, self.n_head, self.head_dim), k.view(B, T, self.n_kv, self.head_dim)
+            v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
         else:
             q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
             k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
@@ -220,11 +236,18 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        qt, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         kc, vc = cache.update(self.layer, k, v, slots)
         if kv_len is not None:
             kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
         kc, vc = _cast(kc, q.dtype), _cast(vc, q.dtype)
+        if T == 1 and mask is not None and not self.softcap and q.is_cpu:
+            # the eager CPU decode step: one C call (kernels/cpu.py attn_decode) instead of SDPA,
+            # which costs several times more for one query (mask conversion, flash tiling)
+            o = dispatch.attn_decode_cpu(q, kc, vc, mask, self.scale)
+            if o is not None:
+                return self.o_proj(o)
+        q = qt
         if self.softcap:
             rep = self.n_head // self.n_kv
             kr, vr = kc.repeat_interleave(rep, 1), vc.repeat_interleave(rep, 1)
@@ -256,7 +279,8 @@ class MLP(nn.Module):
         self.act = (lambda t: F.gelu(t, approximate="tanh")) if args.hidden_act == "gelu_tanh" else F.silu
 
     def fuse(self) -> bool:
-        """Replace gate/up by one projection when both are float."""
+        """Replace gate/up by one projection when both are float, or quantized modules of one
+        format that can stack their rows (fuse_rows)."""
         mods = (self.gate_proj, self.up_proj)
         if hasattr(type(mods[0]), "fuse_rows"):
             fused = type(mods[0]).fuse_rows(mods)
@@ -325,8 +349,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def fuse_projections(self) -> int:
-        """Fuse q/k/v and gate/up wherever the weights are plain float tensors (a runtime
-        transform for speed; the parameter names of a loaded model change). Returns how many."""
+        """Fuse q/k/v (or q/k) and gate/up wherever the weights are plain float tensors or
+        quantized modules of one format (a runtime transform for speed; the parameter names of a
+        loaded model change). Returns how many."""
         n = 0
         for layer in self.model.layers:
             n += layer.self_attn.fuse() + layer.mlp.fuse()

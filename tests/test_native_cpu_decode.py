@@ -1,0 +1,225 @@
+"""The eager CPU decode step's shortcuts: GGUF q/k/v and gate/up rows fused into one C kernel call
+(GGUFLinear.fuse_rows), the C RMS norm and the C one-query attention, each against the plain
+path it replaces (unfused modules, torch.rms_norm, SDPA)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsq.kernels import cpu, dispatch
+from test_kernels_ref import random_blocks
+
+BUILDS = [isa for isa in cpu.supported_isas() if cpu.load(isa) is not None]
+IDS = [5, 17, 99, 250, 31, 7, 400, 12, 3, 77] * 4
+
+needs_kernels = pytest.mark.skipif(not cpu.available(), reason="no C kernels built")
+
+
+def _gguf_linear(qtype: str, n: int, k: int, rng, bias: bool = False):
+    from dsq.runtime.qmodules import GGUFLinear
+
+    m = GGUFLinear(qtype, k, n, bias=bias)
+    m.raw.copy_(torch.from_numpy(random_blocks(qtype, n, k, rng)))
+    if bias:
+        m.bias.data.normal_()
+    return m
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gguf_fuse_rows_equals_separate_modules(bias):
+    from dsq.runtime.qmodules import GGUFLinear
+
+    rng = np.random.default_rng(0)
+    mods = [_gguf_linear("Q5_0", n, 64, rng, bias) for n in (96, 32, 32)]
+    fused = GGUFLinear.fuse_rows(mods)
+    assert isinstance(fused, GGUFLinear) and fused.out_features == 160 and fused.qtype == "Q5_0"
+    for x in (torch.randn(1, 1, 64), torch.randn(2, 5, 64)):
+        with torch.inference_mode():
+            assert torch.equal(fused(x), torch.cat([m(x) for m in mods], -1))
+    # another type, width or bias layout: not fused
+    assert GGUFLinear.fuse_rows([mods[0], _gguf_linear("Q8_0", 32, 64, rng, bias)]) is None
+    assert GGUFLinear.fuse_rows([mods[0], _gguf_linear("Q5_0", 32, 128, rng, bias)]) is None
+    assert GGUFLinear.fuse_rows([mods[0], _gguf_linear("Q5_0", 32, 64, rng, not bias)]) is None
+
+
+def _attn(args, rng, qtypes):
+    from dsq.models.base import Attention
+
+    a = Attention(args, 0)
+    h, d = args.hidden_size, args.head_dim
+    for name, qt, n in zip(("q_proj", "k_proj", "v_proj"), qtypes,
+                           (args.num_attention_heads * d, args.num_key_value_heads * d,
+                            args.num_key_value_heads * d)):
+        setattr(a, name, _gguf_linear(qt, n, h, rng))
+    a.o_proj = _gguf_linear("Q8_0", h, args.num_attention_heads * d, rng)
+    return a
+
+
+@pytest.mark.parametrize("qtypes,fused_name", [(("Q4_K",) * 3, "qkv_proj"), (("Q5_0", "Q5_0", "Q8_0"), "qk_proj")])
+def test_attention_fuses_gguf_projections(qtypes, fused_name):
+    """q/k/v of one type become one module; q/k of one type with v of another (the built-in
+    model's mix) become q/k plus v; the outputs are those of the separate modules."""
+    from dsq.models.base import KVCache, ModelArgs
+
+    args = ModelArgs(vocab_size=8, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    rng = np.random.default_rng(1)
+    a = _attn(args, rng, qtypes)
+    x = torch.randn(1, 3, args.hidden_size) * 0.1
+    cache = KVCache(args, 1, 8, torch.float32, [torch.device("cpu")])
+    cos, sin = cache.rope[("full", "cpu")]
+    pos = torch.arange(3)[None, :, None]
+    with torch.inference_mode():
+        ref = a(x, cos[pos], sin[pos], None, cache, torch.arange(3), 3)
+        assert a.fuse()
+        assert fused_name in a._modules and "q_proj" not in a._modules
+        out = a(x, cos[pos], sin[pos], None, KVCache(args, 1, 8, torch.float32, [torch.device("cpu")]),
+                torch.arange(3), 3)
+    assert torch.allclose(out, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_mlp_fuses_gguf_gate_up():
+    from dsq.models.base import MLP, ModelArgs
+
+    args = ModelArgs(vocab_size=8, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                     num_attention_heads=1, num_key_value_heads=1, head_dim=64, hidden_act="gelu_tanh")
+    rng = np.random.default_rng(2)
+    m = MLP(args)
+    m.gate_proj, m.up_proj = _gguf_linear("Q5_0", 96, 64, rng), _gguf_linear("Q5_0", 96, 64, rng)
+    m.down_proj = _gguf_linear("Q8_0", 64, 96, rng)
+    x = torch.randn(2, 3, 64) * 0.1
+    with torch.inference_mode():
+        ref = m(x)
+        assert m.fuse() and "gate_up_proj" in m._modules
+        assert torch.allclose(m(x), ref, atol=1e-6, rtol=1e-5)
+
+
+def test_tiny_gguf_fused_logits_equal_unfused(tiny_gguf):
+    """End to end on a tiny quantized GGUF: the fused model (default) gives the unfused logits,
+    with and without the KV cache (the eager decode step)."""
+    from dsq.runtime.native import NativeModel
+
+    path = tiny_gguf("gemma3", "Q4_K_M")
+    fused = NativeModel(path, "gguf", n_ctx=64, dtype="fp32")
+    plain = NativeModel(path, "gguf", n_ctx=64, dtype="fp32", fuse=False)
+    layers = fused.model.model.layers
+    assert all("gate_up_proj" in layer.mlp._modules for layer in layers)
+    assert all({"qkv_proj", "qk_proj"} & set(layer.self_attn._modules) for layer in layers)
+    assert np.abs(fused.logits(IDS) - plain.logits(IDS)).max() < 1e-4
+
+    def decode(m):
+        outs = []
+        with torch.inference_mode():
+            cache = m.model.make_cache(1, 64, torch.float32)
+            outs.append(m.model(torch.tensor([IDS[:9]]), torch.arange(9), cache, kv_len=9)[0])
+            for i in range(9, 20):
+                outs.append(m.model(torch.tensor([[IDS[i]]]), torch.tensor([i]), cache, kv_len=i + 1)[0])
+        return torch.cat(outs)
+
+    assert (decode(fused) - decode(plain)).abs().max() < 1e-4
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("shape", [(1, 1, 640), (1, 1, 4, 256), (3, 5, 33), (2, 7)])
+def test_c_rms_norm_matches_torch(isa, shape):
+    x = torch.randn(*shape) * 3
+    w = torch.randn(shape[-1])
+    y = cpu.rms_norm(x, w, 1e-6, lib=cpu.load(isa))
+    assert y.shape == x.shape
+    torch.testing.assert_close(y, torch.rms_norm(x, (shape[-1],), w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_rms_norm_module_uses_c_in_decode(monkeypatch):
+    """RMSNorm (Gemma's offset weights and plain) gives torch's result through the C path, and
+    takes it for small float32 rows only."""
+    from dsq.models.base import RMSNorm
+
+    calls = []
+    real = cpu.rms_norm
+    monkeypatch.setattr(cpu, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for offset in (0.0, 1.0):
+        n = RMSNorm(640, 1e-6, offset)
+        n.weight.data.normal_()
+        x = torch.randn(1, 1, 640)
+        with torch.inference_mode():
+            y = n(x)
+        torch.testing.assert_close(y, torch.rms_norm(x, (640,), offset + n.weight, 1e-6), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2
+    with torch.inference_mode():
+        RMSNorm(640, 1e-6)(torch.randn(128, 640))  # prefill-sized: torch's threaded norm
+    assert len(calls) == 2
+
+
+def _sdpa(q, k, v, mask, scale):
+    B, H, D = q.shape[0], q.shape[2], q.shape[3]
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=H != k.shape[1]).transpose(1, 2).reshape(B, 1, H * D)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("B,H,Hk,S,D", [(1, 4, 1, 160, 256), (3, 4, 2, 37, 64), (2, 3, 3, 1, 8), (1, 8, 2, 300, 128)])
+def test_c_attn_decode_matches_sdpa(isa, B, H, Hk, S, D):
+    L = S + 11  # a slice of a longer cache, as in decode
+    kc, vc = torch.randn(B, Hk, L, D), torch.randn(B, Hk, L, D)
+    k, v = kc[:, :, :S], vc[:, :, :S]
+    q = torch.randn(B, 1, H, D)
+    mask = torch.rand(B, 1, 1, S) > 0.3
+    mask[..., -1] = True  # the new token always sees itself
+    for m in (mask, None):
+        out = cpu.attn_decode(q, k, v, m, 0.125, lib=cpu.load(isa))
+        ref = _sdpa(q, k, v, m, 0.125)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    # a row with every key masked: NaN, as SDPA gives
+    mask[0] = False
+    out = cpu.attn_decode(q, k, v, mask, 0.125, lib=cpu.load(isa))
+    assert out[0].isnan().all() and not out[1:].isnan().any()
+
+
+@needs_kernels
+def test_attention_decode_step_uses_c_attention(monkeypatch):
+    """The eager CPU decode step (T = 1, with a mask) runs the C attention; its logits equal the
+    SDPA step's (DSQ_KERNELS=reference forces SDPA and the torch kernels)."""
+    from dsq.models.base import ModelArgs, Transformer
+
+    args = ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                     layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = Transformer(args)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    calls = []
+    real = cpu.attn_decode
+    monkeypatch.setattr(cpu, "attn_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run():
+        with torch.inference_mode():
+            cache = model.make_cache(1, 16, torch.float32)
+            outs = [model(torch.tensor([[1, 2, 3]]), torch.arange(3), cache, kv_len=3)[0]]
+            for i in range(3, 10):
+                outs.append(model(torch.tensor([[i * 3]]), torch.tensor([i]), cache, kv_len=i + 1)[0])
+        return torch.cat(outs)
+
+    fast = run()
+    assert len(calls) == 7 * 2
+    monkeypatch.setenv("DSQ_KERNELS", "reference")
+    torch.testing.assert_close(fast, run(), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 7 * 2
+    assert dispatch.attn_decode_cpu(torch.randn(1, 1, 4, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16),
+                                    None, 0.25) is None  # reference forced: not taken
+
+
+def test_compile_help_names_the_cpu(runner):
+    """--compile works on the CPU too (_CompiledStep): its help must not say CUDA only."""
+    from dsq.cli import app
+
+    r = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "300", "TERM": "dumb"})
+    assert r.exit_code == 0
+    line = next(ln for ln in r.output.splitlines() if "--compile" in ln)
+    assert "CPU" in line and "native on CUDA:" not in line
