@@ -1,6 +1,8 @@
 """Choose the implementation for a quantized op by device, format and shape.
 
 - CUDA: the Triton kernels over the packed layout (kernels/triton_qlinear.py) when Triton imports.
+  One row of x (decode) with integer codes takes the int8-activation GEMV (x rounded to int8 per
+  32 elements as llama.cpp does, packed.linear_ref_q8) unless DSQ_ACT_Q8=0.
 - CPU: the C kernels (kernels/csrc) when they were built.
 - Anything else, or DSQ_KERNELS=reference: the torch reference with the same signature.
 Shape is decided inside each kernel family (GEMV at M=1, tiles and tl.dot / blocked rows above).
@@ -13,6 +15,9 @@ from functools import lru_cache
 
 import torch
 from dsq.kernels import cpu, fp8_ref, gguf_ref, intq_ref, packed
+
+
+ACT_Q8 = os.environ.get("DSQ_ACT_Q8", "1") != "0"
 
 
 def _reference() -> bool:
@@ -66,6 +71,34 @@ def gguf_embedding(ids: torch.Tensor, raw: torch.Tensor, qtype: str, dim: int, d
     return gguf_ref.gguf_embedding_ref(ids, raw, qtype, dim, dtype)
 
 
+# above this many values torch's multi-threaded rms_norm wins over the one-thread C loop (prefill)
+RMS_NORM_C_MAX = 1 << 15
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """The C RMS norm for a small contiguous float32 x on the CPU in eager mode (the decode step's
+    norms), or None: the caller then runs torch.rms_norm."""
+    if (x.numel() > RMS_NORM_C_MAX or x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu
+            or not x.is_contiguous() or torch.compiler.is_compiling() or not _cpu_kernels()
+            or not cpu.has_rms_norm() or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return None
+    return cpu.rms_norm(x, weight, eps)
+
+
+def attn_decode_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> torch.Tensor | None:
+    """The C decode attention (kernels/cpu.py attn_decode: q (B, 1, H, D) contiguous, k/v cache
+    slices (B, Hk, S, D), mask (B, 1, 1, S) bool) in eager mode on the CPU, as (B, 1, H * D);
+    None when it does not apply (the caller then runs SDPA)."""
+    if (q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32 or not q.is_cpu
+            or not q.is_contiguous() or k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride() != k.stride()
+            or (mask is not None and not mask.is_contiguous()) or torch.compiler.is_compiling()
+            or not _cpu_kernels() or not cpu.has_attn_decode()
+            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        return None
+    return cpu.attn_decode(q, k, v, mask, scale)
+
+
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                perm: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """dsq's internal int4/int8 layout (kernels/intq_ref.py)."""
@@ -84,10 +117,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The GPU layout (kernels/packed.py)."""
+    """The GPU layout (kernels/packed.py). Under torch.compile: the same as one operator it keeps."""
+    if torch.compiler.is_compiling():
+        from dsq.kernels import ops
+
+        return ops.packed_linear_op(x, p, bias)
     if x.device.type == "cuda" and not _reference() and _triton_ok():
         from dsq.kernels import triton_qlinear
 
+        if ACT_Q8 and x.numel() == p.K and packed.q8_ok(p):
+            return triton_qlinear.q8_linear(x, p, bias)
         if triton_qlinear.supported(p, x):
             return triton_qlinear.packed_linear(x, p, bias)
     return packed.linear_ref(x, p, bias)

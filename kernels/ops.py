@@ -2,6 +2,10 @@
 through them: dynamo cannot see into a ctypes call, but it keeps an operator with a fake (shape
 only) implementation in the graph, and inductor fuses the small ops around it.
 
+The GPU layout's kernels (Triton, kernels/triton_qlinear.py) are one more operator,
+`dsq::packed_linear`, for the same reason: a compiled GPU decode step keeps each quantized matmul
+as one opaque call and fuses everything between them.
+
 Eager code calls `dsq.kernels.cpu` directly (the dispatcher's path costs a few microseconds per
 call); the dispatcher routes here only while compiling. The operators are defined with a plain
 `torch.library.Library` rather than `torch.library.custom_op`: the compiled graph calls them on
@@ -28,12 +32,38 @@ _lib.define("gguf_rows(Tensor ids, Tensor raw, str qtype, int dim) -> Tensor")
 _lib.define("int_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int bits, Tensor? perm=None, "
             "Tensor? bias=None) -> Tensor")
 _lib.define("fp8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias=None) -> Tensor")
+# the GPU layout (kernels/packed.py): fmt = Fmt's fields as ints, in order
+_lib.define("packed_linear(Tensor x, Tensor lo, Tensor sc, Tensor? hi, Tensor? d, Tensor? zp, Tensor? mn, "
+            "Tensor? dmin, Tensor? perm, Tensor? bias, int[] fmt, int N, int K) -> Tensor")
 
 # the kernels as they are (each returns a new tensor of x's dtype)
 _lib.impl("gguf_linear", cpu.gguf_linear, "CPU")
 _lib.impl("gguf_rows", cpu.gguf_rows, "CPU")
 _lib.impl("int_linear", cpu.int_linear, "CPU")
 _lib.impl("fp8_linear", cpu.fp8_linear, "CPU")
+
+
+
+def _packed_linear(x, lo, sc, hi, d, zp, mn, dmin, perm, bias, fmt, N, K):
+    """The Triton kernels on a GPU, the torch reference elsewhere (dispatch.packed_linear)."""
+    from dsq.kernels.packed import Fmt, Packed
+
+    f = Fmt(fmt[0], fmt[1], fmt[2], fmt[3], bool(fmt[4]), fmt[5], fmt[6], bool(fmt[7]))
+    p = Packed(f, N, K, lo, sc, hi=hi, d=d, zp=zp, mn=mn, dmin=dmin, perm=perm)
+    return dispatch.packed_linear(x, p, bias)
+
+
+_lib.impl("packed_linear", _packed_linear, "CPU")
+_lib.impl("packed_linear", _packed_linear, "CUDA")
+
+
+def packed_linear_op(x, p, bias=None):
+    """dispatch.packed_linear as one operator call that torch.compile keeps opaque in its graph (it
+    cannot trace the Triton launcher and its autotuner), fusing the small ops around it."""
+    f = p.fmt
+    fmt = [f.codes, f.hi_bits, f.sub, f.sc_rows, int(f.two_level), f.zero, f.offset, int(f.mins)]
+    return torch.ops.dsq.packed_linear.default(x, p.lo, p.sc, p.hi, p.d, p.zp, p.mn, p.dmin, p.perm, bias, fmt,
+                                               p.N, p.K)
 
 
 # shapes only: N output features = the weight's rows
@@ -55,6 +85,11 @@ def _int_linear_fake(x, qweight, scales, zeros, bits, perm=None, bias=None):
 @torch.library.register_fake("dsq::fp8_linear", lib=_lib)
 def _fp8_linear_fake(x, weight, scale, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.register_fake("dsq::packed_linear", lib=_lib)
+def _packed_linear_fake(x, lo, sc, hi, d, zp, mn, dmin, perm, bias, fmt, N, K):
+    return x.new_empty(*x.shape[:-1], N)
 
 
 gguf_linear = torch.ops.dsq.gguf_linear.default

@@ -130,6 +130,56 @@ def linear_ref(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None) -> 
     return y.to(x.dtype)
 
 
+def q8_ok(p: Packed) -> bool:
+    """Formats the int8-activation GEMV takes: integer codes without high-bit planes (int4 AWQ/GPTQ,
+    int8, Q4_0, Q8_0, Q4_K), scale groups of whole 32-element blocks, K a multiple of 32."""
+    f = p.fmt
+    return f.codes in (NIB, U8, I8) and f.hi_bits == 0 and f.sc_rows == 1 and p.K % 32 == 0 and \
+        (f.sub >= p.K or f.sub % 32 == 0)
+
+
+def quantize_x_q8(x: torch.Tensor, codes: int):
+    """x (K,) -> the int8-activation GEMV's inputs, like llama.cpp's Q8_1 blocks: per 32 elements
+    a scale sx = max|x| / 127 and xq = round(x / sx) in [-127, 127], packed four to an int32 word
+    in the order the codes are (nibble formats, per block: four words of the even elements of each
+    8, which `c & 0x0F0F0F0F` lines up with, then four of the odd ones for `(c >> 4) & 0x0F0F0F0F`;
+    byte formats: in order); and
+    sx * sum(xq) per block (for zero points and mins, so that the kernel computes exactly W x_q8 with
+    x_q8 = xq * sx). Plain torch ops: under torch.compile they fuse into the kernel that made x."""
+    K = x.shape[-1]
+    xb = x.float().reshape(K // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    sx = amax / 127
+    qf = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    q = qf.to(torch.int64) & 0xFF
+    if codes == NIB:  # per block: the even elements of its 4 words of 8, then the odd ones
+        q = q.reshape(K // 32, 4, 8)
+        q = torch.stack([q[:, :, 0::2], q[:, :, 1::2]], 1)  # (K/32, 2, 4 words, 4 bytes)
+    q = q.reshape(K // 4, 4)
+    w = q[:, 0] | (q[:, 1] << 8) | (q[:, 2] << 16) | (q[:, 3] << 24)
+    w = torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
+    return w, sx.reshape(K // 32).contiguous(), (sx * qf.sum(-1, keepdim=True)).reshape(K // 32).contiguous()
+
+
+def dequantize_x_q8(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8-activation GEMV sees it: xq * sx per 32-element block (float32)."""
+    xb = x.float().reshape(-1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    qf = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    return (qf * (amax / 127)).reshape(x.shape)
+
+
+def linear_ref_q8(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the int8-activation GEMV computes: W times x rounded to int8 per 32-element block."""
+    xf = x.float()
+    if p.perm is not None:
+        xf = xf[..., p.perm]
+    y = dequantize_x_q8(xf) @ dequantize(p).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 # -- packing from each source format ---------------------------------------------------------------
 def _pairs(c: torch.Tensor) -> torch.Tensor:
     c = c.to(torch.uint8)

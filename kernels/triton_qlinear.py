@@ -24,6 +24,7 @@ import triton.language as tl
 from dsq.kernels.packed import NIB, Packed
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET_K = tl.constexpr(INTERPRET)
 
 
 @triton.jit
@@ -131,12 +132,12 @@ def _element(word, h, i: tl.constexpr, CODES: tl.constexpr, HI_BITS: tl.constexp
 
 
 @triton.jit
-def _gemv(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
-          s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
-          CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
-          TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
-          HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """M = 1, four rows per program (BN must be 4). All tensors share the layout of one row's code
+def _gemv4(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
+           s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+           CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
+           TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
+           HAS_BIAS: tl.constexpr, BK: tl.constexpr):
+    """M = 1, four rows per program as four separate tensors. All tensors share the layout of one row's code
     words (GT, GW): each x element is loaded and converted once and used by the four rows, the
     elements of a word are taken one at a time (unrolled), and threads combine their sums once,
     after the loop. Per element: a shift, an and/or and one FMA (see _element); per word:
@@ -205,6 +206,172 @@ def _gemv(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr,
 
 
 @triton.jit
+def _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
+               s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+               CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
+               TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """M = 1, BN rows as a tensor dimension: words (BN, GT, GW), group parameters (BN, GT, 1), and
+    each x element (1, GT, GW) loaded once for all BN rows. The K loop is software-pipelined
+    (tl.range: the next tiles' words are copied asynchronously while this one is computed)."""
+    EPW: tl.constexpr = 8 if CODES == 0 else 4
+    CB: tl.constexpr = 4 + HI_BITS if CODES == 0 else 8
+    SC: tl.constexpr = 1 << CB
+    GS: tl.constexpr = SUB if SUB < BK else BK
+    GT: tl.constexpr = BK // GS
+    GW: tl.constexpr = GS // EPW
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    r3 = rn[:, None, None]
+    wt = (tl.arange(0, GT) * GW)[None, :, None] + tl.arange(0, GW)[None, None, :]  # (1, GT, GW)
+    et = (tl.arange(0, GT) * GS)[None, :, None]  # (1, GT, 1)
+    KW = K // EPW
+    acc = tl.zeros((BN, GT, GW), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        w = k0 // EPW + wt
+        e = k0 + et
+        km = w < KW
+        q, s, z, h, m = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r3, w, e,
+                                  km & (r3 < N), (e < K) & (r3 < N), s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+                                  CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
+        t = tl.zeros((BN, GT, GW), dtype=tl.float32)
+        xs = tl.zeros((1, GT, GW), dtype=tl.float32)
+        for i in tl.static_range(EPW):
+            xv = tl.load(x_ptr + w * EPW + i, mask=km, other=0).to(tl.float32)
+            t += _element(q, h, i, CODES, HI_BITS) * xv
+            xs += xv
+        if CODES == 3:
+            acc += (256.0 * s) * t
+        else:
+            acc += s * (SC * t - (SC + z) * xs) - m * xs
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rn, mask=rn < N, other=0).to(tl.float32)
+    tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _gemv(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
+          s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+          CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
+          TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
+          HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """M = 1: BN == 4 takes _gemv4 (four row tensors, no pipelining: the faster one for K-quants
+    and Q6_K on an H200), any other BN _gemv_rows (int4, FP8: 1.2-1.5x faster there)."""
+    if BN == 4:
+        _gemv4(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
+               s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET,
+               MINS, HAS_BIAS, BK)
+    else:
+        _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
+                   s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET,
+                   MINS, HAS_BIAS, BN, BK, STAGES)
+
+
+@triton.jit
+def _dp4a(a, b, c, SIGNED_A: tl.constexpr, USE_ASM: tl.constexpr):
+    """c + the dot product of the four bytes of a (unsigned, or signed) and of b (signed): one
+    instruction (dp4a) on the GPU, the same sum in plain integer ops under the interpreter."""
+    if USE_ASM:
+        if SIGNED_A:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = c
+        for j in tl.static_range(4):
+            ab = (a >> (8 * j)) & 0xFF
+            if SIGNED_A:
+                ab = (ab ^ 0x80) - 0x80
+            bb = (b >> (8 * j)) & 0xFF
+            r += ab * ((bb ^ 0x80) - 0x80)
+        return r
+
+
+@triton.jit
+def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
+             s_lo, s_sc, s_d, s_zp, s_mn, s_dmin,
+             CODES: tl.constexpr, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
+             OFFSET: tl.constexpr, MINS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+             BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """M = 1 with x as int8 per 32-element block (quantize_x_q8, llama.cpp's Q8_1 scheme): integer
+    codes meet x in dp4a, four products per instruction. Tiles (BN rows, NB blocks, WB words of a
+    block); per row and block: dp = sum c xq (exact int32), then y += s (sx dp - z xsum) - m xsum
+    with xsum = sx sum xq: exactly W (xq sx), packed.linear_ref_q8."""
+    WB: tl.constexpr = 4 if CODES == 0 else 8  # code words per 32-element block
+    NB: tl.constexpr = BK // 32
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    r3 = rn[:, None, None]
+    r2 = rn[:, None]
+    bt = tl.arange(0, NB)
+    wt = (bt * WB)[None, :, None] + tl.arange(0, WB)[None, None, :]  # (1, NB, WB) word in the tile
+    KW = K // (32 // WB)
+    acc = tl.zeros((BN, NB), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        w = k0 // (32 // WB) + wt
+        wm = w < KW
+        q = tl.load(lo_ptr + r3 * s_lo + w, mask=wm & (r3 < N), other=0)
+        b = k0 // 32 + bt[None, :]  # (1, NB) x block
+        bm = b < K // 32
+        if CODES == 0:
+            xi = k0 // 4 + (bt * 8)[None, :, None] + tl.arange(0, WB)[None, None, :]  # block's even words
+            xe = tl.load(xw_ptr + xi, mask=wm, other=0)
+            xo = tl.load(xw_ptr + xi + 4, mask=wm, other=0)
+            dp = _dp4a(q & 0x0F0F0F0F, xe, tl.zeros_like(q), False, USE_ASM)
+            dp = _dp4a((q >> 4) & 0x0F0F0F0F, xo, dp, False, USE_ASM)
+        else:
+            xv = tl.load(xw_ptr + w, mask=wm, other=0)
+            dp = _dp4a(q, xv, tl.zeros_like(q), CODES == 2, USE_ASM)
+        dps = tl.sum(dp, axis=2).to(tl.float32)  # (BN, NB)
+        sx = tl.load(sx_ptr + b, mask=bm, other=0)
+        xs = tl.load(xsum_ptr + b, mask=bm, other=0)
+        s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r2, b * 32, bm & (r2 < N), s_sc, s_d, s_zp,
+                                s_mn, s_dmin, SUB, 1, TWO_LEVEL, ZERO, OFFSET, MINS)
+        acc += s * (sx * dps - z * xs) - m * xs
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rn, mask=rn < N, other=0).to(tl.float32)
+    tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _quant_x(x_ptr, xw_ptr, sx_ptr, xsum_ptr, K, NIBBLES: tl.constexpr, NBLK: tl.constexpr):
+    """packed.quantize_x_q8 as one kernel: NBLK blocks of 32 elements per program."""
+    blk = tl.program_id(0) * NBLK + tl.arange(0, NBLK)
+    bm = blk < K // 32
+    j = tl.arange(0, 8)
+    w4 = tl.arange(0, 4)
+    # x as (NBLK, 4 words, 8 elements): in nibble order each word of 8 splits into even / odd
+    # elements, four bytes each; byte order: element e of a word of 8
+    e = (blk[:, None, None] * 32 + (w4 * 8)[None, :, None] + j[None, None, :])
+    x = tl.load(x_ptr + e, mask=bm[:, None, None], other=0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    q = tl.extra.cuda.libdevice.rint(x * inv[:, None, None]) if not INTERPRET_K else tl.floor(x * inv[:, None, None] + 0.5)
+    qs = tl.sum(tl.sum(q, axis=2), axis=1)
+    qi = q.to(tl.int32) & 0xFF
+    if NIBBLES:
+        # element 2i of word w of a block: byte i of the block's word w; element 2i+1: of word 4 + w
+        sh = 8 * (j // 2)
+        ev = tl.sum(tl.where((j % 2 == 0)[None, None, :], qi << sh[None, None, :], 0), axis=2)
+        od = tl.sum(tl.where((j % 2 == 1)[None, None, :], qi << sh[None, None, :], 0), axis=2)
+        ow = blk[:, None] * 8 + w4[None, :]
+        tl.store(xw_ptr + ow, ev, mask=bm[:, None])
+        tl.store(xw_ptr + ow + 4, od, mask=bm[:, None])
+    else:
+        sh = 8 * (j % 4)
+        lo = tl.sum(tl.where((j < 4)[None, None, :], qi << sh[None, None, :], 0), axis=2)
+        hi = tl.sum(tl.where((j >= 4)[None, None, :], qi << sh[None, None, :], 0), axis=2)
+        ow = blk[:, None] * 8 + w4[None, :] * 2
+        tl.store(xw_ptr + ow, lo, mask=bm[:, None])
+        tl.store(xw_ptr + ow + 1, hi, mask=bm[:, None])
+    sx = amax / 127.0
+    tl.store(sx_ptr + blk, sx, mask=bm)
+    tl.store(xsum_ptr + blk, sx * qs, mask=bm)
+
+
+@triton.jit
 def _gemm(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, M, N, K, s_xm, s_ym,
           s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
           CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
@@ -245,8 +412,10 @@ def _gemm(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr,
 
 
 _FMT_KEYS = ["CODES", "HI_BITS", "SUB", "SC_ROWS", "TWO_LEVEL", "ZERO", "MINS"]
-_GEMV_CONFIGS = [triton.Config({"BN": 4, "BK": bk}, num_warps=w, num_stages=s)  # BN: 4 rows per program
-                 for bk, w, s in [(512, 1, 4), (1024, 2, 3), (1024, 4, 3), (2048, 4, 2), (4096, 8, 2)]]
+# The winners of an H200 sweep (.devrun-style, docs/benchmarks.md): BN 4 = _gemv4, else _gemv_rows.
+_GEMV_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
+                 for bn, bk, w, st in [(8, 1024, 2, 3), (16, 1024, 4, 3), (8, 1024, 4, 1), (8, 1024, 4, 3),
+                                       (4, 2048, 2, 1), (4, 1024, 2, 1), (4, 2048, 4, 1), (4, 4096, 4, 1)]]
 _GEMM_CONFIGS = [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
                  for bm, bn, bk, w, s in [(16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 32, 256, 4, 3),
                                           (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 128, 8, 3)]]
@@ -260,6 +429,10 @@ def _autotune(configs, key, **kw):
 
 
 _gemv_tuned = _autotune(_GEMV_CONFIGS, ["N", "K", *_FMT_KEYS])(_gemv)
+_Q8_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
+               for bn, bk, w, st in [(4, 1024, 1, 3), (2, 1024, 1, 3), (2, 2048, 1, 2), (4, 512, 1, 3),
+                                     (4, 1024, 1, 2), (4, 2048, 2, 3)]]  # H200 sweep winners: small programs
+_gemv_q8_tuned = _autotune(_Q8_CONFIGS, ["N", "K", "CODES", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(_gemv_q8)
 
 
 def _m_bucket(m: int) -> int:
@@ -297,6 +470,42 @@ def supported(p: Packed, x: torch.Tensor) -> bool:
     return words_ok and group_ok and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
+def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              config: dict | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) for one row of x, with x rounded to int8 per 32 elements (_gemv_q8;
+    packed.linear_ref_q8 is what it computes). Formats: packed.q8_ok."""
+    from dsq.kernels.packed import quantize_x_q8
+
+    x1 = x.reshape(-1, p.K)
+    if x1.shape[0] != 1:
+        raise ValueError("q8_linear takes one row of x")
+    if p.perm is not None:
+        x1 = x1[:, p.perm]
+    if torch.compiler.is_compiling() or x.device.type != "cuda" and not INTERPRET:
+        xw, sx, xs = quantize_x_q8(x1[0], p.fmt.codes)
+    else:
+        xw = torch.empty(p.K // 4, dtype=torch.int32, device=x.device)
+        sx = torch.empty(p.K // 32, dtype=torch.float32, device=x.device)
+        xs = torch.empty_like(sx)
+        _quant_x[(triton.cdiv(p.K // 32, 4),)](x1.contiguous(), xw, sx, xs, p.K, NIBBLES=p.fmt.codes == NIB, NBLK=4)
+    y = out if out is not None else torch.empty(1, p.N, dtype=x.dtype, device=x.device)
+    f = p.fmt
+    none = p.sc
+    planes = [p.lo.view(torch.int32), p.sc, p.d if p.d is not None else none, p.zp if p.zp is not None else none,
+              p.mn if p.mn is not None else none, p.dmin if p.dmin is not None else none]
+    strides = [t.stride(0) for t in planes]
+    flags = {"CODES": f.codes, "SUB": f.sub, "TWO_LEVEL": f.two_level, "ZERO": f.zero, "OFFSET": f.offset,
+             "MINS": f.mins, "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET}
+    b = bias if bias is not None else y
+    if config is None and not INTERPRET:
+        grid = lambda meta: (triton.cdiv(p.N, meta["BN"]),)  # noqa: E731
+        _gemv_q8_tuned[grid](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags)
+    else:
+        cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
+        _gemv_q8[(triton.cdiv(p.N, cfg["BN"]),)](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags, **cfg)
+    return y.reshape(*x.shape[:-1], p.N)
+
+
 def packed_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) for a Packed weight on x's device; y in x's dtype. `out` (M, N) may be
@@ -324,7 +533,7 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
             grid = lambda meta: (triton.cdiv(p.N, meta["BN"]),)  # noqa: E731
             _gemv_tuned[grid](x2, y, b, *planes, p.N, p.K, *strides, **flags)
         else:
-            cfg = {**(config or {"BK": 64}), "BN": 4}
+            cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
             _gemv[(triton.cdiv(p.N, cfg["BN"]),)](x2, y, b, *planes, p.N, p.K, *strides, **flags, **cfg)
     else:
         # float32 dots for float32 x, and under the interpreter (its bf16 dot is wrong)

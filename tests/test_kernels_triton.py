@@ -97,9 +97,10 @@ def test_awq_int4(M):
 
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "int4-g32"])
-@pytest.mark.parametrize("M", [1, 4])
-def test_wide_tiles_hold_many_groups(fmt, M):
-    """Tiles of 256 elements hold 8-16 scale groups (the shapes the GPU autotuner picks)."""
+@pytest.mark.parametrize("M,bn", [(1, 4), (1, 8), (4, 16)])
+def test_wide_tiles_hold_many_groups(fmt, M, bn):
+    """Tiles of 256 elements hold 8-16 scale groups (the shapes the GPU autotuner picks); at M=1
+    both GEMVs: four row tensors (BN 4) and rows as a tensor dimension (BN 8, two-stage pipeline)."""
     rng = np.random.default_rng()
     N, K = 9, 768
     if fmt == "int4-g32":
@@ -109,7 +110,7 @@ def test_wide_tiles_hold_many_groups(fmt, M):
     else:
         p = packed.from_gguf(torch.from_numpy(random_blocks(fmt, N, K, rng)), fmt, K)
     x = torch.randn(M, K)
-    cfg = {"BN": 4, "BK": 256} if M == 1 else {"BM": 16, "BN": 16, "BK": 256}
+    cfg = {"BN": bn, "BK": 256, "STAGES": 2} if M == 1 else {"BM": 16, "BN": bn, "BK": 256}
     check(run(x, p, config=cfg), x.double() @ packed.dequantize(p).double().t(), torch.float32)
 
 
@@ -173,3 +174,69 @@ def test_real_shapes_autotuned(fmt, M):
     ref = x.double() @ packed.dequantize(p).double().t()
     y = tq.packed_linear(x.cuda(), p.to("cuda"))
     check(y, ref, torch.bfloat16)
+
+
+# -- the int8-activation GEMV (decode, integer codes): x rounded to int8 per 32 elements --------------
+def q8_case(fmt: str, N: int, K: int) -> packed.Packed:
+    rng = np.random.default_rng()
+    if fmt.startswith("gptq"):
+        bits = 8 if "int8" in fmt else 4
+        d = gptq_case(N, K, 32 if "g32" in fmt else 128, bits, "act" in fmt, True)
+        return packed.from_int(d["qweight"], d["scales"], d["zeros"], bits, d.get("perm"))
+    return packed.from_gguf(torch.from_numpy(random_blocks(fmt, N, K, rng)), fmt, K)
+
+
+def run_q8(x, p, bias=None, config=None):
+    out = torch.full((1, p.N), float("nan"), dtype=x.dtype, device=DEV)
+    y = tq.q8_linear(x.to(DEV), p.to(DEV), None if bias is None else bias.to(DEV), out=out, config=config)
+    assert y.data_ptr() == out.data_ptr()
+    return y
+
+
+@pytest.mark.parametrize("fmt", ["gptq-int4", "gptq-int4-act", "gptq-int4-g32", "gptq-int8", "Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("cfg", [{"BN": 8, "BK": 64, "STAGES": 1}, {"BN": 4, "BK": 256, "STAGES": 2}])
+def test_q8_gemv_equals_its_reference(fmt, cfg):
+    """Exactly W (xq sx) (packed.linear_ref_q8) on odd N and K (not a multiple of the tile), with a
+    bias; and within int8 rounding of the float product."""
+    N, K = (24 if fmt.startswith("gptq") else 21), 768  # GPTQ packs rows by 8
+    p = q8_case(fmt, N, K)
+    assert packed.q8_ok(p)
+    x = torch.randn(1, K) * 2
+    x[0, 40:72] = 0  # an all-zero block: scale 0
+    bias = torch.randn(N)
+    y = run_q8(x, p, bias, cfg)
+    check(y, packed.linear_ref_q8(x.double(), p, bias.double()).float(), torch.float32)
+    exact = packed.linear_ref(x.double(), p, bias.double())
+    assert float((y.double().cpu() - exact).norm() / exact.norm()) < 2e-2
+
+
+def test_q8_x_quantizer_kernel_equals_torch():
+    """The Triton x quantizer writes what packed.quantize_x_q8 computes (words, scales, sums)."""
+    for codes in (packed.NIB, packed.I8):
+        x = torch.randn(1, 32 * 7) * 5
+        x[0, 64:96] = 0
+        want = packed.quantize_x_q8(x[0], codes)
+        xw = torch.full((x.shape[1] // 4,), -1, dtype=torch.int32, device=DEV)
+        sx = torch.full((7,), float("nan"), device=DEV)
+        xs = torch.full((7,), float("nan"), device=DEV)
+        tq._quant_x[(2,)](x.to(DEV), xw, sx, xs, x.shape[1], NIBBLES=codes == packed.NIB, NBLK=4)
+        assert torch.equal(xw.cpu(), want[0])
+        torch.testing.assert_close(sx.cpu(), want[1], rtol=1e-6, atol=0)
+        torch.testing.assert_close(xs.cpu(), want[2], rtol=1e-5, atol=1e-6)
+
+
+def test_q8_refuses_what_it_cannot_run():
+    rng = np.random.default_rng()
+    assert not packed.q8_ok(packed.from_gguf(torch.from_numpy(random_blocks("Q6_K", 4, 256, rng)), "Q6_K", 256))
+    assert not packed.q8_ok(packed.from_fp8(torch.randn(4, 64).to(torch.float8_e4m3fn), torch.ones(1)))
+    p = q8_case("Q4_0", 8, 256)
+    with pytest.raises(ValueError):
+        tq.q8_linear(torch.randn(2, 256, device=DEV), p.to(DEV))
+
+
+@pytest.mark.skipif(not CUDA, reason="real shapes and autotuning need a GPU")
+@pytest.mark.parametrize("fmt", ["gptq-int4-act", "Q4_0", "Q8_0", "Q4_K"])
+def test_q8_real_shapes_autotuned(fmt):
+    p = q8_case(fmt, 1024, 4096)
+    x = torch.randn(1, 4096, dtype=torch.bfloat16)
+    check(tq.q8_linear(x.cuda(), p.to("cuda")), packed.linear_ref_q8(x.double(), p), torch.bfloat16)

@@ -238,6 +238,10 @@ def main(argv=None) -> None:
     ap.add_argument("--transformers", default="eager", help="comma list of eager,static-compile ('' skips)")
     ap.add_argument("--formats", default="awq-int4,gptq-int4-actorder,fp8,q4_k_m",
                     help="quantized models to time after the bf16 variants (graph+fused, Triton kernels)")
+    ap.add_argument("--quant-variants", default="graph+fused,compile+graph+fused,compile+graph+fused+fx",
+                    help="how the quantized models run: graph+fused, compile+graph+fused (torch.compile around the "
+                         "Triton kernels, which stay opaque operators); +fx: float x at M=1 instead of the "
+                         "int8-activation GEMV")
     ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of one compiled decode step")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -356,23 +360,28 @@ def main(argv=None) -> None:
         with torch.inference_mode():
             q_logits = model(check_ids).float()
         rel = float((q_logits - bf16_logits).norm() / bf16_logits.norm())
-        t0 = time.perf_counter()
-        nm = NativeModel.from_model(model, cfg, NullTokenizer(), n_ctx=n_ctx, gpu_layers=-1, cuda_graph=True,
-                                    fuse=False)
-        setup_s = time.perf_counter() - t0
-        r = time_native(nm, prompt, a.gen_tokens, a.repeat)
-        roof = bw / nbytes
-        r.update(name=f"native {fmt} graph+fused", setup_s=setup_s, bytes_per_token=nbytes, roofline_tok_s=roof,
-                 logits_rel_err_vs_bf16=rel)
-        rows.append(r)
-        del nm
-        # quantization error compounds over 32 random layers to O(1) against bf16, so the kernels
-        # are checked against their own weights: the same model with every packed weight
-        # dequantized into a plain bf16 Linear (cuBLAS)
-        r["logits_rel_err_vs_dequantized"] = rel_fake = kernels_vs_dequantized(model, check_ids, q_logits)
-        print(f"{r['name']}: {r['decode_tok_s']:.1f} tok/s = {r['decode_tok_s'] / roof:.0%} of its roofline "
-              f"{roof:.0f} ({nbytes / 1e9:.2f} GB/token), TTFT {r['ttft_ms']:.1f} ms, logits vs its dequantized "
-              f"weights rel err {rel_fake:.1e} (vs bf16 {rel:.2f}), setup {setup_s:.1f}s", flush=True)
+        for qv in [v for v in a.quant_variants.split(",") if v]:
+            from dsq.kernels import dispatch
+
+            dispatch.ACT_Q8 = "fx" not in qv.split("+")  # fx: float x (no int8-activation GEMV)
+            t0 = time.perf_counter()
+            nm = NativeModel.from_model(model, cfg, NullTokenizer(), n_ctx=n_ctx, gpu_layers=-1, cuda_graph=True,
+                                        fuse=False, compile="default" if "compile" in qv.split("+") else False)
+            setup_s = time.perf_counter() - t0
+            r = time_native(nm, prompt, a.gen_tokens, a.repeat)
+            roof = bw / nbytes
+            r.update(name=f"native {fmt} {qv}", setup_s=setup_s, bytes_per_token=nbytes, roofline_tok_s=roof,
+                     logits_rel_err_vs_bf16=rel)
+            rows.append(r)
+            del nm
+            # quantization error compounds over 32 random layers to O(1) against bf16, so the kernels
+            # are checked against their own weights: the same model with every packed weight
+            # dequantized into a plain bf16 Linear (cuBLAS)
+            r["logits_rel_err_vs_dequantized"] = rel_fake = kernels_vs_dequantized(model, check_ids, q_logits)
+            print(f"{r['name']}: {r['decode_tok_s']:.1f} tok/s = {r['decode_tok_s'] / roof:.0%} of its roofline "
+                  f"{roof:.0f} ({nbytes / 1e9:.2f} GB/token), TTFT {r['ttft_ms']:.1f} ms, logits vs its dequantized "
+                  f"weights rel err {rel_fake:.1e} (vs bf16 {rel:.2f}), setup {setup_s:.1f}s", flush=True)
+            torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()
 

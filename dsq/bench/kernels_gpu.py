@@ -7,7 +7,8 @@ and the device's copy bandwidth, measured side by side in one run.
 Shapes are N x K (outputs x inputs, the weight's shape). Each timing replays a CUDA graph of
 calls cycling through enough copies of the weight to overflow L2, so every byte comes from HBM
 and no launch overhead is counted (the runtime replays its decode step as a graph too).
-Achieved bandwidth = bytes that must be read (codes + scales + x) / time.
+Achieved bandwidth = bytes that must be read (codes + scales + x) / time. A format named with
+"+q8" (int4-g128+q8, Q4_K+q8, ...) runs the int8-activation GEMV (M=1), x's rounding included.
 """
 
 from __future__ import annotations
@@ -83,18 +84,22 @@ def copies_for(nbytes: int) -> int:
 
 def bench_shape(fmt: str, N: int, K: int, M: int) -> dict:
     from dsq.kernels import triton_qlinear
-    from dsq.kernels.packed import Packed, linear_ref
+    from dsq.kernels.packed import Packed, linear_ref, linear_ref_q8
 
-    p0 = random_packed(fmt, N, K)
+    q8 = fmt.endswith("+q8")
+    p0 = random_packed(fmt.removesuffix("+q8"), N, K)
+    kern = triton_qlinear.q8_linear if q8 else triton_qlinear.packed_linear
     # copies at other addresses (same data) so the graph's calls read HBM, not L2
     ps = [p0] + [Packed(p0.fmt, N, K, **{k: v.clone() for k, v in p0.tensors().items()})
                  for _ in range(copies_for(p0.nbytes()) - 1)]
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     ys = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in ps]
-    y = triton_qlinear.packed_linear(x, p0)  # correctness on this shape first (and autotuning)
-    ref = linear_ref(x.float(), p0)
+    if q8 and M > 1:
+        raise ValueError("the int8-activation kernel is for M=1")
+    y = kern(x, p0)  # correctness on this shape first (and autotuning)
+    ref = linear_ref_q8(x.float(), p0) if q8 else linear_ref(x.float(), p0)
     rel = float((y.float() - ref).norm() / ref.norm())
-    fns = [lambda p=p, yy=yy: triton_qlinear.packed_linear(x, p, out=yy) for p, yy in zip(ps, ys)]
+    fns = [lambda p=p, yy=yy: kern(x, p, out=yy) for p, yy in zip(ps, ys)]
     t = graph_time(fns)
     nbytes = p0.nbytes() + x.numel() * 2 + M * N * 2
     del ps, ys
