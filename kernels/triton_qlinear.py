@@ -1,17 +1,19 @@
 """Triton kernels: fused dequantize + matmul over the packed layout (kernels/packed.py), for every
 format dsq holds (int4/int8 from AWQ and GPTQ, FP8, GGUF Q4_0..Q6_K).
 
-- `_gemv` (M = 1, decode): each program owns BN output rows and streams their K codes in wide
-  row-contiguous tiles, dequantizing in registers; partial products accumulate in a (BN, BK/2)
-  register tile and are reduced once at the end. Several loads are in flight through the loop's
-  software pipelining (num_stages).
-- `_gemm` (M > 1: batched decode and prefill): the same dequantized tiles fed to `tl.dot` (tensor
-  cores), BM rows of x per program; M is the fastest grid axis so weight tiles are reused from L2.
-Codes come in pairs (even, odd element of K) so nothing is interleaved: even and odd columns of x
-are loaded separately and meet their weights in two dots / two products.
+- `_gemv_q8` (M = 1, integer codes, the default there): x rounded to int8 per 32 elements by
+  `_quant_x` (llama.cpp's Q8_1 scheme), codes and x meet in dp4a (four products per instruction,
+  exact int32 per 32-element block), then block and group scales in float. Computes exactly
+  packed.linear_ref_q8. Small programs (2-4 rows, one warp) ran fastest on an H200.
+- `_gemv` (M = 1, float x): `_gemv_rows` holds BN rows as a tensor dimension, so each x element is
+  loaded once for all of them, with the K loop software-pipelined (tl.range, cp.async);
+  `_gemv4` (four row tensors, not pipelined) stays for GGUF formats with high-bit planes. Codes
+  become floats by writing them into a float's mantissa (no conversion instruction).
+- `_gemm` (M > 1: batched decode and prefill): dequantized tiles fed to `tl.dot` (tensor cores),
+  BM rows of x per program; M is the fastest grid axis so weight tiles are reused from L2.
 
-Runs under TRITON_INTERPRET=1 on the CPU (the CI tests); on a GPU the tile shapes are autotuned
-per (N, K, format) on first use.
+Runs under TRITON_INTERPRET=1 on the CPU (the CI tests; inline PTX is replaced by the same
+integer ops there); on a GPU the tile shapes are autotuned per (N, K, format) on first use.
 """
 
 from __future__ import annotations
