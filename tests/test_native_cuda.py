@@ -71,6 +71,33 @@ def test_compiled_step_equals_eager(tiny_dir):
     assert outs[0] == outs[1]
 
 
+def test_failed_compile_falls_back_to_the_eager_graph(tiny_dir, monkeypatch):
+    """A decode step that torch.compile cannot build (here: one that raises) costs a warning, not
+    the session: the eager step is captured instead and generates the same tokens."""
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.native import NativeModel
+    from dsq.runtime.sampling import SamplingParams
+
+    def broken(model, **kw):
+        def step(*a, **k):
+            raise RuntimeError("inductor could not build this")
+        return step
+
+    outs = []
+    for compile_ in (True, False):
+        with monkeypatch.context() as mp:
+            if compile_:
+                mp.setattr(torch, "compile", broken)
+            ctx = pytest.warns(UserWarning, match="torch.compile of the decode step failed") if compile_ else \
+                __import__("contextlib").nullcontext()
+            with ctx:
+                m = NativeModel(tiny_dir("llama"), "hf", n_ctx=256, gpu_layers=-1, dtype="fp32", compile=compile_)
+        st = GenStats()
+        list(m.stream(IDS[:30], SamplingParams(temperature=0), 20, st, ignore_eos=True))
+        outs.append(st.token_ids)
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_quantize_on_cuda(method, tiny_dir, tmp_path):
     from dsq.quant.driver import QuantSpec, quantize_model

@@ -165,7 +165,15 @@ class NativeModel:
             self._step = torch.compile(model, dynamic=False, mode=mode)
         self._graph = None
         if cuda_graph and devs == {"cuda:0"} and str(self.head_device) == "cuda:0":
-            self._graph = _GraphedStep(self._step, self.cache, 1)
+            try:
+                self._graph = _GraphedStep(self._step, self.cache, 1)
+            except Exception as e:  # noqa: BLE001 - the compiled step failed: capture the eager one
+                if self._step is model:
+                    raise
+                warnings.warn(f"torch.compile of the decode step failed, decoding without it: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
+                self._step = model
+                self._graph = _GraphedStep(model, self.cache, 1)
         self._compiled = None  # the CPU decode step under torch.compile
         if compile and on_cpu:
             try:
