@@ -338,8 +338,66 @@ def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, z
 
 
 @triton.jit
-def _quant_x(x_ptr, xw_ptr, sx_ptr, xsum_ptr, K, NIBBLES: tl.constexpr, NBLK: tl.constexpr):
-    """packed.quantize_x_q8 as one kernel: NBLK blocks of 32 elements per program."""
+def _gemm_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, M, N, K,
+             s_ym, s_lo, s_sc, s_d, s_zp, s_mn, s_dmin,
+             CODES: tl.constexpr, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
+             OFFSET: tl.constexpr, MINS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+             MR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """_gemv_q8 for 2 <= M <= MR (<= 16) rows of x: each weight word is loaded and split once and
+    meets every row's int8 x in dp4a; tiles (MR, BN, NB, WB). Not the default yet (unmeasured on
+    a GPU): reached through q8_linear with M > 1."""
+    WB: tl.constexpr = 4 if CODES == 0 else 8
+    NB: tl.constexpr = BK // 32
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = tl.arange(0, MR)
+    m4 = rm[:, None, None, None]
+    m3 = rm[:, None, None]
+    r4 = rn[None, :, None, None]
+    r2 = rn[:, None]
+    bt = tl.arange(0, NB)
+    wt = (bt * WB)[None, None, :, None] + tl.arange(0, WB)[None, None, None, :]  # (1, 1, NB, WB)
+    KW = K // (32 // WB)
+    acc = tl.zeros((MR, BN, NB), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        w = k0 // (32 // WB) + wt
+        wm = w < KW
+        q = tl.load(lo_ptr + r4 * s_lo + w, mask=wm & (r4 < N), other=0)  # (1, BN, NB, WB)
+        b = k0 // 32 + bt  # (NB,)
+        bm = b < K // 32
+        xm = wm & (m4 < M)
+        if CODES == 0:
+            xi = k0 // 4 + (bt * 8)[None, None, :, None] + tl.arange(0, WB)[None, None, None, :]
+            xe = tl.load(xw_ptr + m4 * (K // 4) + xi, mask=xm, other=0)  # (MR, 1, NB, WB)
+            xo = tl.load(xw_ptr + m4 * (K // 4) + xi + 4, mask=xm, other=0)
+            dp = _dp4a(q & 0x0F0F0F0F, xe, tl.zeros_like(xe), False, USE_ASM)
+            dp = _dp4a((q >> 4) & 0x0F0F0F0F, xo, dp, False, USE_ASM)
+        else:
+            xv = tl.load(xw_ptr + m4 * (K // 4) + w, mask=xm, other=0)
+            dp = _dp4a(q, xv, tl.zeros_like(xv), CODES == 2, USE_ASM)
+        dps = tl.sum(dp, axis=3).to(tl.float32)  # (MR, BN, NB)
+        xb = m3 * (K // 32) + b[None, None, :]
+        xbm = bm[None, None, :] & (m3 < M)
+        sx = tl.load(sx_ptr + xb, mask=xbm, other=0)  # (MR, 1, NB)
+        xs = tl.load(xsum_ptr + xb, mask=xbm, other=0)
+        s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r2, b[None, :] * 32, bm[None, :] & (r2 < N),
+                                s_sc, s_d, s_zp, s_mn, s_dmin, SUB, 1, TWO_LEVEL, ZERO, OFFSET, MINS)
+        acc += s[None] * (sx * dps - z[None] * xs) - m[None] * xs
+    out = tl.sum(acc, axis=2)  # (MR, BN)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rn, mask=rn < N, other=0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :], out.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _quant_x(x_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.constexpr, NBLK: tl.constexpr):
+    """packed.quantize_x_q8 as one kernel: NBLK blocks of 32 elements per program, row
+    program_id(1) of x (stride s_x) into row program_id(1) of the outputs (K/4 words, K/32 blocks)."""
+    row = tl.program_id(1)
+    x_ptr += row * s_x
+    xw_ptr += row * (K // 4)
+    sx_ptr += row * (K // 32)
+    xsum_ptr += row * (K // 32)
     blk = tl.program_id(0) * NBLK + tl.arange(0, NBLK)
     bm = blk < K // 32
     j = tl.arange(0, 8)
@@ -435,6 +493,10 @@ _Q8_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
                for bn, bk, w, st in [(4, 1024, 1, 3), (2, 1024, 1, 3), (2, 2048, 1, 2), (4, 512, 1, 3),
                                      (4, 1024, 1, 2), (4, 2048, 2, 3)]]  # H200 sweep winners: small programs
 _gemv_q8_tuned = _autotune(_Q8_CONFIGS, ["N", "K", "CODES", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(_gemv_q8)
+_Q8M_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
+                for bn, bk, w, st in [(4, 256, 1, 3), (8, 256, 2, 3), (4, 512, 1, 2), (16, 256, 4, 3),
+                                      (8, 128, 1, 3), (2, 512, 1, 3)]]
+_gemm_q8_tuned = _autotune(_Q8M_CONFIGS, ["N", "K", "MR", "CODES", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(_gemm_q8)
 
 
 def _m_bucket(m: int) -> int:
@@ -474,23 +536,27 @@ def supported(p: Packed, x: torch.Tensor) -> bool:
 
 def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
               config: dict | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias) for one row of x, with x rounded to int8 per 32 elements (_gemv_q8;
-    packed.linear_ref_q8 is what it computes). Formats: packed.q8_ok."""
+    """y = x W^T (+ bias) for 1 to 16 rows of x, each rounded to int8 per 32 elements (_gemv_q8 for
+    one row, _gemm_q8 above; packed.linear_ref_q8 is what they compute). Formats: packed.q8_ok."""
     from dsq.kernels.packed import quantize_x_q8
 
     x1 = x.reshape(-1, p.K)
-    if x1.shape[0] != 1:
-        raise ValueError("q8_linear takes one row of x")
+    M = x1.shape[0]
+    if not 1 <= M <= 16:
+        raise ValueError("q8_linear takes 1 to 16 rows of x")
     if p.perm is not None:
         x1 = x1[:, p.perm]
+    x1 = x1.contiguous()
     if torch.compiler.is_compiling() or x.device.type != "cuda" and not INTERPRET:
-        xw, sx, xs = quantize_x_q8(x1[0], p.fmt.codes)
+        parts = [quantize_x_q8(r, p.fmt.codes) for r in x1]
+        xw, sx, xs = (torch.stack([q[i] for q in parts]) for i in range(3))
     else:
-        xw = torch.empty(p.K // 4, dtype=torch.int32, device=x.device)
-        sx = torch.empty(p.K // 32, dtype=torch.float32, device=x.device)
+        xw = torch.empty(M, p.K // 4, dtype=torch.int32, device=x.device)
+        sx = torch.empty(M, p.K // 32, dtype=torch.float32, device=x.device)
         xs = torch.empty_like(sx)
-        _quant_x[(triton.cdiv(p.K // 32, 4),)](x1.contiguous(), xw, sx, xs, p.K, NIBBLES=p.fmt.codes == NIB, NBLK=4)
-    y = out if out is not None else torch.empty(1, p.N, dtype=x.dtype, device=x.device)
+        _quant_x[(triton.cdiv(p.K // 32, 4), M)](x1, xw, sx, xs, p.K, x1.stride(0), NIBBLES=p.fmt.codes == NIB,
+                                                 NBLK=4)
+    y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     f = p.fmt
     none = p.sc
     planes = [p.lo.view(torch.int32), p.sc, p.d if p.d is not None else none, p.zp if p.zp is not None else none,
@@ -499,12 +565,22 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     flags = {"CODES": f.codes, "SUB": f.sub, "TWO_LEVEL": f.two_level, "ZERO": f.zero, "OFFSET": f.offset,
              "MINS": f.mins, "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET}
     b = bias if bias is not None else y
-    if config is None and not INTERPRET:
-        grid = lambda meta: (triton.cdiv(p.N, meta["BN"]),)  # noqa: E731
-        _gemv_q8_tuned[grid](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags)
+    tune = config is None and not INTERPRET
+    cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
+    if M == 1:
+        if tune:
+            grid = lambda meta: (triton.cdiv(p.N, meta["BN"]),)  # noqa: E731
+            _gemv_q8_tuned[grid](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags)
+        else:
+            _gemv_q8[(triton.cdiv(p.N, cfg["BN"]),)](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags, **cfg)
     else:
-        cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
-        _gemv_q8[(triton.cdiv(p.N, cfg["BN"]),)](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags, **cfg)
+        mr = 1 << (M - 1).bit_length()
+        if tune:
+            grid = lambda meta: (triton.cdiv(p.N, meta["BN"]),)  # noqa: E731
+            _gemm_q8_tuned[grid](xw, sx, xs, y, b, *planes, M, p.N, p.K, y.stride(0), *strides, MR=mr, **flags)
+        else:
+            _gemm_q8[(triton.cdiv(p.N, cfg["BN"]),)](xw, sx, xs, y, b, *planes, M, p.N, p.K, y.stride(0), *strides,
+                                                      MR=mr, **flags, **cfg)
     return y.reshape(*x.shape[:-1], p.N)
 
 

@@ -187,21 +187,22 @@ def q8_case(fmt: str, N: int, K: int) -> packed.Packed:
 
 
 def run_q8(x, p, bias=None, config=None):
-    out = torch.full((1, p.N), float("nan"), dtype=x.dtype, device=DEV)
+    out = torch.full((x.shape[0], p.N), float("nan"), dtype=x.dtype, device=DEV)
     y = tq.q8_linear(x.to(DEV), p.to(DEV), None if bias is None else bias.to(DEV), out=out, config=config)
     assert y.data_ptr() == out.data_ptr()
     return y
 
 
 @pytest.mark.parametrize("fmt", ["gptq-int4", "gptq-int4-act", "gptq-int4-g32", "gptq-int8", "Q4_0", "Q8_0", "Q4_K"])
-@pytest.mark.parametrize("cfg", [{"BN": 8, "BK": 64, "STAGES": 1}, {"BN": 4, "BK": 256, "STAGES": 2}])
-def test_q8_gemv_equals_its_reference(fmt, cfg):
+@pytest.mark.parametrize("cfg,M", [({"BN": 8, "BK": 64, "STAGES": 1}, 1), ({"BN": 4, "BK": 256, "STAGES": 2}, 1),
+                                   ({"BN": 4, "BK": 128, "STAGES": 2}, 3), ({"BN": 8, "BK": 64, "STAGES": 1}, 16)])
+def test_q8_gemv_equals_its_reference(fmt, cfg, M):
     """Exactly W (xq sx) (packed.linear_ref_q8) on odd N and K (not a multiple of the tile), with a
-    bias; and within int8 rounding of the float product."""
+    bias; and within int8 rounding of the float product. M = 1 (_gemv_q8) and 3, 16 (_gemm_q8)."""
     N, K = (24 if fmt.startswith("gptq") else 21), 768  # GPTQ packs rows by 8
     p = q8_case(fmt, N, K)
     assert packed.q8_ok(p)
-    x = torch.randn(1, K) * 2
+    x = torch.randn(M, K) * 2
     x[0, 40:72] = 0  # an all-zero block: scale 0
     bias = torch.randn(N)
     y = run_q8(x, p, bias, cfg)
@@ -219,7 +220,7 @@ def test_q8_x_quantizer_kernel_equals_torch():
         xw = torch.full((x.shape[1] // 4,), -1, dtype=torch.int32, device=DEV)
         sx = torch.full((7,), float("nan"), device=DEV)
         xs = torch.full((7,), float("nan"), device=DEV)
-        tq._quant_x[(2,)](x.to(DEV), xw, sx, xs, x.shape[1], NIBBLES=codes == packed.NIB, NBLK=4)
+        tq._quant_x[(2, 1)](x.to(DEV), xw, sx, xs, x.shape[1], x.shape[1], NIBBLES=codes == packed.NIB, NBLK=4)
         assert torch.equal(xw.cpu(), want[0])
         torch.testing.assert_close(sx.cpu(), want[1], rtol=1e-6, atol=0)
         torch.testing.assert_close(xs.cpu(), want[2], rtol=1e-5, atol=1e-6)
@@ -231,7 +232,7 @@ def test_q8_refuses_what_it_cannot_run():
     assert not packed.q8_ok(packed.from_fp8(torch.randn(4, 64).to(torch.float8_e4m3fn), torch.ones(1)))
     p = q8_case("Q4_0", 8, 256)
     with pytest.raises(ValueError):
-        tq.q8_linear(torch.randn(2, 256, device=DEV), p.to(DEV))
+        tq.q8_linear(torch.randn(17, 256, device=DEV), p.to(DEV))
 
 
 @pytest.mark.skipif(not CUDA, reason="real shapes and autotuning need a GPU")

@@ -17,6 +17,9 @@ step() {  # step NAME SECONDS COMMAND...
 step tests 150 python -m pytest -q -x tests/test_native_cuda.py tests/test_kernels_triton.py -k "cuda or real_shapes"
 step kernels 200 python -m dsq.bench.kernels_gpu --m 1 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
   --formats int4-g128+q8,Q4_K+q8,Q8_0+q8,int8-channel+q8,int4-g128,fp8-channel,fp8-block,Q6_K --json "$OUT/kernels.json"
+# _gemm_q8 (int8 x, 2-16 rows) against the tl.dot GEMM: decides whether small batches take it
+step kernels_m 150 python -m dsq.bench.kernels_gpu --m 4,16 --shapes 4096x4096,28672x8192 \
+  --formats int4-g128+q8,int4-g128,Q4_K+q8,Q4_K,Q8_0+q8 --json "$OUT/kernels_m.json"
 step decode 200 python -m dsq.bench.decode_gpu --variants compile+graph+fused --transformers '' \
   --formats awq-int4,q4_k_m,fp8,gptq-int4-actorder --quant-variants compile+graph+fused \
   --prompt-tokens 512 --gen-tokens 128 --repeat 2 --json "$OUT/decode.json"
