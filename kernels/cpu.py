@@ -77,6 +77,12 @@ def load(isa: str):
             lib.dsq_attn_decode.restype = ctypes.c_int
             lib.dsq_attn_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                             *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_void_p]
+        if hasattr(lib, "dsq_attn_step"):
+            lib.dsq_attn_step.restype = ctypes.c_int
+            lib.dsq_attn_step.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 7, ctypes.c_void_p,
+                                          ctypes.c_void_p, ctypes.c_float, *[ctypes.c_void_p] * 4,
+                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                          ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
         if hasattr(lib, "dsq_int_gemm"):  # builds older than the integer / FP8 kernels lack them
             lib.dsq_int_gemm.restype = ctypes.c_int
             lib.dsq_int_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -146,13 +152,14 @@ def has_rms_norm() -> bool:
     return lib is not None and hasattr(lib, "dsq_rms_norm")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib=None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib=None, check: bool = True) -> torch.Tensor:
     """torch.rms_norm(x, (D,), weight, eps) for contiguous float32 x (..., D) and weight (D,) on
-    the CPU, in one C call (decode runs ~100 of these per token, each ~8 ops in eager torch)."""
-    lib = _lib_with(lib, "dsq_rms_norm")
+    the CPU, in one C call (decode runs ~100 of these per token, each ~8 ops in eager torch).
+    check=False skips the argument checks (the dispatcher made them)."""
+    lib = _lib_with(lib, "dsq_rms_norm") if check or lib is None else lib
     D = weight.shape[0]
-    if not (x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu and x.shape[-1] == D
-            and x.is_contiguous() and weight.is_contiguous()):
+    if check and not (x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu and x.shape[-1] == D
+                      and weight.ndim == 1 and x.is_contiguous() and weight.is_contiguous()):
         raise ValueError(f"rms_norm: needs contiguous float32 CPU x (..., {D}) and weight ({D},), "
                          f"got {_desc(x)}, {_desc(weight)}")
     y = torch.empty_like(x)
@@ -186,6 +193,54 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     if lib.dsq_attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
                            B, H, Hk, S, D, k.stride(0), k.stride(1), scale, out.data_ptr()):
         raise ValueError(f"dsq_attn_decode refused q {_desc(q)}, k {_desc(k)} (or ran out of memory)")
+    return out
+
+
+def has_attn_step() -> bool:
+    lib = library()[0]
+    return lib is not None and hasattr(lib, "dsq_attn_step")
+
+
+def attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+              k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, S: int,
+              mask: torch.Tensor | None, scale: float, lib=None, check: bool = True) -> torch.Tensor:
+    """The eager decode step's attention for one new token per sequence, in one C call:
+    q (B, 1, H, D), k and v (B, 1, Hk, D) float32 (heads of D contiguous; views of a fused
+    projection's output are fine), RMS-normed per head by q_weight / k_weight (D,) (rms_norm; None:
+    no norm), rotated by HF's rotate-half rope with cos / sin (B, 1, 1, D) (apply_rope), k and v
+    written into k_cache / v_cache (B, Hk, >= S, D) at column slots[0] (KVCache.update), then
+    attn_decode over the first S columns with mask (B, S values, bool) or None.
+    Returns (B, 1, H * D) float32. check=False skips the argument checks (the dispatcher made them)."""
+    lib = _lib_with(lib, "dsq_attn_step")
+    B, _, H, D = q.shape
+    Hk = k.shape[2]
+    if check:
+        f32 = torch.float32
+        ws = [w for w in (q_weight, k_weight) if w is not None]
+        if not (q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype == f32
+                and q.shape[1] == 1 and k.shape == v.shape == (B, 1, Hk, D) and H % Hk == 0 and D % 2 == 0
+                and all(t.stride(-1) == 1 and t.stride(-2) == D for t in (q, k, v))
+                and cos.shape == sin.shape and cos.numel() == B * D and cos.is_contiguous() and sin.is_contiguous()
+                and k_cache.shape[:2] == (B, Hk) and k_cache.shape[3] == D and 1 <= S <= k_cache.shape[2]
+                and v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+                and k_cache.stride(-1) == 1 and k_cache.stride(-2) == D
+                and slots.dtype == torch.int64 and slots.numel() == 1 and 0 <= int(slots[0]) < S
+                and all(w.dtype == f32 and w.shape == (D,) and w.is_contiguous() for w in ws)
+                and all(t.is_cpu for t in (q, k, v, cos, sin, k_cache, v_cache, slots, *ws))):
+            raise ValueError(f"attn_step: needs float32 CPU q (B, 1, H, D), k, v (B, 1, Hk, D), cos, sin (B, 1, 1, D) "
+                             f"and caches (B, Hk, >= S, D), got q {_desc(q)}, k {_desc(k)}, v {_desc(v)}, "
+                             f"cache {_desc(k_cache)}, S={S}")
+        if mask is not None and (mask.dtype != torch.bool or mask.numel() != B * S or not mask.is_contiguous()
+                                 or not mask.is_cpu):
+            raise ValueError(f"attn_step: mask must be a contiguous bool tensor of {B} x {S} values, got {_desc(mask)}")
+    out = torch.empty(B, 1, H * D)
+    if lib.dsq_attn_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), B, H, Hk,
+                         D, None if q_weight is None else q_weight.data_ptr(),
+                         None if k_weight is None else k_weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
+                         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                         slots.data_ptr(), S, None if mask is None else mask.data_ptr(), scale, out.data_ptr()):
+        raise ValueError(f"dsq_attn_step refused q {_desc(q)}, cache {_desc(k_cache)} (or ran out of memory)")
     return out
 
 

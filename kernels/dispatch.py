@@ -20,7 +20,18 @@ from dsq.kernels import cpu, fp8_ref, gguf_ref, intq_ref, packed
 ACT_Q8 = os.environ.get("DSQ_ACT_Q8", "1") != "0"
 
 
+# _reference() runs ~200 times a CPU decode step: read os.environ's own dict (what os.environ.get
+# reads, ~50x cheaper than the call) so DSQ_KERNELS set at any time, from the process's start or
+# with os.environ / monkeypatch.setenv later, still takes effect at the next call
+try:
+    _ENV, _ENV_KEY, _ENV_REF = os.environ._data, os.environ.encodekey("DSQ_KERNELS"), os.environ.encodevalue("reference")
+except AttributeError:  # an os.environ without CPython's internals
+    _ENV = None
+
+
 def _reference() -> bool:
+    if _ENV is not None:
+        return _ENV.get(_ENV_KEY) == _ENV_REF
     return os.environ.get("DSQ_KERNELS") == "reference"
 
 
@@ -47,7 +58,7 @@ def _cpu_kernels() -> bool:
 def _cpu(x: torch.Tensor, fn: str):
     """The C kernel `fn` when x is on the CPU and the kernels were built, else None. Under
     torch.compile: the same kernel as an operator it can trace (kernels/ops.py)."""
-    if x.device.type != "cpu":
+    if not x.is_cpu:
         return None
     if torch.compiler.is_compiling():
         from dsq.kernels import ops
@@ -79,10 +90,11 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     """The C RMS norm for a small contiguous float32 x on the CPU in eager mode (the decode step's
     norms), or None: the caller then runs torch.rms_norm."""
     if (x.numel() > RMS_NORM_C_MAX or x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu
-            or not x.is_contiguous() or torch.compiler.is_compiling() or not _cpu_kernels()
+            or not weight.is_cpu or not x.is_contiguous() or not weight.is_contiguous() or weight.ndim != 1
+            or x.shape[-1] != weight.shape[0] or torch.compiler.is_compiling() or not _cpu_kernels()
             or not cpu.has_rms_norm() or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return None
-    return cpu.rms_norm(x, weight, eps)
+    return cpu.rms_norm(x, weight, eps, check=False)
 
 
 def attn_decode_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -97,6 +109,31 @@ def attn_decode_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
             or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
         return None
     return cpu.attn_decode(q, k, v, mask, scale)
+
+
+def attn_step_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                  k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, S: int,
+                  mask: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    """The eager CPU decode step's q/k norm, rope, KV cache write and attention in one C call
+    (kernels/cpu.py attn_step), as (B, 1, H * D); None when it does not apply (the caller then
+    runs them op by op). Checks here only what the model's decode step can vary (dtypes, layouts);
+    cpu.attn_step is called without its own checks."""
+    if (torch.compiler.is_compiling() or not _cpu_kernels() or not cpu.has_attn_step()
+            or q.dtype != torch.float32 or k_cache.dtype != torch.float32 or not q.is_cpu or not k_cache.is_cpu
+            or q.shape[1] != 1 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
+            or q.stride(-2) != q.shape[-1] or k.stride(-2) != q.shape[-1] or v.stride(-2) != q.shape[-1]
+            or not k_cache.is_contiguous() or v_cache.stride() != k_cache.stride()
+            or not cos.is_contiguous() or not sin.is_contiguous() or cos.dtype != torch.float32
+            or slots.dtype != torch.int64 or slots.numel() != 1 or not 1 <= S <= k_cache.shape[2]
+            or (q_weight is not None and q_weight.dtype != torch.float32)
+            or (k_weight is not None and k_weight.dtype != torch.float32)
+            or (mask is not None and mask.numel() != q.shape[0] * S)
+            or (mask is not None and (mask.dtype != torch.bool or not mask.is_contiguous()))
+            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        return None
+    return cpu.attn_step(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots, S, mask, scale,
+                         check=False)
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,

@@ -197,6 +197,7 @@ def test_attention_decode_step_uses_c_attention(monkeypatch):
     calls = []
     real = cpu.attn_decode
     monkeypatch.setattr(cpu, "attn_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(dispatch, "attn_step_cpu", lambda *a, **k: None)  # (the one-call step: tested below)
 
     def run():
         with torch.inference_mode():
@@ -223,3 +224,134 @@ def test_compile_help_names_the_cpu(runner):
     assert r.exit_code == 0
     line = next(ln for ln in r.output.splitlines() if "--compile" in ln)
     assert "CPU" in line and "native on CUDA:" not in line
+
+
+def _attn_step_inputs(B, H, Hk, S, D, norm, gen):
+    """q, k, v as views of one fused projection output (B, 1, (H + 2 Hk) D), norm weights, rope
+    rows at per-row positions, caches longer than S, the slot S - 1, a mask."""
+    from dsq.models.base import rope_tables
+
+    qkv = torch.randn(B, 1, (H + 2 * Hk) * D, generator=gen)
+    q, k, v = (t.view(B, 1, -1, D) for t in qkv.split((H * D, Hk * D, Hk * D), dim=-1))
+    qw, kw = (torch.randn(D, generator=gen) + 1, torch.randn(D, generator=gen) + 1) if norm else (None, None)
+    cos, sin = rope_tables({"rope_type": "default", "rope_theta": 10000.0}, D, 512, "cpu")
+    pos = torch.tensor([max(S - 1 - 3 * b, 0) for b in range(B)])[:, None, None]  # left-padded rows: other positions
+    kc, vc = torch.randn(B, Hk, S + 5, D, generator=gen), torch.randn(B, Hk, S + 5, D, generator=gen)
+    mask = torch.rand(B, 1, 1, S, generator=gen) > 0.3
+    mask[..., -1] = True
+    return q, k, v, qw, kw, cos[pos], sin[pos], kc, vc, torch.tensor([S - 1]), mask
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("B,H,Hk,S,D,norm", [(1, 4, 1, 160, 256, True), (2, 4, 2, 37, 64, True),
+                                             (3, 3, 3, 1, 8, False), (1, 8, 2, 300, 128, False)])
+def test_c_attn_step_equals_the_ops_it_replaces(isa, B, H, Hk, S, D, norm):
+    """cpu.attn_step (q/k norm, rope, KV cache write, attention in one C call) gives exactly the
+    results of the C norm, apply_rope, KVCache.update's index_copy_ and the C attention one by one."""
+    from dsq.models.base import apply_rope
+
+    lib = cpu.load(isa)
+    gen = torch.Generator().manual_seed(B * 1000 + S)
+    q, k, v, qw, kw, cos, sin, kc, vc, slots, mask = _attn_step_inputs(B, H, Hk, S, D, norm, gen)
+    for m in (mask, None):
+        kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        out = cpu.attn_step(q, k, v, qw, kw, 1e-6, cos, sin, kc1, vc1, slots, S, m, 0.0625, lib=lib)
+        qn, kn = q, k
+        if norm:
+            qn, kn = cpu.rms_norm(q.contiguous(), qw, 1e-6, lib=lib), cpu.rms_norm(k.contiguous(), kw, 1e-6, lib=lib)
+        qr, kr = apply_rope(qn, cos, sin), apply_rope(kn, cos, sin)
+        kc2.index_copy_(2, slots, kr.transpose(1, 2))
+        vc2.index_copy_(2, slots, v.transpose(1, 2))
+        ref = cpu.attn_decode(qr, kc2[:, :, :S], vc2[:, :, :S], m, 0.0625, lib=lib)
+        assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+        assert torch.equal(out, ref)
+
+
+@needs_kernels
+def test_c_attn_step_rejects_bad_input():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, qw, kw, cos, sin, kc, vc, slots, mask = _attn_step_inputs(1, 4, 2, 9, 16, True, gen)
+    ok = (q, k, v, qw, kw, 1e-6, cos, sin, kc, vc, slots, 9, mask, 0.25)
+    cpu.attn_step(*ok)
+    for i, bad in [(11, 16), (10, torch.tensor([9])), (0, q.double()), (9, vc[:, :, :-1]), (12, mask[..., :-1]),
+                   (3, torch.randn(8)), (8, kc.transpose(2, 3))]:
+        args = list(ok)
+        args[i] = bad
+        with pytest.raises(ValueError):
+            cpu.attn_step(*args)
+    assert dispatch.attn_step_cpu(*ok[:8], kc.half(), vc.half(), *ok[10:]) is None  # another cache dtype: not taken
+
+
+@needs_kernels
+@pytest.mark.parametrize("gemma", [True, False])
+def test_decode_step_uses_one_call_attention(monkeypatch, gemma):
+    """The eager CPU decode step (T = 1) runs q/k norm, rope, the cache write and attention as one
+    C call (cpu.attn_step): logits and KV cache exactly those of the op-by-op step."""
+    from dsq.models.base import ModelArgs, Transformer
+
+    extra = dict(qk_norm=True, norm_offset=1.0, sandwich_norm=True, hidden_act="gelu_tanh",
+                 query_pre_attn_scalar=16) if gemma else {}
+    args = ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                     layer_types=["sliding_attention", "full_attention"], **extra)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    calls = []
+    real = cpu.attn_step
+    monkeypatch.setattr(cpu, "attn_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run():
+        with torch.inference_mode():
+            cache = model.make_cache(1, 16, torch.float32)
+            outs = [model(torch.tensor([[1, 2, 3]]), torch.arange(3), cache, kv_len=3)[0]]
+            for i in range(3, 10):
+                outs.append(model(torch.tensor([[i * 3]]), torch.tensor([i]), cache, kv_len=i + 1)[0])
+        return torch.cat(outs), cache
+
+    fast, fast_cache = run()
+    assert len(calls) == 7 * 2
+    monkeypatch.setattr(dispatch, "attn_step_cpu", lambda *a, **k: None)
+    slow, slow_cache = run()
+    assert len(calls) == 7 * 2
+    assert torch.equal(fast, slow)
+    assert all(torch.equal(a, b) for a, b in zip(fast_cache.k + fast_cache.v, slow_cache.k + slow_cache.v))
+
+
+def test_reference_switch_is_read_at_every_call_without_os_environ_get(monkeypatch):
+    """DSQ_KERNELS=reference takes effect whenever it is set (the process's start, or later through
+    os.environ / monkeypatch.setenv), but _reference() (~200 calls a decode step) reads os.environ's
+    own mapping instead of calling os.environ.get."""
+    import os
+
+    def reference() -> bool:
+        os.environ.get = lambda *a, **k: pytest.fail("os.environ.get called")
+        try:
+            return dispatch._reference()
+        finally:
+            del os.environ.get
+
+    monkeypatch.delenv("DSQ_KERNELS", raising=False)
+    assert not reference()
+    monkeypatch.setenv("DSQ_KERNELS", "reference")
+    assert reference() and not dispatch._cpu_kernels()
+    monkeypatch.setenv("DSQ_KERNELS", "c")
+    assert not reference()
+
+
+@needs_kernels
+def test_rms_norm_dispatch_checks_the_weight(monkeypatch):
+    """dispatch.rms_norm_cpu checks everything cpu.rms_norm would (and calls it with check=False):
+    a weight of another width, not contiguous or not 1-D gives None (the caller runs torch)."""
+    seen = []
+    real = cpu.rms_norm
+    monkeypatch.setattr(cpu, "rms_norm", lambda *a, **k: seen.append(k.get("check", True)) or real(*a, **k))
+    x, w = torch.randn(1, 1, 64), torch.randn(64)
+    with torch.inference_mode():
+        assert torch.equal(dispatch.rms_norm_cpu(x, w, 1e-6), real(x, w, 1e-6))
+        assert seen == [False]
+        for bad in (torch.randn(32), torch.randn(128)[::2], torch.randn(1, 64)):
+            assert dispatch.rms_norm_cpu(x, bad, 1e-6) is None
+    assert seen == [False]

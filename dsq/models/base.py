@@ -233,6 +233,23 @@ class Attention(nn.Module):
             q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
             k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
             v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if T == 1 and mask is not None and not self.softcap and x.is_cpu and type(cache) is KVCache \
+                and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # the eager CPU decode step: q/k norm, rope, the KV cache write and attention in one C
+            # call (kernels/cpu.py attn_step) instead of ~30 small torch ops
+            qw = kw = None
+            eps = 0.0
+            if self.qk_norm:
+                qn, kn = self.q_norm, self.k_norm
+                qw = qn._offset_weight() if qn.offset else qn.weight
+                kw = kn._offset_weight() if kn.offset else kn.weight
+                eps = qn.eps
+            if not self.qk_norm or self.k_norm.eps == eps:
+                kc = cache.k[self.layer]
+                o = dispatch.attn_step_cpu(q, k, v, qw, kw, eps, cos, sin, kc, cache.v[self.layer], slots,
+                                           kv_len if kv_len is not None else kc.shape[2], mask, self.scale)
+                if o is not None:
+                    return self.o_proj(o)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
