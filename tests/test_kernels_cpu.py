@@ -89,3 +89,44 @@ def test_decode_row_dots(isa, qtype, float_path, monkeypatch):
     assert float((y.double() - ref).norm() / ref.norm()) < 1e-5
     x[0, 77] = float("inf")
     assert not torch.isfinite(cpu.gguf_linear(x, raw, qtype, K, lib=cpu.load(isa))).any()
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_decode_same_bits_any_thread_count(isa, qtype):
+    """M = 1: each output is one fixed sequence of operations, whatever the number of threads."""
+    rng = np.random.default_rng()
+    per = gguf_ref.BLOCKS[qtype][0]
+    K = per * (3 if per == 256 else 13)
+    raw = torch.from_numpy(random_blocks(qtype, 67, K, rng))
+    x = torch.randn(1, K)
+    lib = cpu.load(isa)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.gguf_linear(x, raw, qtype, K, lib=lib)
+        torch.set_num_threads(2)
+        two = cpu.gguf_linear(x, raw, qtype, K, lib=lib)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_decode_q8_0_extreme_codes(isa):
+    """Q8_0 at M = 1 with every code -128 or 127 and x at the block's maximum: a lane's sum of 4
+    codes times 24-bit x is beyond int32 (the VNNI path keeps it in two parts)."""
+    K, N = 32 * 9, 6
+    b = np.zeros((N, K // 32, 34), dtype=np.uint8)
+    b[..., :2] = np.frombuffer(np.float16(0.5).tobytes(), dtype=np.uint8)
+    b[0, :, 2:], b[1, :, 2:] = 0x80, 0x7F  # all -128, all 127
+    b[2, :, 2:] = np.where(np.arange(32) % 2, 0x80, 0x7F)
+    b[3:, :, 2:] = np.random.default_rng().integers(0, 256, (N - 3, K // 32, 32), dtype=np.uint8)
+    raw = torch.from_numpy(b.reshape(N, -1))
+    w = gguf_ref.dequantize(raw, "Q8_0", K).double()
+    for x in (torch.full((1, K), 3.0), torch.full((1, K), -3.0), torch.where(torch.arange(K) % 2 == 0, 2.0, -2.0)[None],
+              torch.randn(1, K)):
+        y = cpu.gguf_linear(x, raw, "Q8_0", K, lib=cpu.load(isa))
+        ref = torch.nn.functional.linear(x.double(), w)
+        scale = torch.nn.functional.linear(x.double().abs(), w.abs())
+        assert float(((y.double() - ref).abs() / scale).max()) < 1e-6
