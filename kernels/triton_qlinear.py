@@ -408,7 +408,11 @@ def _quant_x(x_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.constexpr, NBL
     x = tl.load(x_ptr + e, mask=bm[:, None, None], other=0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
     inv = tl.where(amax > 0, 127.0 / amax, 0.0)
-    q = tl.extra.cuda.libdevice.rint(x * inv[:, None, None]) if not INTERPRET_K else tl.floor(x * inv[:, None, None] + 0.5)
+    v = x * inv[:, None, None]
+    if INTERPRET_K:  # round half to even, as torch.round and rint do (floor(v + 0.5) is not)
+        q = (v + 12582912.0) - 12582912.0
+    else:
+        q = tl.extra.cuda.libdevice.rint(v)
     qs = tl.sum(tl.sum(q, axis=2), axis=1)
     qi = q.to(tl.int32) & 0xFF
     if NIBBLES:

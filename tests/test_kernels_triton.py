@@ -216,6 +216,8 @@ def test_q8_x_quantizer_kernel_equals_torch():
     for codes in (packed.NIB, packed.I8):
         x = torch.randn(1, 32 * 7) * 5
         x[0, 64:96] = 0
+        x[0, 96] = 127.0  # block max 127: x / sx is x itself, so ties and near-ties round as torch.round
+        x[0, 97:105] = torch.tensor([0.5, 1.5, 2.5, -0.5, 0.49999997, -0.49999997, 126.5, 3.4999998])
         want = packed.quantize_x_q8(x[0], codes)
         xw = torch.full((x.shape[1] // 4,), -1, dtype=torch.int32, device=DEV)
         sx = torch.full((7,), float("nan"), device=DEV)
