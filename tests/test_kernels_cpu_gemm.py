@@ -1,5 +1,5 @@
 """The GGUF C kernels at M > 1 (prefill, batches: the register-blocked path of the avx512 and
-avx2 builds, kernels/csrc/gguf_gemm_vnni.inc) against the float64 reference: every format and
+avx2 builds, kernels/csrc/gguf_gemm_cpu.inc) against the float64 reference: every format and
 build, M from 2 to 130 (whole and partial tiles of rows of x), odd N (partial tiles of rows of W),
 K over several panels, x spanning decades, outputs poisoned before each call."""
 
