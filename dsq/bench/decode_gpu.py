@@ -150,21 +150,23 @@ def quantize_packed(w: torch.Tensor, fmt: str):
 
 def kernels_vs_dequantized(model, ids: torch.Tensor, q_logits: torch.Tensor) -> float:
     """Relative error of `q_logits` (the model through the packed kernels) against the same model
-    with every PackedLinear replaced, in place, by a Linear of its dequantized weight (in the
-    model's activation dtype)."""
+    with every PackedLinear swapped for a Linear of its dequantized weight (in the model's
+    activation dtype). The PackedLinears are put back afterwards: the model leaves as it came."""
     from dsq.runtime.qmodules import PackedLinear, set_module
 
     dt = model.dtype
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, PackedLinear):
+    packed = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, PackedLinear)]
+    try:
+        for name, mod in packed:
             lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
-            lin.weight = torch.nn.Parameter(mod.weight_float().to(q_logits.device, dt),
-                                            requires_grad=False)
+            lin.weight = torch.nn.Parameter(mod.weight_float().to(q_logits.device, dt), requires_grad=False)
             lin.bias = mod.bias
             set_module(model, name, lin)
-            del mod
-    with torch.inference_mode():
-        ref = model(ids).float()
+        with torch.inference_mode():
+            ref = model(ids).float()
+    finally:
+        for name, mod in packed:
+            set_module(model, name, mod)
     return float((q_logits - ref).norm() / ref.norm())
 
 
@@ -352,6 +354,8 @@ def main(argv=None) -> None:
 
     del model
     torch.cuda.empty_cache()
+    from dsq.kernels import dispatch
+
     for fmt in [f for f in a.formats.split(",") if f]:
         model, _ = random_model(a.shape)  # the same seeded weights as the bf16 runs
         quantize_model(model, fmt)
@@ -361,8 +365,6 @@ def main(argv=None) -> None:
             q_logits = model(check_ids).float()
         rel = float((q_logits - bf16_logits).norm() / bf16_logits.norm())
         for qv in [v for v in a.quant_variants.split(",") if v]:
-            from dsq.kernels import dispatch
-
             dispatch.ACT_Q8 = "fx" not in qv.split("+")  # fx: float x (no int8-activation GEMV)
             t0 = time.perf_counter()
             nm = NativeModel.from_model(model, cfg, NullTokenizer(), n_ctx=n_ctx, gpu_layers=-1, cuda_graph=True,
