@@ -147,9 +147,10 @@ def gguf_rows(ids: torch.Tensor, raw: torch.Tensor, qtype: str, dim: int) -> tor
     return out
 
 
-def has_rms_norm() -> bool:
+def has(fn: str) -> bool:
+    """Whether the loaded build has the C function `fn` (builds older than a kernel lack it)."""
     lib = library()[0]
-    return lib is not None and hasattr(lib, "dsq_rms_norm")
+    return lib is not None and hasattr(lib, fn)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib=None, check: bool = True) -> torch.Tensor:
@@ -166,11 +167,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib=None, check:
     if lib.dsq_rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // D, D, eps, y.data_ptr()):
         raise ValueError(f"dsq_rms_norm refused {_desc(x)}")
     return y
-
-
-def has_attn_decode() -> bool:
-    lib = library()[0]
-    return lib is not None and hasattr(lib, "dsq_attn_decode")
 
 
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -194,11 +190,6 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
                            B, H, Hk, S, D, k.stride(0), k.stride(1), scale, out.data_ptr()):
         raise ValueError(f"dsq_attn_decode refused q {_desc(q)}, k {_desc(k)} (or ran out of memory)")
     return out
-
-
-def has_attn_step() -> bool:
-    lib = library()[0]
-    return lib is not None and hasattr(lib, "dsq_attn_step")
 
 
 def attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,

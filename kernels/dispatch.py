@@ -92,7 +92,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     if (x.numel() > RMS_NORM_C_MAX or x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu
             or not weight.is_cpu or not x.is_contiguous() or not weight.is_contiguous() or weight.ndim != 1
             or x.shape[-1] != weight.shape[0] or torch.compiler.is_compiling() or not _cpu_kernels()
-            or not cpu.has_rms_norm() or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            or not cpu.has("dsq_rms_norm") or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return None
     return cpu.rms_norm(x, weight, eps, check=False)
 
@@ -105,7 +105,7 @@ def attn_decode_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     if (q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32 or not q.is_cpu
             or not q.is_contiguous() or k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride() != k.stride()
             or (mask is not None and not mask.is_contiguous()) or torch.compiler.is_compiling()
-            or not _cpu_kernels() or not cpu.has_attn_decode()
+            or not _cpu_kernels() or not cpu.has("dsq_attn_decode")
             or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
         return None
     return cpu.attn_decode(q, k, v, mask, scale)
@@ -119,7 +119,7 @@ def attn_step_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
     (kernels/cpu.py attn_step), as (B, 1, H * D); None when it does not apply (the caller then
     runs them op by op). Checks here only what the model's decode step can vary (dtypes, layouts);
     cpu.attn_step is called without its own checks."""
-    if (torch.compiler.is_compiling() or not _cpu_kernels() or not cpu.has_attn_step()
+    if (torch.compiler.is_compiling() or not _cpu_kernels() or not cpu.has("dsq_attn_step")
             or q.dtype != torch.float32 or k_cache.dtype != torch.float32 or not q.is_cpu or not k_cache.is_cpu
             or q.shape[1] != 1 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
             or q.stride(-2) != q.shape[-1] or k.stride(-2) != q.shape[-1] or v.stride(-2) != q.shape[-1]

@@ -14,9 +14,12 @@ every step, and the lighter registration is ~2 us a call against ~5-10 us.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dsq.kernels import cpu, dispatch
+from dsq.kernels.packed import Fmt, Packed
 
 
 @torch.compiler.assume_constant_result
@@ -43,13 +46,15 @@ _lib.impl("int_linear", cpu.int_linear, "CPU")
 _lib.impl("fp8_linear", cpu.fp8_linear, "CPU")
 
 
+# the operator carries Fmt as its fields' values in order, as ints; these turn them back (int or bool)
+_FMT_FIELDS = tuple(k.name for k in dataclasses.fields(Fmt))
+_FMT_KINDS = [type(getattr(Fmt(), k)) for k in _FMT_FIELDS]
+
 
 def _packed_linear(x, lo, sc, hi, d, zp, mn, dmin, perm, bias, fmt, N, K):
     """The Triton kernels on a GPU, the torch reference elsewhere (dispatch.packed_linear)."""
-    from dsq.kernels.packed import Fmt, Packed
-
-    f = Fmt(fmt[0], fmt[1], fmt[2], fmt[3], bool(fmt[4]), fmt[5], fmt[6], bool(fmt[7]))
-    p = Packed(f, N, K, lo, sc, hi=hi, d=d, zp=zp, mn=mn, dmin=dmin, perm=perm)
+    p = Packed(Fmt(*(kind(v) for kind, v in zip(_FMT_KINDS, fmt))), N, K, lo, sc, hi=hi, d=d, zp=zp, mn=mn,
+               dmin=dmin, perm=perm)
     return dispatch.packed_linear(x, p, bias)
 
 
@@ -60,8 +65,7 @@ _lib.impl("packed_linear", _packed_linear, "CUDA")
 def packed_linear_op(x, p, bias=None):
     """dispatch.packed_linear as one operator call that torch.compile keeps opaque in its graph (it
     cannot trace the Triton launcher and its autotuner), fusing the small ops around it."""
-    f = p.fmt
-    fmt = [f.codes, f.hi_bits, f.sub, f.sc_rows, int(f.two_level), f.zero, f.offset, int(f.mins)]
+    fmt = [int(getattr(p.fmt, k)) for k in _FMT_FIELDS]
     return torch.ops.dsq.packed_linear.default(x, p.lo, p.sc, p.hi, p.d, p.zp, p.mn, p.dmin, p.perm, bias, fmt,
                                                p.N, p.K)
 

@@ -139,8 +139,8 @@ def _gemv4(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr
            CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
            TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
            HAS_BIAS: tl.constexpr, BK: tl.constexpr):
-    """M = 1, four rows per program as four separate tensors. All tensors share the layout of one row's code
-    words (GT, GW): each x element is loaded and converted once and used by the four rows, the
+    """M = 1, four rows per program as four separate tensors. All tensors share the layout of one
+    row's code words (GT, GW): each x element is loaded and converted once and used by the four rows, the
     elements of a word are taken one at a time (unrolled), and threads combine their sums once,
     after the loop. Per element: a shift, an and/or and one FMA (see _element); per word:
     sum c x = 2^CB (sum f x - sum x), then W x = s (sum c x - z sum x) - m sum x."""
@@ -476,7 +476,7 @@ def _gemm(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr,
 
 
 _FMT_KEYS = ["CODES", "HI_BITS", "SUB", "SC_ROWS", "TWO_LEVEL", "ZERO", "MINS"]
-# The winners of an H200 sweep (.devrun-style, docs/benchmarks.md): BN 4 = _gemv4, else _gemv_rows.
+# The winners of an H200 sweep of fixed configs (docs/benchmarks.md): BN 4 = _gemv4, else _gemv_rows.
 _GEMV_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
                  for bn, bk, w, st in [(8, 1024, 2, 3), (16, 1024, 4, 3), (8, 1024, 4, 1), (8, 1024, 4, 3),
                                        (4, 2048, 2, 1), (4, 1024, 2, 1), (4, 2048, 4, 1), (4, 4096, 4, 1)]]
@@ -495,7 +495,7 @@ def _autotune(configs, key, **kw):
 _gemv_tuned = _autotune(_GEMV_CONFIGS, ["N", "K", *_FMT_KEYS])(_gemv)
 _Q8_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
                for bn, bk, w, st in [(4, 1024, 1, 3), (2, 1024, 1, 3), (2, 2048, 1, 2), (4, 512, 1, 3),
-                                     (4, 1024, 1, 2), (4, 2048, 2, 3)]]  # H200 sweep winners: small programs
+                                     (4, 1024, 1, 2), (4, 2048, 2, 3)]]  # H200 winners of dsq.bench.q8_sweep: small programs
 _gemv_q8_tuned = _autotune(_Q8_CONFIGS, ["N", "K", "CODES", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(_gemv_q8)
 _Q8M_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
                 for bn, bk, w, st in [(4, 256, 1, 3), (8, 256, 2, 3), (4, 512, 1, 2), (16, 256, 4, 3),
@@ -538,53 +538,56 @@ def supported(p: Packed, x: torch.Tensor) -> bool:
     return words_ok and group_ok and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _x_rows(x: torch.Tensor, p: Packed) -> torch.Tensor:
+    """x as contiguous rows (M, K) in the weight's stored column order (act-order permuted)."""
+    x2 = x.reshape(-1, p.K)
+    if p.perm is not None:
+        x2 = x2[:, p.perm]
+    return x2.contiguous()
+
+
+def _planes(p: Packed, hi: bool = True) -> tuple[list[torch.Tensor], list[int]]:
+    """The kernels' plane arguments (lo as int32 words, [hi,] sc, d, zp, mn, dmin) and their row
+    strides; an absent plane is stood in for by sc (never read: its constexpr flag is off)."""
+    none = p.sc
+    planes = [p.lo.view(torch.int32)] + ([p.hi.view(torch.int32) if p.hi is not None else none] if hi else [])
+    planes += [p.sc] + [t if t is not None else none for t in (p.d, p.zp, p.mn, p.dmin)]
+    return planes, [t.stride(0) for t in planes]
+
+
 def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
               config: dict | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias) for 1 to 16 rows of x, each rounded to int8 per 32 elements (_gemv_q8 for
-    one row, _gemm_q8 above; packed.linear_ref_q8 is what they compute). Formats: packed.q8_ok."""
-    from dsq.kernels.packed import quantize_x_q8
-
-    x1 = x.reshape(-1, p.K)
+    """y = x W^T (+ bias) for 1 to 16 rows of x, each rounded to int8 per 32 elements by _quant_x
+    (_gemv_q8 for one row, _gemm_q8 above; packed.linear_ref_q8 is what they compute). Formats:
+    packed.q8_ok."""
+    x1 = _x_rows(x, p)
     M = x1.shape[0]
     if not 1 <= M <= 16:
         raise ValueError("q8_linear takes 1 to 16 rows of x")
-    if p.perm is not None:
-        x1 = x1[:, p.perm]
-    x1 = x1.contiguous()
-    if torch.compiler.is_compiling() or x.device.type != "cuda" and not INTERPRET:
-        parts = [quantize_x_q8(r, p.fmt.codes) for r in x1]
-        xw, sx, xs = (torch.stack([q[i] for q in parts]) for i in range(3))
-    else:
-        xw = torch.empty(M, p.K // 4, dtype=torch.int32, device=x.device)
-        sx = torch.empty(M, p.K // 32, dtype=torch.float32, device=x.device)
-        xs = torch.empty_like(sx)
-        _quant_x[(triton.cdiv(p.K // 32, 4), M)](x1, xw, sx, xs, p.K, x1.stride(0), NIBBLES=p.fmt.codes == NIB,
-                                                 NBLK=4)
+    xw = torch.empty(M, p.K // 4, dtype=torch.int32, device=x.device)
+    sx = torch.empty(M, p.K // 32, dtype=torch.float32, device=x.device)
+    xs = torch.empty_like(sx)
+    _quant_x[(triton.cdiv(p.K // 32, 4), M)](x1, xw, sx, xs, p.K, x1.stride(0), NIBBLES=p.fmt.codes == NIB, NBLK=4)
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     f = p.fmt
-    none = p.sc
-    planes = [p.lo.view(torch.int32), p.sc, p.d if p.d is not None else none, p.zp if p.zp is not None else none,
-              p.mn if p.mn is not None else none, p.dmin if p.dmin is not None else none]
-    strides = [t.stride(0) for t in planes]
+    planes, strides = _planes(p, hi=False)
     flags = {"CODES": f.codes, "SUB": f.sub, "TWO_LEVEL": f.two_level, "ZERO": f.zero, "OFFSET": f.offset,
              "MINS": f.mins, "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET}
     b = bias if bias is not None else y
     tune = config is None and not INTERPRET
     cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
+    grid = (lambda meta: (triton.cdiv(p.N, meta["BN"]),)) if tune else (triton.cdiv(p.N, cfg["BN"]),)
     if M == 1:
         if tune:
-            grid = lambda meta: (triton.cdiv(p.N, meta["BN"]),)  # noqa: E731
             _gemv_q8_tuned[grid](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags)
         else:
-            _gemv_q8[(triton.cdiv(p.N, cfg["BN"]),)](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags, **cfg)
+            _gemv_q8[grid](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags, **cfg)
     else:
         mr = 1 << (M - 1).bit_length()
         if tune:
-            grid = lambda meta: (triton.cdiv(p.N, meta["BN"]),)  # noqa: E731
             _gemm_q8_tuned[grid](xw, sx, xs, y, b, *planes, M, p.N, p.K, y.stride(0), *strides, MR=mr, **flags)
         else:
-            _gemm_q8[(triton.cdiv(p.N, cfg["BN"]),)](xw, sx, xs, y, b, *planes, M, p.N, p.K, y.stride(0), *strides,
-                                                      MR=mr, **flags, **cfg)
+            _gemm_q8[grid](xw, sx, xs, y, b, *planes, M, p.N, p.K, y.stride(0), *strides, MR=mr, **flags, **cfg)
     return y.reshape(*x.shape[:-1], p.N)
 
 
@@ -593,19 +596,11 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
     """y = x W^T (+ bias) for a Packed weight on x's device; y in x's dtype. `out` (M, N) may be
     given (the tests poison it); `config` fixes the tile sizes (no autotuning)."""
     shape = x.shape
-    x2 = x.reshape(-1, p.K)
-    if p.perm is not None:
-        x2 = x2[:, p.perm]
-    x2 = x2.contiguous()
+    x2 = _x_rows(x, p)
     M = x2.shape[0]
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     f = p.fmt
-    lo = p.lo.view(torch.int32)
-    none = p.sc  # stands in for absent planes (never read: their constexpr flag is off)
-    planes = [lo, p.hi.view(torch.int32) if p.hi is not None else none, p.sc, p.d if p.d is not None else none,
-              p.zp if p.zp is not None else none, p.mn if p.mn is not None else none,
-              p.dmin if p.dmin is not None else none]
-    strides = [t.stride(0) for t in planes]
+    planes, strides = _planes(p)
     flags = {"CODES": f.codes, "HI_BITS": f.hi_bits, "SUB": f.sub, "SC_ROWS": f.sc_rows, "TWO_LEVEL": f.two_level,
                  "ZERO": f.zero, "OFFSET": f.offset, "MINS": f.mins, "HAS_BIAS": bias is not None}
     b = bias if bias is not None else y

@@ -91,6 +91,18 @@ def test_decode_row_dots(isa, qtype, float_path, monkeypatch):
     assert not torch.isfinite(cpu.gguf_linear(x, raw, qtype, K, lib=cpu.load(isa))).any()
 
 
+def on_1_and_2_threads(fn):
+    """fn() run with torch at 1 thread, then at 2 (the C kernels take torch's thread count)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fn()
+        torch.set_num_threads(2)
+        return one, fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_decode_same_bits_any_thread_count(isa, qtype):
@@ -99,16 +111,8 @@ def test_decode_same_bits_any_thread_count(isa, qtype):
     per = gguf_ref.BLOCKS[qtype][0]
     K = per * (3 if per == 256 else 13)
     raw = torch.from_numpy(random_blocks(qtype, 67, K, rng))
-    x = torch.randn(1, K)
-    lib = cpu.load(isa)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu.gguf_linear(x, raw, qtype, K, lib=lib)
-        torch.set_num_threads(2)
-        two = cpu.gguf_linear(x, raw, qtype, K, lib=lib)
-    finally:
-        torch.set_num_threads(threads)
+    x, lib = torch.randn(1, K), cpu.load(isa)
+    one, two = on_1_and_2_threads(lambda: cpu.gguf_linear(x, raw, qtype, K, lib=lib))
     assert torch.equal(one, two)
 
 

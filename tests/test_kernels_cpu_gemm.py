@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsq.kernels import cpu, gguf_ref
+from test_kernels_cpu import on_1_and_2_threads
 from test_kernels_ref import FORMATS, random_blocks
 
 BUILDS = [isa for isa in cpu.supported_isas() if cpu.load(isa) is not None]
@@ -76,14 +77,7 @@ def test_gemm_same_bits_any_thread_count(isa, qtype):
     raw = torch.from_numpy(random_blocks(qtype, N, K, rng))
     x = torch.randn(M, K)
     lib = cpu.load(isa)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu.gguf_linear(x, raw, qtype, K, lib=lib)
-        torch.set_num_threads(2)
-        two = cpu.gguf_linear(x, raw, qtype, K, lib=lib)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_1_and_2_threads(lambda: cpu.gguf_linear(x, raw, qtype, K, lib=lib))
     assert torch.equal(one, two)
     other = torch.cat([x[:5], torch.randn(3, K)])  # rows 0-4 again, in another batch
     assert torch.equal(cpu.gguf_linear(other, raw, qtype, K, lib=lib)[:5], one[:5])

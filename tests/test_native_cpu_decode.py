@@ -181,19 +181,25 @@ def test_c_attn_decode_matches_sdpa(isa, B, H, Hk, S, D):
     assert out[0].isnan().all() and not out[1:].isnan().any()
 
 
-@needs_kernels
-def test_attention_decode_step_uses_c_attention(monkeypatch):
-    """The eager CPU decode step (T = 1, with a mask) runs the C attention; its logits equal the
-    SDPA step's (DSQ_KERNELS=reference forces SDPA and the torch kernels)."""
+def _tiny_transformer(**extra):
+    """Two layers (a sliding one and a full one), grouped KV heads, random weights (seed 0)."""
     from dsq.models.base import ModelArgs, Transformer
 
     args = ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
-                     layer_types=["sliding_attention", "full_attention"])
+                     layer_types=["sliding_attention", "full_attention"], **extra)
     torch.manual_seed(0)
     model = Transformer(args)
     for p in model.parameters():
         p.data.normal_(0, 0.2)
+    return model
+
+
+@needs_kernels
+def test_attention_decode_step_uses_c_attention(monkeypatch):
+    """The eager CPU decode step (T = 1, with a mask) runs the C attention; its logits equal the
+    SDPA step's (DSQ_KERNELS=reference forces SDPA and the torch kernels)."""
+    model = _tiny_transformer()
     calls = []
     real = cpu.attn_decode
     monkeypatch.setattr(cpu, "attn_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -288,17 +294,9 @@ def test_c_attn_step_rejects_bad_input():
 def test_decode_step_uses_one_call_attention(monkeypatch, gemma):
     """The eager CPU decode step (T = 1) runs q/k norm, rope, the cache write and attention as one
     C call (cpu.attn_step): logits and KV cache exactly those of the op-by-op step."""
-    from dsq.models.base import ModelArgs, Transformer
-
     extra = dict(qk_norm=True, norm_offset=1.0, sandwich_norm=True, hidden_act="gelu_tanh",
                  query_pre_attn_scalar=16) if gemma else {}
-    args = ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
-                     layer_types=["sliding_attention", "full_attention"], **extra)
-    torch.manual_seed(0)
-    model = Transformer(args)
-    for p in model.parameters():
-        p.data.normal_(0, 0.2)
+    model = _tiny_transformer(**extra)
     calls = []
     real = cpu.attn_step
     monkeypatch.setattr(cpu, "attn_step", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -155,12 +155,16 @@ class RMSNorm(nn.Module):
             c = self._scaled = (w, w._version, self.offset + w.float())
         return c[2]
 
+    def scale_weight(self) -> torch.Tensor:
+        """What x * rsqrt(mean(x^2) + eps) is multiplied by: weight, or offset + weight in float32."""
+        return self._offset_weight() if self.offset else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cpu and (self.offset or x.dtype == self.weight.dtype == torch.float32):
             # on the CPU torch.rms_norm computes x * rsqrt(mean(x^2) + eps) * w bit for bit as the
-            # lines below do in float32, in one call (a decode step runs ~100 norms)
-            # (small rows in eager mode, decode: one C call each instead of torch's ~8 ops)
-            xf, w = x.float(), (self._offset_weight() if self.offset else self.weight)
+            # lines below do in float32, in one call (a decode step runs ~100 norms); small rows
+            # in eager mode (decode) take one C call each instead
+            xf, w = x.float(), self.scale_weight()
             y = dispatch.rms_norm_cpu(xf, w, self.eps)
             if y is None:
                 y = torch.rms_norm(xf, self.weight.shape, w, self.eps)
@@ -240,10 +244,7 @@ class Attention(nn.Module):
             qw = kw = None
             eps = 0.0
             if self.qk_norm:
-                qn, kn = self.q_norm, self.k_norm
-                qw = qn._offset_weight() if qn.offset else qn.weight
-                kw = kn._offset_weight() if kn.offset else kn.weight
-                eps = qn.eps
+                qw, kw, eps = self.q_norm.scale_weight(), self.k_norm.scale_weight(), self.q_norm.eps
             if not self.qk_norm or self.k_norm.eps == eps:
                 kc = cache.k[self.layer]
                 o = dispatch.attn_step_cpu(q, k, v, qw, kw, eps, cos, sin, kc, cache.v[self.layer], slots,
