@@ -1,8 +1,8 @@
 """Choose the implementation for a quantized op by device, format and shape.
 
 - CUDA: the Triton kernels over the packed layout (kernels/triton_qlinear.py) when Triton imports.
-  One row of x (decode) with integer codes takes the int8-activation GEMV (x rounded to int8 per
-  32 elements as llama.cpp does, packed.linear_ref_q8) unless DSQ_ACT_Q8=0.
+  Up to Q8_MAX_ROWS rows of x (decode) with integer codes take the int8-activation kernels (x
+  rounded to int8 per 32 elements as llama.cpp does, packed.linear_ref_q8) unless DSQ_ACT_Q8=0.
 - CPU: the C kernels (kernels/csrc) when they were built.
 - Anything else, or DSQ_KERNELS=reference: the torch reference with the same signature.
 Shape is decided inside each kernel family (GEMV at M=1, tiles and tl.dot / blocked rows above).
@@ -18,6 +18,9 @@ from dsq.kernels import cpu, fp8_ref, gguf_ref, intq_ref, packed
 
 
 ACT_Q8 = os.environ.get("DSQ_ACT_Q8", "1") != "0"
+# Up to this many rows of x take the int8-activation kernels: on an H200 _gemm_q8 beat the tl.dot
+# GEMM at M = 2 and 4 (1.8x and 1.2x) and lost at 8 and 16 (docs/benchmarks.md)
+Q8_MAX_ROWS = 4
 
 
 # _reference() runs ~200 times a CPU decode step: read os.environ's own dict (what os.environ.get
@@ -162,7 +165,7 @@ def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None =
     if x.device.type == "cuda" and not _reference() and _triton_ok():
         from dsq.kernels import triton_qlinear
 
-        if ACT_Q8 and x.numel() == p.K and packed.q8_ok(p):
+        if ACT_Q8 and x.numel() <= Q8_MAX_ROWS * p.K and packed.q8_ok(p):
             return triton_qlinear.q8_linear(x, p, bias)
         if triton_qlinear.supported(p, x):
             return triton_qlinear.packed_linear(x, p, bias)

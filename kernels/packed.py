@@ -140,10 +140,13 @@ def q8_ok(p: Packed) -> bool:
 
 def _round_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., K) as 32-element blocks (-1, 32): xq = round(x / sx) (float, in [-127, 127]) and
-    sx = max|x| / 127 (-1, 1), the int8 rounding of llama.cpp's Q8_1 blocks."""
+    sx = max|x| / 127 (-1, 1), the int8 rounding of llama.cpp's Q8_1 blocks. 127 / max|x| is one
+    correctly rounded division here and in the kernel (`127 / t` in torch is 127 * (1 / t): two
+    roundings, which flipped near-ties against the kernel)."""
     xb = x.float().reshape(-1, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    return torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))), amax / 127
+    inv = torch.div(torch.full_like(amax, 127.0), amax)
+    return torch.round(xb * torch.where(amax > 0, inv, torch.zeros_like(amax))), amax / 127
 
 
 def quantize_x_q8(x: torch.Tensor, codes: int):

@@ -134,6 +134,45 @@ def _element(word, h, i: tl.constexpr, CODES: tl.constexpr, HI_BITS: tl.constexp
 
 
 @triton.jit
+def _lanes(xt, GT: tl.constexpr, GW: tl.constexpr, EPW: tl.constexpr):
+    """x tile (1, GT, GW, EPW), EPW (4 or 8) consecutive elements per word held by one thread (one
+    16-byte load), as EPW tensors (1, GT, GW): element i of every word."""
+    e, o = tl.split(tl.reshape(xt, (1, GT, GW, EPW // 2, 2)))  # even, odd elements
+    if EPW == 4:
+        x0, x2 = tl.split(e)
+        x1, x3 = tl.split(o)
+        return x0, x1, x2, x3
+    else:
+        ee, eo = tl.split(tl.reshape(e, (1, GT, GW, 2, 2)))  # (0, 4), (2, 6)
+        oe, oo = tl.split(tl.reshape(o, (1, GT, GW, 2, 2)))  # (1, 5), (3, 7)
+        x0, x4 = tl.split(ee)
+        x2, x6 = tl.split(eo)
+        x1, x5 = tl.split(oe)
+        x3, x7 = tl.split(oo)
+        return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _fp8x4(word):
+    """The four e4m3 bytes of each word (element i at bits 8i) as four float32 tensors: two
+    cvt.rn.f16x2.e4m3x2 (sm_89+) and four f16 -> f32 conversions, about 1.5 instructions per element."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi, h0, h1, h2, h3;
+        .reg .b32 a, b;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 a, lo;
+        cvt.rn.f16x2.e4m3x2 b, hi;
+        mov.b32 {h0, h1}, a;
+        mov.b32 {h2, h3}, b;
+        cvt.f32.f16 $0, h0;
+        cvt.f32.f16 $1, h1;
+        cvt.f32.f16 $2, h2;
+        cvt.f32.f16 $3, h3;
+        }""", "=f,=f,=f,=f,r", [word], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
 def _gemv4(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
            s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
            CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
@@ -212,10 +251,13 @@ def _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
                s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
                CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
                TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
-               HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+               HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+               EVEN_K: tl.constexpr = False):
     """M = 1, BN rows as a tensor dimension: words (BN, GT, GW), group parameters (BN, GT, 1), and
-    each x element (1, GT, GW) loaded once for all BN rows. The K loop is software-pipelined
-    (tl.range: the next tiles' words are copied asynchronously while this one is computed)."""
+    x's elements (1, GT, GW, EPW) loaded 16 bytes at a time, once for all BN rows, then split per
+    element of a word (_lanes). The K loop is software-pipelined (tl.range: the next tiles' words
+    are copied asynchronously while this one is computed). EVEN_K (K % BK == 0): no K mask, so the
+    copies are full width. FP8 codes convert in hardware (_fp8x4) on the GPU."""
     EPW: tl.constexpr = 8 if CODES == 0 else 4
     CB: tl.constexpr = 4 + HI_BITS if CODES == 0 else 8
     SC: tl.constexpr = 1 << CB
@@ -231,19 +273,34 @@ def _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         w = k0 // EPW + wt
         e = k0 + et
-        km = w < KW
+        if EVEN_K:
+            km = w >= 0
+            em = e >= 0
+        else:
+            km = w < KW
+            em = e < K
         q, s, z, h, m = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r3, w, e,
-                                  km & (r3 < N), (e < K) & (r3 < N), s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+                                  km & (r3 < N), em & (r3 < N), s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
                                   CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
         t = tl.zeros((BN, GT, GW), dtype=tl.float32)
         xs = tl.zeros((1, GT, GW), dtype=tl.float32)
-        for i in tl.static_range(EPW):
-            xv = tl.load(x_ptr + w * EPW + i, mask=km, other=0).to(tl.float32)
-            t += _element(q, h, i, CODES, HI_BITS) * xv
-            xs += xv
-        if CODES == 3:
-            acc += (256.0 * s) * t
-        else:
+        if CODES == 3:  # FP8: x 16 bytes at a time, split per element (fewer, wider loads: 2x fewer instructions)
+            xt = tl.load(x_ptr + (w * EPW)[:, :, :, None] + tl.arange(0, EPW)[None, None, None, :],
+                         mask=km[:, :, :, None], other=0).to(tl.float32)
+            xl = _lanes(xt, GT, GW, EPW)
+            if not INTERPRET_K:
+                fl = _fp8x4(q)
+            for i in tl.static_range(EPW):
+                if INTERPRET_K:
+                    t += _element(q, h, i, CODES, HI_BITS) * xl[i]
+                else:
+                    t += fl[i] * xl[i]
+            acc += ((256.0 if INTERPRET_K else 1.0) * s) * t
+        else:  # one x element per word at a time (for 8 elements a word the split costs more than it saves)
+            for i in tl.static_range(EPW):
+                xv = tl.load(x_ptr + w * EPW + i, mask=km, other=0).to(tl.float32)
+                t += _element(q, h, i, CODES, HI_BITS) * xv
+                xs += xv
             acc += s * (SC * t - (SC + z) * xs) - m * xs
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
@@ -256,17 +313,18 @@ def _gemv(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr,
           s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
           CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
           TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
-          HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+          HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+          EVEN_K: tl.constexpr = False):
     """M = 1: BN == 4 takes _gemv4 (four row tensors, no pipelining: the faster one for K-quants
-    and Q6_K on an H200), any other BN _gemv_rows (int4, FP8: 1.2-1.5x faster there)."""
-    if BN == 4:
+    and Q6_K on an H200), any other BN, and FP8, _gemv_rows (int4, FP8: 1.2-1.5x faster there)."""
+    if BN == 4 and CODES != 3:
         _gemv4(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
                s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET,
                MINS, HAS_BIAS, BK)
     else:
         _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
                    s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET,
-                   MINS, HAS_BIAS, BN, BK, STAGES)
+                   MINS, HAS_BIAS, BN, BK, STAGES, EVEN_K)
 
 
 @triton.jit
@@ -296,11 +354,13 @@ def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, z
              s_lo, s_sc, s_d, s_zp, s_mn, s_dmin,
              CODES: tl.constexpr, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
              OFFSET: tl.constexpr, MINS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+             BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr = False):
     """M = 1 with x as int8 per 32-element block (quantize_x_q8, llama.cpp's Q8_1 scheme): integer
     codes meet x in dp4a, four products per instruction. Tiles (BN rows, NB blocks, WB words of a
     block); per row and block: dp = sum c xq (exact int32), then y += s (sx dp - z xsum) - m xsum
-    with xsum = sx sum xq: exactly W (xq sx), packed.linear_ref_q8."""
+    with xsum = sx sum xq: exactly W (xq sx), packed.linear_ref_q8. EVEN_K (K % BK == 0): no mask
+    along K, so code and x words are copied 16 bytes at a time (a K mask has the constancy of K's
+    divisibility, which halved the copies' width)."""
     WB: tl.constexpr = 4 if CODES == 0 else 8  # code words per 32-element block
     NB: tl.constexpr = BK // 32
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -312,10 +372,14 @@ def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, z
     acc = tl.zeros((BN, NB), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         w = k0 // (32 // WB) + wt
-        wm = w < KW
-        q = tl.load(lo_ptr + r3 * s_lo + w, mask=wm & (r3 < N), other=0)
         b = k0 // 32 + bt[None, :]  # (1, NB) x block
-        bm = b < K // 32
+        if EVEN_K:
+            wm = w >= 0
+            bm = b >= 0
+        else:
+            wm = w < KW
+            bm = b < K // 32
+        q = tl.load(lo_ptr + r3 * s_lo + w, mask=wm & (r3 < N), other=0)
         if CODES == 0:
             xi = k0 // 4 + (bt * 8)[None, :, None] + tl.arange(0, WB)[None, None, :]  # block's even words
             xe = tl.load(xw_ptr + xi, mask=wm, other=0)
@@ -342,7 +406,8 @@ def _gemm_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, z
              s_ym, s_lo, s_sc, s_d, s_zp, s_mn, s_dmin,
              CODES: tl.constexpr, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
              OFFSET: tl.constexpr, MINS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
-             MR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+             MR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+             EVEN_K: tl.constexpr = False):
     """_gemv_q8 for 2 <= M <= MR (<= 16) rows of x: each weight word is loaded and split once and
     meets every row's int8 x in dp4a; tiles (MR, BN, NB, WB). Not the default yet (unmeasured on
     a GPU): reached through q8_linear with M > 1."""
@@ -360,10 +425,14 @@ def _gemm_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, z
     acc = tl.zeros((MR, BN, NB), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         w = k0 // (32 // WB) + wt
-        wm = w < KW
-        q = tl.load(lo_ptr + r4 * s_lo + w, mask=wm & (r4 < N), other=0)  # (1, BN, NB, WB)
         b = k0 // 32 + bt  # (NB,)
-        bm = b < K // 32
+        if EVEN_K:  # no K mask: full-width copies
+            wm = w >= 0
+            bm = b >= 0
+        else:
+            wm = w < KW
+            bm = b < K // 32
+        q = tl.load(lo_ptr + r4 * s_lo + w, mask=wm & (r4 < N), other=0)  # (1, BN, NB, WB)
         xm = wm & (m4 < M)
         if CODES == 0:
             xi = k0 // 4 + (bt * 8)[None, None, :, None] + tl.arange(0, WB)[None, None, None, :]
@@ -407,7 +476,7 @@ def _quant_x(x_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.constexpr, NBL
     e = (blk[:, None, None] * 32 + (w4 * 8)[None, :, None] + j[None, None, :])
     x = tl.load(x_ptr + e, mask=bm[:, None, None], other=0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
-    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), amax), 0.0)  # IEEE, as torch
     v = x * inv[:, None, None]
     if INTERPRET_K:  # round half to even, as torch.round and rint do (floor(v + 0.5) is not)
         q = (v + 12582912.0) - 12582912.0
@@ -430,7 +499,7 @@ def _quant_x(x_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.constexpr, NBL
         ow = blk[:, None] * 8 + w4[None, :] * 2
         tl.store(xw_ptr + ow, lo, mask=bm[:, None])
         tl.store(xw_ptr + ow + 1, hi, mask=bm[:, None])
-    sx = amax / 127.0
+    sx = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
     tl.store(sx_ptr + blk, sx, mask=bm)
     tl.store(xsum_ptr + blk, sx * qs, mask=bm)
 
@@ -492,15 +561,17 @@ def _autotune(configs, key, **kw):
         return triton.autotune(configs, key=key, **kw)
 
 
-_gemv_tuned = _autotune(_GEMV_CONFIGS, ["N", "K", *_FMT_KEYS])(_gemv)
+_even_k = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})
+_gemv_tuned = _autotune(_GEMV_CONFIGS, ["N", "K", *_FMT_KEYS])(_even_k(_gemv))
 _Q8_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
-               for bn, bk, w, st in [(4, 1024, 1, 3), (2, 1024, 1, 3), (2, 2048, 1, 2), (4, 512, 1, 3),
-                                     (4, 1024, 1, 2), (4, 2048, 2, 3)]]  # H200 winners of dsq.bench.q8_sweep: small programs
-_gemv_q8_tuned = _autotune(_Q8_CONFIGS, ["N", "K", "CODES", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(_gemv_q8)
+               for bn, bk, w, st in [(4, 512, 1, 3), (8, 512, 1, 3), (8, 1024, 2, 3), (4, 1024, 1, 2), (2, 1024, 1, 3),
+                                     (2, 2048, 1, 2), (4, 256, 1, 3), (4, 512, 1, 4)]]  # H200 winners of dsq.bench.q8_sweep
+_gemv_q8_tuned = _autotune(_Q8_CONFIGS, ["N", "K", "CODES", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(_even_k(_gemv_q8))
 _Q8M_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
                 for bn, bk, w, st in [(4, 256, 1, 3), (8, 256, 2, 3), (4, 512, 1, 2), (16, 256, 4, 3),
                                       (8, 128, 1, 3), (2, 512, 1, 3)]]
-_gemm_q8_tuned = _autotune(_Q8M_CONFIGS, ["N", "K", "MR", "CODES", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(_gemm_q8)
+_gemm_q8_tuned = _autotune(_Q8M_CONFIGS, ["N", "K", "MR", "CODES", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(
+    _even_k(_gemm_q8))
 
 
 def _m_bucket(m: int) -> int:
@@ -576,6 +647,7 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     b = bias if bias is not None else y
     tune = config is None and not INTERPRET
     cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
+    cfg.setdefault("EVEN_K", p.K % cfg["BK"] == 0)
     grid = (lambda meta: (triton.cdiv(p.N, meta["BN"]),)) if tune else (triton.cdiv(p.N, cfg["BN"]),)
     if M == 1:
         if tune:
@@ -611,6 +683,7 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
             _gemv_tuned[grid](x2, y, b, *planes, p.N, p.K, *strides, **flags)
         else:
             cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
+            cfg.setdefault("EVEN_K", p.K % cfg["BK"] == 0)
             _gemv[(triton.cdiv(p.N, cfg["BN"]),)](x2, y, b, *planes, p.N, p.K, *strides, **flags, **cfg)
     else:
         # float32 dots for float32 x, and under the interpreter (its bf16 dot is wrong)

@@ -96,21 +96,24 @@ def test_awq_int4(M):
     check(run(x, packed.from_int(d["qweight"], d["scales"], d["zeros"], 4)), want, torch.float32)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "int4-g32"])
-@pytest.mark.parametrize("M,bn", [(1, 4), (1, 8), (4, 16)])
-def test_wide_tiles_hold_many_groups(fmt, M, bn):
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q5_0", "Q5_K", "int4-g32", "fp8-channel"])
+@pytest.mark.parametrize("M,bn,bk", [(1, 4, 256), (1, 8, 256), (1, 8, 512), (4, 16, 256)])
+def test_wide_tiles_hold_many_groups(fmt, M, bn, bk):
     """Tiles of 256 elements hold 8-16 scale groups (the shapes the GPU autotuner picks); at M=1
-    both GEMVs: four row tensors (BN 4) and rows as a tensor dimension (BN 8, two-stage pipeline)."""
+    both GEMVs: four row tensors (BN 4) and rows as a tensor dimension (BN 8, two-stage pipeline),
+    with K a multiple of the tile (no K mask: EVEN_K) and not (BK 512: a masked tail)."""
     rng = np.random.default_rng()
     N, K = 9, 768
     if fmt == "int4-g32":
         d = gptq_case(16, K, 32, 4, False, True)
         p = packed.from_int(d["qweight"], d["scales"], d["zeros"], 4)
         N = 16
+    elif fmt == "fp8-channel":
+        p = packed.from_fp8((torch.randn(N, K) * 3).to(torch.float8_e4m3fn), torch.rand(N, 1) + 0.01)
     else:
         p = packed.from_gguf(torch.from_numpy(random_blocks(fmt, N, K, rng)), fmt, K)
     x = torch.randn(M, K)
-    cfg = {"BN": bn, "BK": 256, "STAGES": 2} if M == 1 else {"BM": 16, "BN": bn, "BK": 256}
+    cfg = {"BN": bn, "BK": bk, "STAGES": 2} if M == 1 else {"BM": 16, "BN": bn, "BK": bk}
     check(run(x, p, config=cfg), x.double() @ packed.dequantize(p).double().t(), torch.float32)
 
 
@@ -195,10 +198,12 @@ def run_q8(x, p, bias=None, config=None):
 
 @pytest.mark.parametrize("fmt", ["gptq-int4", "gptq-int4-act", "gptq-int4-g32", "gptq-int8", "Q4_0", "Q8_0", "Q4_K"])
 @pytest.mark.parametrize("cfg,M", [({"BN": 8, "BK": 64, "STAGES": 1}, 1), ({"BN": 4, "BK": 256, "STAGES": 2}, 1),
-                                   ({"BN": 4, "BK": 128, "STAGES": 2}, 3), ({"BN": 8, "BK": 64, "STAGES": 1}, 16)])
+                                   ({"BN": 2, "BK": 512, "STAGES": 2}, 1), ({"BN": 4, "BK": 128, "STAGES": 2}, 3),
+                                   ({"BN": 4, "BK": 512, "STAGES": 2}, 5), ({"BN": 8, "BK": 64, "STAGES": 1}, 16)])
 def test_q8_gemv_equals_its_reference(fmt, cfg, M):
-    """Exactly W (xq sx) (packed.linear_ref_q8) on odd N and K (not a multiple of the tile), with a
-    bias; and within int8 rounding of the float product. M = 1 (_gemv_q8) and 3, 16 (_gemm_q8)."""
+    """Exactly W (xq sx) (packed.linear_ref_q8) on odd N, with a bias; and within int8 rounding of
+    the float product. M = 1 (_gemv_q8) and 3, 5, 16 (_gemm_q8); K = 768 a multiple of the tile
+    (no K mask: EVEN_K) or not (BK 512: a masked tail)."""
     N, K = (24 if fmt.startswith("gptq") else 21), 768  # GPTQ packs rows by 8
     p = q8_case(fmt, N, K)
     assert packed.q8_ok(p)
@@ -243,3 +248,21 @@ def test_q8_real_shapes_autotuned(fmt):
     p = q8_case(fmt, 1024, 4096)
     x = torch.randn(1, 4096, dtype=torch.bfloat16)
     check(tq.q8_linear(x.cuda(), p.to("cuda")), packed.linear_ref_q8(x.double(), p), torch.bfloat16)
+
+
+@pytest.mark.skipif(not CUDA, reason="the dispatcher sends only CUDA tensors to Triton")
+@pytest.mark.parametrize("M", [1, 3, 4, 5])
+def test_dispatch_takes_int8_x_up_to_its_row_limit(M):
+    """Up to dispatch.Q8_MAX_ROWS rows: exactly the int8-x product (which differs from the float
+    one by int8 rounding); above: the float-x kernels."""
+    from dsq.kernels import dispatch
+
+    p = q8_case("Q4_K", 512, 4096)
+    x = torch.randn(M, 4096)
+    y = dispatch.packed_linear(x.cuda(), p.to("cuda")).double().cpu()
+    q8, fl = packed.linear_ref_q8(x.double(), p).double(), packed.linear_ref(x.double(), p).double()
+    err_q8, err_fl = float((y - q8).norm() / q8.norm()), float((y - fl).norm() / fl.norm())
+    if dispatch.ACT_Q8 and M <= dispatch.Q8_MAX_ROWS:
+        assert err_q8 < 1e-5 < err_fl, (err_q8, err_fl)
+    else:
+        assert err_fl < 1e-5 < err_q8, (err_q8, err_fl)

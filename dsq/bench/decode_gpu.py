@@ -230,6 +230,26 @@ def time_transformers(hf, prompt, gen: int, compile_static: bool) -> dict:
     return {"ttft_ms": t1 * 1000, "decode_tok_s": (gen - 1) / (tn - t1), "tokens": out[0, len(prompt):].tolist()}
 
 
+def profile_step(nm, slot: int, steps: int = 5) -> None:
+    """Print where the GPU time of one decode step goes (torch profiler, kernels by total time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = nm._step
+    pad = torch.zeros(1, dtype=torch.long, device="cuda")
+    tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    sl = torch.tensor([slot], device="cuda")
+    with torch.inference_mode():
+        for _ in range(3):
+            step(tok, sl, nm.cache, pad, last_only=True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step(tok, sl, nm.cache, pad, last_only=True)
+            torch.cuda.synchronize()
+    print(f"(totals over {steps} steps)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -244,7 +264,7 @@ def main(argv=None) -> None:
                     help="how the quantized models run: graph+fused, compile+graph+fused (torch.compile around the "
                          "Triton kernels, which stay opaque operators); +fx: float x at M=1 instead of the "
                          "int8-activation GEMV")
-    ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of one compiled decode step")
+    ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of a decode step (compiled bf16 variants, every quantized one)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
 
@@ -334,21 +354,7 @@ def main(argv=None) -> None:
                 r["graph_vs_eager_rel_err"] = float((graph - eager).norm() / eager.norm())
                 print(f"  captured step vs eager: rel err {r['graph_vs_eager_rel_err']:.1e}", flush=True)
         if a.profile and mode is not None:
-            from torch.profiler import ProfilerActivity, profile
-
-            step = nm._step
-            pad = torch.zeros(1, dtype=torch.long, device="cuda")
-            tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
-            sl = torch.tensor([a.prompt_tokens], device="cuda")
-            with torch.inference_mode():
-                for _ in range(3):
-                    step(tok, sl, nm.cache, pad, last_only=True)
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(5):
-                        step(tok, sl, nm.cache, pad, last_only=True)
-                    torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+            profile_step(nm, a.prompt_tokens)
         del nm
         torch.cuda.empty_cache()
 
@@ -371,6 +377,8 @@ def main(argv=None) -> None:
                                         fuse=False, compile="default" if "compile" in qv.split("+") else False)
             setup_s = time.perf_counter() - t0
             r = time_native(nm, prompt, a.gen_tokens, a.repeat)
+            if a.profile:
+                profile_step(nm, a.prompt_tokens)
             roof = bw / nbytes
             r.update(name=f"native {fmt} {qv}", setup_s=setup_s, bytes_per_token=nbytes, roofline_tok_s=roof,
                      logits_rel_err_vs_bf16=rel)
