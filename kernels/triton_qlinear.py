@@ -459,6 +459,75 @@ def _gemm_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, z
 
 
 @triton.jit
+def _gemm_q8mma(xq_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, M, N, K,
+                s_ym, s_lo, s_sc, s_d, s_zp, s_mn, s_dmin,
+                CODES: tl.constexpr, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
+                OFFSET: tl.constexpr, MINS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr = False):
+    """Up to 16 rows of int8 x (quantize_x_q8's words, read as bytes) against integer codes on the
+    tensor cores: per 32-element block one int8 tl.dot (16 x 32 x BN, exact int32), then
+    y += s (sx dp - z xsum) - m xsum as in _gemv_q8. The order of the 32 products inside a block
+    is free, so 4-bit codes stay in x's nibble order: the block's 16 code bytes are read twice,
+    low nibbles (even elements) then high ones, four bytes per instruction, no byte shuffles.
+    Unsigned bytes become signed by flipping the top bit (the zero point moves by 128). Computes
+    exactly packed.linear_ref_q8."""
+    BM: tl.constexpr = 16
+    BPB: tl.constexpr = 16 if CODES == 0 else 32  # code bytes per 32-element block
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    rn2 = rn[None, :]
+    j32 = tl.arange(0, 32)
+    jb = j32[None, :]
+    nsh = tl.where(jb >= 16, 4, 0).to(tl.uint8)  # nibble shift per position of a block
+    KB = K // 32
+    GB: tl.constexpr = (SUB if SUB < BK else BK) // 32  # blocks per scale group inside a tile
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    t = tl.zeros((BM, BN), dtype=tl.float32)
+    u = tl.zeros((BM, 1), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        for bb in tl.static_range(BK // 32):
+            b = k0 // 32 + bb
+            xm = rm < M
+            wm = rn2 < N
+            if not EVEN_K:  # the block exists (as tensors: the interpreter takes no scalar masks)
+                xm = xm & (rm * 0 + b < KB)
+                wm = wm & (rn2 * 0 + b < KB)
+            xt = tl.load(xq_ptr + rm[:, None] * K + b * 32 + j32[None, :], mask=xm[:, None], other=0)
+            cb = tl.load(lo_ptr + rn[:, None] * s_lo + b * BPB + jb % BPB, mask=tl.trans(wm), other=0)
+            if CODES == 0:  # cb: the block's 16 bytes twice; low nibbles, then high ones (x's nibble order)
+                if USE_ASM:  # four bytes per instruction, packed as the MMA operand wants them
+                    w8 = tl.inline_asm_elementwise(
+                        "{ .reg .b32 t, s; and.b32 s, $2, 0xFF; shr.b32 t, $1, s; and.b32 $0, t, 0x0F0F0F0F; }",
+                        "=r,r,r", [cb, nsh + cb * 0], dtype=tl.int8, is_pure=True, pack=4)
+                else:
+                    w8 = ((cb >> nsh) & 15).to(tl.int8)
+            elif CODES == 1:
+                w8 = (cb ^ 0x80).to(tl.int8, bitcast=True)
+            else:
+                w8 = cb.to(tl.int8, bitcast=True)
+            dp = tl.dot(xt, tl.trans(w8), out_dtype=tl.int32).to(tl.float32)  # (BM, BN), exact
+            sx = tl.load(sx_ptr + rm * KB + b, mask=xm, other=0)[:, None]
+            xs = tl.load(xsum_ptr + rm * KB + b, mask=xm, other=0)[:, None]
+            # within a scale group: t = sum sx dp, u = sum xsum; at its end y += s (t - z u) - m u
+            if bb % GB == 0:
+                t = sx * dp
+                u = xs
+            else:
+                t += sx * dp
+                u += xs
+            if bb % GB == GB - 1:
+                s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn2, b * 32, wm, s_sc, s_d,
+                                        s_zp, s_mn, s_dmin, SUB, 1, TWO_LEVEL, ZERO, OFFSET, MINS)
+                if CODES == 1:
+                    z -= 128.0
+                acc += s * (t - z * u) - m * u
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
 def _quant_x(x_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.constexpr, NBLK: tl.constexpr):
     """packed.quantize_x_q8 as one kernel: NBLK blocks of 32 elements per program, row
     program_id(1) of x (stride s_x) into row program_id(1) of the outputs (K/4 words, K/32 blocks)."""
@@ -574,6 +643,13 @@ _gemm_q8_tuned = _autotune(_Q8M_CONFIGS, ["N", "K", "MR", "CODES", "SUB", "TWO_L
     _even_k(_gemm_q8))
 
 
+_MMA_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
+                for bn, bk, w, st in [(32, 128, 2, 3), (64, 128, 4, 3), (32, 256, 2, 3), (64, 256, 4, 2),
+                                      (16, 256, 1, 3), (128, 128, 4, 3)]]
+_gemm_q8mma_tuned = _autotune(_MMA_CONFIGS, ["N", "K", "CODES", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(
+    _even_k(_gemm_q8mma))
+
+
 def _m_bucket(m: int) -> int:
     return 16 if m <= 16 else 64 if m <= 64 else 256 if m <= 256 else 1024
 
@@ -627,10 +703,10 @@ def _planes(p: Packed, hi: bool = True) -> tuple[list[torch.Tensor], list[int]]:
 
 
 def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              config: dict | None = None) -> torch.Tensor:
+              config: dict | None = None, mma: bool = False) -> torch.Tensor:
     """y = x W^T (+ bias) for 1 to 16 rows of x, each rounded to int8 per 32 elements by _quant_x
-    (_gemv_q8 for one row, _gemm_q8 above; packed.linear_ref_q8 is what they compute). Formats:
-    packed.q8_ok."""
+    (_gemv_q8 for one row, _gemm_q8 above, or with `mma` the tensor-core _gemm_q8mma; all compute
+    packed.linear_ref_q8). Formats: packed.q8_ok."""
     x1 = _x_rows(x, p)
     M = x1.shape[0]
     if not 1 <= M <= 16:
@@ -649,6 +725,14 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
     cfg.setdefault("EVEN_K", p.K % cfg["BK"] == 0)
     grid = (lambda meta: (triton.cdiv(p.N, meta["BN"]),)) if tune else (triton.cdiv(p.N, cfg["BN"]),)
+    if mma:
+        planes[0], strides[0] = p.lo, p.lo.stride(0)  # codes as bytes
+        args = (xw.view(torch.int8), sx, xs, y, b, *planes, M, p.N, p.K, y.stride(0), *strides)
+        if tune:
+            _gemm_q8mma_tuned[grid](*args, **flags)
+        else:
+            _gemm_q8mma[grid](*args, **flags, **{"BN": max(cfg["BN"], 16), **{k: v for k, v in cfg.items() if k != "BN"}})
+        return y.reshape(*x.shape[:-1], p.N)
     if M == 1:
         if tune:
             _gemv_q8_tuned[grid](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags)

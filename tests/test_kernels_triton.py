@@ -216,6 +216,21 @@ def test_q8_gemv_equals_its_reference(fmt, cfg, M):
     assert float((y.double().cpu() - exact).norm() / exact.norm()) < 2e-2
 
 
+@pytest.mark.parametrize("fmt", ["gptq-int4", "gptq-int4-act", "gptq-int4-g32", "gptq-int8", "Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("cfg,M", [({"BN": 16, "BK": 64, "STAGES": 1}, 16), ({"BN": 32, "BK": 512, "STAGES": 2}, 5)])
+def test_q8_tensor_core_kernel_equals_its_reference(fmt, cfg, M):
+    """_gemm_q8mma: exactly W (xq sx) on odd N, with a bias, K a multiple of the tile (BK 64: scale
+    groups of 128 span tiles) or not (BK 512: masked tail, groups inside a tile)."""
+    N, K = (48 if fmt.startswith("gptq") else 37), 768
+    p = q8_case(fmt, N, K)
+    x = torch.randn(M, K) * 2
+    x[-1, 64:96] = 0
+    bias = torch.randn(N)
+    out = torch.full((M, N), float("nan"), device=DEV)
+    y = tq.q8_linear(x.to(DEV), p.to(DEV), bias.to(DEV), out=out, config=cfg, mma=True)
+    check(y, packed.linear_ref_q8(x.double(), p, bias.double()).float(), torch.float32)
+
+
 def test_q8_x_quantizer_kernel_equals_torch():
     """The Triton x quantizer writes what packed.quantize_x_q8 computes (words, scales, sums)."""
     for codes in (packed.NIB, packed.I8):
@@ -243,11 +258,12 @@ def test_q8_refuses_what_it_cannot_run():
 
 
 @pytest.mark.skipif(not CUDA, reason="real shapes and autotuning need a GPU")
-@pytest.mark.parametrize("fmt", ["gptq-int4-act", "Q4_0", "Q8_0", "Q4_K"])
-def test_q8_real_shapes_autotuned(fmt):
+@pytest.mark.parametrize("fmt", ["gptq-int4-act", "Q4_0", "Q8_0", "Q4_K", "gptq-int8"])
+@pytest.mark.parametrize("M,mma", [(1, False), (3, False), (16, True), (7, True)])
+def test_q8_real_shapes_autotuned(fmt, M, mma):
     p = q8_case(fmt, 1024, 4096)
-    x = torch.randn(1, 4096, dtype=torch.bfloat16)
-    check(tq.q8_linear(x.cuda(), p.to("cuda")), packed.linear_ref_q8(x.double(), p), torch.bfloat16)
+    x = torch.randn(M, 4096, dtype=torch.bfloat16)
+    check(tq.q8_linear(x.cuda(), p.to("cuda"), mma=mma), packed.linear_ref_q8(x.double(), p), torch.bfloat16)
 
 
 @pytest.mark.skipif(not CUDA, reason="the dispatcher sends only CUDA tensors to Triton")

@@ -8,13 +8,14 @@ Shapes are N x K (outputs x inputs, the weight's shape). Each timing replays a C
 calls cycling through enough copies of the weight to overflow L2, so every byte comes from HBM
 and no launch overhead is counted (the runtime replays its decode step as a graph too).
 Achieved bandwidth = bytes that must be read (codes + scales + x) / time. A format named with
-"+q8" (int4-g128+q8, Q4_K+q8, ...) runs the int8-activation kernels (M <= 16; at M > 1 not yet
-the runtime's default), x's rounding included.
+"+q8" (int4-g128+q8, Q4_K+q8, ...) runs the int8-activation kernels (M <= 16: the dp4a GEMV/GEMM),
+"+mma" the int8 tensor-core kernel (M <= 16), x's rounding included in both.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -87,9 +88,12 @@ def bench_shape(fmt: str, N: int, K: int, M: int) -> dict:
     from dsq.kernels import triton_qlinear
     from dsq.kernels.packed import Packed, linear_ref, linear_ref_q8
 
-    q8 = fmt.endswith("+q8")
-    p0 = random_packed(fmt.removesuffix("+q8"), N, K)
+    mma = fmt.endswith("+mma")  # the int8 tensor-core kernel (_gemm_q8mma)
+    q8 = fmt.endswith("+q8") or mma
+    p0 = random_packed(fmt.removesuffix("+q8").removesuffix("+mma"), N, K)
     kern = triton_qlinear.q8_linear if q8 else triton_qlinear.packed_linear
+    if mma:
+        kern = functools.partial(triton_qlinear.q8_linear, mma=True)
     # copies at other addresses (same data) so the graph's calls read HBM, not L2
     ps = [p0] + [Packed(p0.fmt, N, K, **{k: v.clone() for k, v in p0.tensors().items()})
                  for _ in range(copies_for(p0.nbytes()) - 1)]

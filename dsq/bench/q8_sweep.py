@@ -1,7 +1,9 @@
-"""The int8-activation GEMV (triton_qlinear._gemv_q8) at fixed tile configs on a GPU, per format
-and shape, against torch bf16 F.linear in the same run: how its autotune candidates were chosen.
+"""The int8-activation kernels at fixed tile configs on a GPU, per format and shape, against torch
+bf16 F.linear in the same run: how their autotune candidates were chosen. Default: the GEMV
+(triton_qlinear._gemv_q8, M = 1); --mma --m 16: the tensor-core kernel (_gemm_q8mma).
 
     python -m dsq.bench.q8_sweep [--formats int4-g128,Q4_K,Q8_0] [--shapes 28672x8192,4096x4096,4096x14336]
+    python -m dsq.bench.q8_sweep --mma --m 16 [--formats ...] [--shapes ...]
 
 Same timing as kernels_gpu (CUDA graphs over weight copies that overflow L2; x's int8 rounding
 kernel included); GB/s counts the weight's bytes only.
@@ -17,12 +19,17 @@ CANDIDATES = [(4, 1024, 1, 3), (2, 1024, 1, 3), (4, 2048, 1, 3), (4, 512, 1, 3),
               (4, 2048, 2, 3), (8, 2048, 2, 3), (2, 4096, 1, 2), (4, 1024, 1, 2), (1, 2048, 1, 3), (8, 1024, 1, 3),
               (32, 512, 4, 3), (16, 1024, 4, 3), (16, 512, 4, 3), (8, 1024, 2, 3), (8, 512, 1, 3),
               (16, 512, 2, 3)]  # (BN, BK, warps, stages)
+MMA_CANDIDATES = [(16, 256, 1, 3), (16, 512, 1, 2), (16, 512, 1, 3), (32, 256, 1, 3), (32, 512, 2, 2),
+                  (32, 256, 2, 3), (64, 256, 4, 2), (64, 128, 4, 4), (32, 1024, 2, 2), (16, 1024, 1, 2),
+                  (64, 512, 4, 2), (128, 256, 4, 2)]
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--formats", default="int4-g128,Q4_K,Q8_0")
     ap.add_argument("--shapes", default="28672x8192,4096x4096,4096x14336")
+    ap.add_argument("--mma", action="store_true", help="the tensor-core kernel (M <= 16)")
+    ap.add_argument("--m", type=int, default=1)
     a = ap.parse_args(argv)
     from dsq.bench.kernels_gpu import bench_bf16, copies_for, graph_time, random_packed
     from dsq.kernels import triton_qlinear as T
@@ -30,20 +37,21 @@ def main(argv=None) -> None:
 
     for shape in a.shapes.split(","):
         N, K = (int(v) for v in shape.split("x"))
-        base = bench_bf16(N, K, 1)
+        base = bench_bf16(N, K, a.m)
         print(f"== {shape} bf16 {base['us']:.1f} us", flush=True)
         for fmt in a.formats.split(","):
             p0 = random_packed(fmt, N, K)
             ps = [p0] + [Packed(p0.fmt, N, K, **{k: v.clone() for k, v in p0.tensors().items()})
                          for _ in range(copies_for(p0.nbytes()) - 1)]
-            x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(a.m, K, device="cuda", dtype=torch.bfloat16)
             ref = linear_ref_q8(x.float(), p0)
-            ys = [torch.empty(1, N, device="cuda", dtype=torch.bfloat16) for _ in ps]
-            for bn, bk, w, st in CANDIDATES:
+            ys = [torch.empty(a.m, N, device="cuda", dtype=torch.bfloat16) for _ in ps]
+            for bn, bk, w, st in MMA_CANDIDATES if a.mma else CANDIDATES:
                 cfg = {"BN": bn, "BK": bk, "STAGES": st, "num_warps": w}
-                y = T.q8_linear(x, p0, config=cfg)
+                y = T.q8_linear(x, p0, config=cfg, mma=a.mma)
                 rel = float((y.float() - ref).norm() / ref.norm())
-                t = graph_time([lambda p=p, yy=yy: T.q8_linear(x, p, out=yy, config=cfg) for p, yy in zip(ps, ys)])
+                t = graph_time([lambda p=p, yy=yy: T.q8_linear(x, p, out=yy, config=cfg, mma=a.mma)
+                                for p, yy in zip(ps, ys)])
                 print(f"  {fmt:10} {str(cfg):62} {t * 1e6:7.1f} us {p0.nbytes() / t / 1e9:6.0f} GB/s "
                       f"{base['us'] / (t * 1e6):5.2f}x rel {rel:.0e}", flush=True)
             del ps, ys
