@@ -165,7 +165,7 @@ def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None =
     if x.device.type == "cuda" and not _reference() and _triton_ok():
         from dsq.kernels import triton_qlinear
 
-        if ACT_Q8 and x.numel() <= Q8_MAX_ROWS * p.K and packed.q8_ok(p):
+        if ACT_Q8 and x.numel() <= Q8_MAX_ROWS * p.K and packed.q8_ok(p, x.numel() // p.K):
             return triton_qlinear.q8_linear(x, p, bias)
         if triton_qlinear.supported(p, x):
             return triton_qlinear.packed_linear(x, p, bias)

@@ -23,7 +23,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from dsq.kernels.packed import NIB, Packed
+from dsq.kernels.packed import NIB, Packed, q8_ok
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INTERPRET_K = tl.constexpr(INTERPRET)
@@ -350,9 +350,9 @@ def _dp4a(a, b, c, SIGNED_A: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
-             s_lo, s_sc, s_d, s_zp, s_mn, s_dmin,
-             CODES: tl.constexpr, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
+def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr,
+             N, K, s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+             CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
              OFFSET: tl.constexpr, MINS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
              BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr = False):
     """M = 1 with x as int8 per 32-element block (quantize_x_q8, llama.cpp's Q8_1 scheme): integer
@@ -360,7 +360,10 @@ def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, z
     block); per row and block: dp = sum c xq (exact int32), then y += s (sx dp - z xsum) - m xsum
     with xsum = sx sum xq: exactly W (xq sx), packed.linear_ref_q8. EVEN_K (K % BK == 0): no mask
     along K, so code and x words are copied 16 bytes at a time (a K mask has the constancy of K's
-    divisibility, which halved the copies' width)."""
+    divisibility, which halved the copies' width). Q6_K (HI_BITS 2, 16-element scale groups, codes
+    offset by 32): each byte gets its two high bits from the plane, c - 32 becomes a signed byte
+    (bit 5 is the 6-bit sign: flip it, extend it), dp4a runs signed and the two halves of a block
+    take their own scales; no zero-point term is left."""
     WB: tl.constexpr = 4 if CODES == 0 else 8  # code words per 32-element block
     NB: tl.constexpr = BK // 32
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -384,17 +387,35 @@ def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, z
             xi = k0 // 4 + (bt * 8)[None, :, None] + tl.arange(0, WB)[None, None, :]  # block's even words
             xe = tl.load(xw_ptr + xi, mask=wm, other=0)
             xo = tl.load(xw_ptr + xi + 4, mask=wm, other=0)
-            dp = _dp4a(q & 0x0F0F0F0F, xe, tl.zeros_like(q), False, USE_ASM)
-            dp = _dp4a((q >> 4) & 0x0F0F0F0F, xo, dp, False, USE_ASM)
+            ce = q & 0x0F0F0F0F  # byte j: element 2j of the word
+            co = (q >> 4) & 0x0F0F0F0F  # element 2j + 1
+            if HI_BITS == 2:  # the word's 16 high bits: nibble j -> byte j, then 2 bits to each element
+                h = tl.load(hi_ptr + r3 * s_hi + w // 2, mask=wm & (r3 < N), other=0)
+                h = (h >> ((w % 2) * 16)) & 0xFFFF
+                h = ((h & 0xFF00) << 8) | (h & 0xFF)
+                h = ((h & 0x00F000F0) << 4) | (h & 0x000F000F)
+                ce = (ce | ((h & 0x03030303) << 4)) ^ 0x20202020  # c - 32 in 6-bit two's complement
+                co = (co | ((h & 0x0C0C0C0C) << 2)) ^ 0x20202020
+                ce = ce | ((ce & 0x20202020) * 6)  # sign bit 5 copied to bits 6, 7
+                co = co | ((co & 0x20202020) * 6)
+            dp = _dp4a(ce, xe, tl.zeros_like(q), HI_BITS == 2, USE_ASM)
+            dp = _dp4a(co, xo, dp, HI_BITS == 2, USE_ASM)
         else:
             xv = tl.load(xw_ptr + w, mask=wm, other=0)
             dp = _dp4a(q, xv, tl.zeros_like(q), CODES == 2, USE_ASM)
-        dps = tl.sum(dp, axis=2).to(tl.float32)  # (BN, NB)
         sx = tl.load(sx_ptr + b, mask=bm, other=0)
-        xs = tl.load(xsum_ptr + b, mask=bm, other=0)
-        s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r2, b * 32, bm & (r2 < N), s_sc, s_d, s_zp,
-                                s_mn, s_dmin, SUB, 1, TWO_LEVEL, ZERO, OFFSET, MINS)
-        acc += s * (sx * dps - z * xs) - m * xs
+        if HI_BITS == 2:  # two 16-element scale groups a block: words 0-1 and 2-3
+            dph = tl.sum(tl.reshape(dp, (BN, NB, 2, 2)), axis=3).to(tl.float32)
+            eh = (b * 32)[:, :, None] + (tl.arange(0, 2) * 16)[None, None, :]
+            s = tl.load(sc_ptr + r3 * s_sc + eh // 16, mask=(bm[:, :, None] & (r3 < N)), other=0).to(tl.float32)
+            d = tl.load(d_ptr + r2 * s_d + (b * 32) // 256, mask=bm & (r2 < N), other=0).to(tl.float32)
+            acc += (d * sx) * tl.sum(s * dph, axis=2)
+        else:
+            dps = tl.sum(dp, axis=2).to(tl.float32)  # (BN, NB)
+            xs = tl.load(xsum_ptr + b, mask=bm, other=0)
+            s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r2, b * 32, bm & (r2 < N), s_sc, s_d,
+                                    s_zp, s_mn, s_dmin, SUB, 1, TWO_LEVEL, ZERO, OFFSET, MINS)
+            acc += s * (sx * dps - z * xs) - m * xs
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rn, mask=rn < N, other=0).to(tl.float32)
@@ -635,7 +656,7 @@ _gemv_tuned = _autotune(_GEMV_CONFIGS, ["N", "K", *_FMT_KEYS])(_even_k(_gemv))
 _Q8_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
                for bn, bk, w, st in [(4, 512, 1, 3), (8, 512, 1, 3), (8, 1024, 2, 3), (4, 1024, 1, 2), (2, 1024, 1, 3),
                                      (2, 2048, 1, 2), (4, 256, 1, 3), (4, 512, 1, 4)]]  # H200 winners of dsq.bench.q8_sweep
-_gemv_q8_tuned = _autotune(_Q8_CONFIGS, ["N", "K", "CODES", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(_even_k(_gemv_q8))
+_gemv_q8_tuned = _autotune(_Q8_CONFIGS, ["N", "K", "CODES", "HI_BITS", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(_even_k(_gemv_q8))
 _Q8M_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
                 for bn, bk, w, st in [(4, 256, 1, 3), (8, 256, 2, 3), (4, 512, 1, 2), (16, 256, 4, 3),
                                       (8, 128, 1, 3), (2, 512, 1, 3)]]
@@ -711,6 +732,8 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     M = x1.shape[0]
     if not 1 <= M <= 16:
         raise ValueError("q8_linear takes 1 to 16 rows of x")
+    if not q8_ok(p, M):
+        raise ValueError(f"the int8-activation kernels do not take this format at {M} rows (packed.q8_ok)")
     xw = torch.empty(M, p.K // 4, dtype=torch.int32, device=x.device)
     sx = torch.empty(M, p.K // 32, dtype=torch.float32, device=x.device)
     xs = torch.empty_like(sx)
@@ -734,10 +757,12 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
             _gemm_q8mma[grid](*args, **flags, **{"BN": max(cfg["BN"], 16), **{k: v for k, v in cfg.items() if k != "BN"}})
         return y.reshape(*x.shape[:-1], p.N)
     if M == 1:
+        hp, hs = _planes(p, hi=True)
+        flags["HI_BITS"] = f.hi_bits
         if tune:
-            _gemv_q8_tuned[grid](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags)
+            _gemv_q8_tuned[grid](xw, sx, xs, y, b, *hp, p.N, p.K, *hs, **flags)
         else:
-            _gemv_q8[grid](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags, **cfg)
+            _gemv_q8[grid](xw, sx, xs, y, b, *hp, p.N, p.K, *hs, **flags, **cfg)
     else:
         mr = 1 << (M - 1).bit_length()
         if tune:

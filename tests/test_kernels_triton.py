@@ -248,9 +248,30 @@ def test_q8_x_quantizer_kernel_equals_torch():
         torch.testing.assert_close(xs.cpu(), want[2], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cfg", [{"BN": 8, "BK": 64, "STAGES": 1}, {"BN": 4, "BK": 256, "STAGES": 2},
+                                 {"BN": 2, "BK": 512, "STAGES": 2}])
+def test_q8_gemv_q6k(cfg):
+    """Q6_K through the int8-x GEMV (one row): 6-bit codes rebuilt from the nibble and 2-bit planes,
+    offset by 32 as signed bytes, 16-element scale groups; exactly W (xq sx), K = 768 a multiple of
+    the tile or not (BK 512)."""
+    N, K = 21, 768
+    p = q8_case("Q6_K", N, K)
+    assert packed.q8_ok(p) and not packed.q8_ok(p, 2)
+    c = packed.dequantize(p)  # every code 0..63 occurs: the sign trick holds at both ends
+    assert torch.isfinite(c).all()
+    x = torch.randn(1, K) * 2
+    bias = torch.randn(N)
+    y = run_q8(x, p, bias, cfg)
+    check(y, packed.linear_ref_q8(x.double(), p, bias.double()).float(), torch.float32)
+
+
 def test_q8_refuses_what_it_cannot_run():
     rng = np.random.default_rng()
-    assert not packed.q8_ok(packed.from_gguf(torch.from_numpy(random_blocks("Q6_K", 4, 256, rng)), "Q6_K", 256))
+    q6 = packed.from_gguf(torch.from_numpy(random_blocks("Q6_K", 4, 256, rng)), "Q6_K", 256)
+    assert packed.q8_ok(q6) and not packed.q8_ok(q6, 3)
+    with pytest.raises(ValueError):
+        tq.q8_linear(torch.randn(3, 256, device=DEV), q6.to(DEV))
+    assert not packed.q8_ok(packed.from_gguf(torch.from_numpy(random_blocks("Q5_K", 4, 256, rng)), "Q5_K", 256))
     assert not packed.q8_ok(packed.from_fp8(torch.randn(4, 64).to(torch.float8_e4m3fn), torch.ones(1)))
     p = q8_case("Q4_0", 8, 256)
     with pytest.raises(ValueError):
@@ -258,9 +279,11 @@ def test_q8_refuses_what_it_cannot_run():
 
 
 @pytest.mark.skipif(not CUDA, reason="real shapes and autotuning need a GPU")
-@pytest.mark.parametrize("fmt", ["gptq-int4-act", "Q4_0", "Q8_0", "Q4_K", "gptq-int8"])
+@pytest.mark.parametrize("fmt", ["gptq-int4-act", "Q4_0", "Q8_0", "Q4_K", "gptq-int8", "Q6_K"])
 @pytest.mark.parametrize("M,mma", [(1, False), (3, False), (16, True), (7, True)])
 def test_q8_real_shapes_autotuned(fmt, M, mma):
+    if fmt == "Q6_K" and M > 1:
+        pytest.skip("Q6_K takes int8 x at one row only")
     p = q8_case(fmt, 1024, 4096)
     x = torch.randn(M, 4096, dtype=torch.bfloat16)
     check(tq.q8_linear(x.cuda(), p.to("cuda"), mma=mma), packed.linear_ref_q8(x.double(), p), torch.bfloat16)
