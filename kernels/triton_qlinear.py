@@ -1,10 +1,12 @@
 """Triton kernels: fused dequantize + matmul over the packed layout (kernels/packed.py), for every
 format dsq holds (int4/int8 from AWQ and GPTQ, FP8, GGUF Q4_0..Q6_K).
 
-- `_gemv_q8` (M = 1, integer codes, the default there): x rounded to int8 per 32 elements by
-  `_quant_x` (llama.cpp's Q8_1 scheme), codes and x meet in dp4a (four products per instruction,
-  exact int32 per 32-element block), then block and group scales in float. Computes exactly
-  packed.linear_ref_q8. Small programs (2-4 rows, one warp) ran fastest on an H200.
+- `_gemv_q8` (M = 1, integer codes incl. Q6_K, the default there): x rounded to int8 per 32
+  elements by `_quant_x` (llama.cpp's Q8_1 scheme), codes and x meet in dp4a (four products per
+  instruction, exact int32 per 32-element block), then block and group scales in float. Computes
+  exactly packed.linear_ref_q8. Small programs (2-8 rows, one warp) ran fastest on an H200.
+  `_gemm_q8` is the same for 2-4 rows (the default there); `_gemm_q8mma` does up to 16 rows on
+  int8 tensor cores (exact, not faster than `_gemm` yet, so not the default).
 - `_gemv` (M = 1, float x): `_gemv_rows` holds BN rows as a tensor dimension, so each x element is
   loaded once for all of them, with the K loop software-pipelined (tl.range, cp.async);
   `_gemv4` (four row tensors, not pipelined) stays for GGUF formats with high-bit planes. Codes
@@ -134,22 +136,13 @@ def _element(word, h, i: tl.constexpr, CODES: tl.constexpr, HI_BITS: tl.constexp
 
 
 @triton.jit
-def _lanes(xt, GT: tl.constexpr, GW: tl.constexpr, EPW: tl.constexpr):
-    """x tile (1, GT, GW, EPW), EPW (4 or 8) consecutive elements per word held by one thread (one
-    16-byte load), as EPW tensors (1, GT, GW): element i of every word."""
-    e, o = tl.split(tl.reshape(xt, (1, GT, GW, EPW // 2, 2)))  # even, odd elements
-    if EPW == 4:
-        x0, x2 = tl.split(e)
-        x1, x3 = tl.split(o)
-        return x0, x1, x2, x3
-    else:
-        ee, eo = tl.split(tl.reshape(e, (1, GT, GW, 2, 2)))  # (0, 4), (2, 6)
-        oe, oo = tl.split(tl.reshape(o, (1, GT, GW, 2, 2)))  # (1, 5), (3, 7)
-        x0, x4 = tl.split(ee)
-        x2, x6 = tl.split(eo)
-        x1, x5 = tl.split(oe)
-        x3, x7 = tl.split(oo)
-        return x0, x1, x2, x3, x4, x5, x6, x7
+def _lanes4(xt, GT: tl.constexpr, GW: tl.constexpr):
+    """x tile (1, GT, GW, 4), a word's four elements held by one thread (one wide load), as four
+    tensors (1, GT, GW): element i of every word."""
+    e, o = tl.split(tl.reshape(xt, (1, GT, GW, 2, 2)))  # (0, 2), (1, 3)
+    x0, x2 = tl.split(e)
+    x1, x3 = tl.split(o)
+    return x0, x1, x2, x3
 
 
 @triton.jit
@@ -255,7 +248,7 @@ def _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
                EVEN_K: tl.constexpr = False):
     """M = 1, BN rows as a tensor dimension: words (BN, GT, GW), group parameters (BN, GT, 1), and
     x's elements (1, GT, GW, EPW) loaded 16 bytes at a time, once for all BN rows, then split per
-    element of a word (_lanes). The K loop is software-pipelined (tl.range: the next tiles' words
+    element of a word (_lanes4, FP8). The K loop is software-pipelined (tl.range: the next tiles' words
     are copied asynchronously while this one is computed). EVEN_K (K % BK == 0): no K mask, so the
     copies are full width. FP8 codes convert in hardware (_fp8x4) on the GPU."""
     EPW: tl.constexpr = 8 if CODES == 0 else 4
@@ -287,7 +280,7 @@ def _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
         if CODES == 3:  # FP8: x 16 bytes at a time, split per element (fewer, wider loads: 2x fewer instructions)
             xt = tl.load(x_ptr + (w * EPW)[:, :, :, None] + tl.arange(0, EPW)[None, None, None, :],
                          mask=km[:, :, :, None], other=0).to(tl.float32)
-            xl = _lanes(xt, GT, GW, EPW)
+            xl = _lanes4(xt, GT, GW)
             if not INTERPRET_K:
                 fl = _fp8x4(q)
             for i in tl.static_range(EPW):
