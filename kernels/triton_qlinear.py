@@ -542,9 +542,12 @@ def _gemm_q8mma(xq_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr
 
 
 @triton.jit
-def _quant_x(x_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.constexpr, NBLK: tl.constexpr):
+def _quant_x(x_ptr, perm_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.constexpr, NBLK: tl.constexpr,
+             HAS_PERM: tl.constexpr = False):
     """packed.quantize_x_q8 as one kernel: NBLK blocks of 32 elements per program, row
-    program_id(1) of x (stride s_x) into row program_id(1) of the outputs (K/4 words, K/32 blocks)."""
+    program_id(1) of x (stride s_x) into row program_id(1) of the outputs (K/4 words, K/32 blocks).
+    HAS_PERM (act-order weights): element e is read from x[perm[e]], so the permutation costs no
+    kernel of its own."""
     row = tl.program_id(1)
     x_ptr += row * s_x
     xw_ptr += row * (K // 4)
@@ -557,6 +560,8 @@ def _quant_x(x_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.constexpr, NBL
     # x as (NBLK, 4 words, 8 elements): in nibble order each word of 8 splits into even / odd
     # elements, four bytes each; byte order: element e of a word of 8
     e = (blk[:, None, None] * 32 + (w4 * 8)[None, :, None] + j[None, None, :])
+    if HAS_PERM:
+        e = tl.load(perm_ptr + e, mask=bm[:, None, None], other=0)
     x = tl.load(x_ptr + e, mask=bm[:, None, None], other=0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
     inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), amax), 0.0)  # IEEE, as torch
@@ -721,7 +726,9 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     """y = x W^T (+ bias) for 1 to 16 rows of x, each rounded to int8 per 32 elements by _quant_x
     (_gemv_q8 for one row, _gemm_q8 above, or with `mma` the tensor-core _gemm_q8mma; all compute
     packed.linear_ref_q8). Formats: packed.q8_ok."""
-    x1 = _x_rows(x, p)
+    x1 = x.reshape(-1, p.K)  # act-order: _quant_x reads x through the permutation
+    if x1.stride(-1) != 1:
+        x1 = x1.contiguous()
     M = x1.shape[0]
     if not 1 <= M <= 16:
         raise ValueError("q8_linear takes 1 to 16 rows of x")
@@ -730,7 +737,8 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     xw = torch.empty(M, p.K // 4, dtype=torch.int32, device=x.device)
     sx = torch.empty(M, p.K // 32, dtype=torch.float32, device=x.device)
     xs = torch.empty_like(sx)
-    _quant_x[(triton.cdiv(p.K // 32, 4), M)](x1, xw, sx, xs, p.K, x1.stride(0), NIBBLES=p.fmt.codes == NIB, NBLK=4)
+    _quant_x[(triton.cdiv(p.K // 32, 4), M)](x1, p.perm if p.perm is not None else x1, xw, sx, xs, p.K, x1.stride(0),
+                                             NIBBLES=p.fmt.codes == NIB, NBLK=4, HAS_PERM=p.perm is not None)
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     f = p.fmt
     planes, strides = _planes(p, hi=False)

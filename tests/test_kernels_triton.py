@@ -242,10 +242,17 @@ def test_q8_x_quantizer_kernel_equals_torch():
         xw = torch.full((x.shape[1] // 4,), -1, dtype=torch.int32, device=DEV)
         sx = torch.full((7,), float("nan"), device=DEV)
         xs = torch.full((7,), float("nan"), device=DEV)
-        tq._quant_x[(2, 1)](x.to(DEV), xw, sx, xs, x.shape[1], x.shape[1], NIBBLES=codes == packed.NIB, NBLK=4)
+        tq._quant_x[(2, 1)](x.to(DEV), x.to(DEV), xw, sx, xs, x.shape[1], x.shape[1], NIBBLES=codes == packed.NIB,
+                            NBLK=4)
         assert torch.equal(xw.cpu(), want[0])
         torch.testing.assert_close(sx.cpu(), want[1], rtol=1e-6, atol=0)
         torch.testing.assert_close(xs.cpu(), want[2], rtol=1e-5, atol=1e-6)
+        perm = torch.randperm(x.shape[1])  # act-order: read through the permutation
+        want = packed.quantize_x_q8(x[0, perm], codes)
+        tq._quant_x[(2, 1)](x.to(DEV), perm.to(DEV), xw, sx, xs, x.shape[1], x.shape[1],
+                            NIBBLES=codes == packed.NIB, NBLK=4, HAS_PERM=True)
+        assert torch.equal(xw.cpu(), want[0])
+        torch.testing.assert_close(sx.cpu(), want[1], rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("cfg", [{"BN": 8, "BK": 64, "STAGES": 1}, {"BN": 4, "BK": 256, "STAGES": 2},
