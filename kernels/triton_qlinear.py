@@ -20,12 +20,13 @@ integer ops there); on a GPU the tile shapes are autotuned per (N, K, format) on
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
-from dsq.kernels.packed import NIB, Packed, q8_ok
+from dsq.kernels.packed import FP8, NIB, Packed, q8_ok
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INTERPRET_K = tl.constexpr(INTERPRET)
@@ -245,12 +246,12 @@ def _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
                CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
                TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
                HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               EVEN_K: tl.constexpr = False):
+               EVEN_K: tl.constexpr = False, FP8_HW: tl.constexpr = False):
     """M = 1, BN rows as a tensor dimension: words (BN, GT, GW), group parameters (BN, GT, 1), and
     x's elements (1, GT, GW, EPW) loaded 16 bytes at a time, once for all BN rows, then split per
     element of a word (_lanes4, FP8). The K loop is software-pipelined (tl.range: the next tiles' words
     are copied asynchronously while this one is computed). EVEN_K (K % BK == 0): no K mask, so the
-    copies are full width. FP8 codes convert in hardware (_fp8x4) on the GPU."""
+    copies are full width. FP8_HW (sm_89 and later): FP8 codes convert in hardware (_fp8x4)."""
     EPW: tl.constexpr = 8 if CODES == 0 else 4
     CB: tl.constexpr = 4 + HI_BITS if CODES == 0 else 8
     SC: tl.constexpr = 1 << CB
@@ -281,14 +282,14 @@ def _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
             xt = tl.load(x_ptr + (w * EPW)[:, :, :, None] + tl.arange(0, EPW)[None, None, None, :],
                          mask=km[:, :, :, None], other=0).to(tl.float32)
             xl = _lanes4(xt, GT, GW)
-            if not INTERPRET_K:
+            if FP8_HW:
                 fl = _fp8x4(q)
             for i in tl.static_range(EPW):
-                if INTERPRET_K:
-                    t += _element(q, h, i, CODES, HI_BITS) * xl[i]
-                else:
+                if FP8_HW:
                     t += fl[i] * xl[i]
-            acc += ((256.0 if INTERPRET_K else 1.0) * s) * t
+                else:
+                    t += _element(q, h, i, CODES, HI_BITS) * xl[i]
+            acc += ((1.0 if FP8_HW else 256.0) * s) * t
         else:  # one x element per word at a time (for 8 elements a word the split costs more than it saves)
             for i in tl.static_range(EPW):
                 xv = tl.load(x_ptr + w * EPW + i, mask=km, other=0).to(tl.float32)
@@ -307,7 +308,7 @@ def _gemv(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr,
           CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
           TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
           HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-          EVEN_K: tl.constexpr = False):
+          EVEN_K: tl.constexpr = False, FP8_HW: tl.constexpr = False):
     """M = 1: BN == 4 takes _gemv4 (four row tensors, no pipelining: the faster one for K-quants
     and Q6_K on an H200), any other BN, and FP8, _gemv_rows (int4, FP8: 1.2-1.5x faster there)."""
     if BN == 4 and CODES != 3:
@@ -317,7 +318,7 @@ def _gemv(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr,
     else:
         _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
                    s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET,
-                   MINS, HAS_BIAS, BN, BK, STAGES, EVEN_K)
+                   MINS, HAS_BIAS, BN, BK, STAGES, EVEN_K, FP8_HW)
 
 
 @triton.jit
@@ -696,6 +697,13 @@ _gemm_tuned = _autotune(_GEMM_CONFIGS, ["N", "K", "M_BUCKET", *_FMT_KEYS],
                         prune_configs_by={"early_config_prune": _prune_gemm})(_gemm_bucketed)
 
 
+@functools.lru_cache(maxsize=None)
+def _fp8_hw(device: torch.device) -> bool:
+    """Whether the GPU converts e4m3 in hardware (cvt.rn.f16x2.e4m3x2: sm_89 and later); never
+    under the interpreter."""
+    return not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def supported(p: Packed, x: torch.Tensor) -> bool:
     """Tiles hold whole scale groups or lie inside one: a group is a power of two >= 16, or a row."""
     sub = p.fmt.sub
@@ -788,6 +796,7 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
     b = bias if bias is not None else y
     tune = config is None and not INTERPRET
     if M == 1:
+        flags["FP8_HW"] = f.codes == FP8 and _fp8_hw(x.device)
         if tune:
             grid = lambda meta: (triton.cdiv(p.N, meta["BN"]),)  # noqa: E731
             _gemv_tuned[grid](x2, y, b, *planes, p.N, p.K, *strides, **flags)
