@@ -654,7 +654,8 @@ _even_k = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})
 _gemv_tuned = _autotune(_GEMV_CONFIGS, ["N", "K", *_FMT_KEYS])(_even_k(_gemv))
 _Q8_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
                for bn, bk, w, st in [(4, 512, 1, 3), (8, 512, 1, 3), (8, 1024, 2, 3), (4, 1024, 1, 2), (2, 1024, 1, 3),
-                                     (2, 2048, 1, 2), (4, 256, 1, 3), (4, 512, 1, 4)]]  # H200 winners of dsq.bench.q8_sweep
+                                     (2, 2048, 1, 2), (4, 256, 1, 3), (4, 512, 1, 4), (4, 1024, 2, 3), (4, 512, 1, 2),
+                                     (2, 512, 1, 3)]]  # H200 winners of dsq.bench.q8_sweep (docs/benchmarks.md)
 _gemv_q8_tuned = _autotune(_Q8_CONFIGS, ["N", "K", "CODES", "HI_BITS", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(_even_k(_gemv_q8))
 _Q8M_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
                 for bn, bk, w, st in [(4, 256, 1, 3), (8, 256, 2, 3), (4, 512, 1, 2), (16, 256, 4, 3),

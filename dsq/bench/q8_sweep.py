@@ -30,7 +30,11 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default="28672x8192,4096x4096,4096x14336")
     ap.add_argument("--mma", action="store_true", help="the tensor-core kernel (M <= 16)")
     ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--configs", help="BN:BK:warps:stages,... instead of the built-in candidates")
     a = ap.parse_args(argv)
+    cands = MMA_CANDIDATES if a.mma else CANDIDATES
+    if a.configs:
+        cands = [tuple(int(v) for v in c.split(":")) for c in a.configs.split(",")]
     from dsq.bench.kernels_gpu import bench_bf16, copies_for, graph_time, random_packed
     from dsq.kernels import triton_qlinear as T
     from dsq.kernels.packed import Packed, linear_ref_q8
@@ -46,7 +50,7 @@ def main(argv=None) -> None:
             x = torch.randn(a.m, K, device="cuda", dtype=torch.bfloat16)
             ref = linear_ref_q8(x.float(), p0)
             ys = [torch.empty(a.m, N, device="cuda", dtype=torch.bfloat16) for _ in ps]
-            for bn, bk, w, st in MMA_CANDIDATES if a.mma else CANDIDATES:
+            for bn, bk, w, st in cands:
                 cfg = {"BN": bn, "BK": bk, "STAGES": st, "num_warps": w}
                 y = T.q8_linear(x, p0, config=cfg, mma=a.mma)
                 rel = float((y.float() - ref).norm() / ref.norm())
