@@ -54,3 +54,34 @@ def test_quantized_model_keeps_its_logits(fmt):
     with torch.inference_mode():
         assert torch.equal(model(ids).float(), got)
     assert float((got - ref).norm() / ref.norm()) < 0.5  # and they are the float model's, quantized
+
+
+def test_layer_check_finds_the_wrong_layer():
+    """decode_gpu.layers_vs_dequantized: per layer, packed kernels against the dequantized weights on
+    the same input. Exact here (the CPU reference computes the same weights); a kernel that is off
+    by 1% in one layer shows in that layer and no other; the model leaves as it came."""
+    from dsq.bench.decode_gpu import layers_vs_dequantized
+    from dsq.models.base import ModelArgs, Transformer
+    from dsq.runtime.qmodules import PackedLinear
+
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                     max_position_embeddings=256, rope={"rope_type": "default", "rope_theta": 10000.0})
+    model = Transformer(args).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(1 + 0.05 * torch.randn(p.shape) if "norm" in n else 0.05 * torch.randn(p.shape))
+    quantize_model(model, "q4_k_m")  # the head is packed too
+    model.fuse_projections()
+    ids = torch.randint(0, 300, (1, 16))
+    before = [type(m) for m in model.modules()]
+    errs = layers_vs_dequantized(model, ids)
+    assert len(errs) == 4 and max(errs) < 1e-5, errs  # three layers and the head
+    assert [type(m) for m in model.modules()] == before
+    broken = model.model.layers[1].mlp.down_proj
+    assert isinstance(broken, PackedLinear)
+    fwd = broken.forward
+    broken.forward = lambda x: fwd(x) * 1.01  # a kernel 1% off
+    errs = layers_vs_dequantized(model, ids)
+    assert errs[1] > 1e-3 and max(errs[0], errs[2], errs[3]) < 1e-5, errs

@@ -170,6 +170,59 @@ def kernels_vs_dequantized(model, ids: torch.Tensor, q_logits: torch.Tensor) -> 
     return float((q_logits - ref).norm() / ref.norm())
 
 
+def layers_vs_dequantized(model, ids: torch.Tensor) -> list[float]:
+    """Per decoder layer (and the head, when it is packed): the relative error of its output through
+    the packed kernels against the same layer with its PackedLinears swapped for Linears of their
+    dequantized weights, both fed the same input (what the packed model gave that layer). Unlike
+    the logits check this does not compound over layers: a wrong kernel shows in the layer it runs
+    in. The model leaves as it came."""
+    from dsq.runtime.qmodules import PackedLinear, set_module
+
+    layers = list(model.model.layers)
+    seen: list = [None] * len(layers)
+    hooks = [layer.register_forward_hook(
+        lambda mod, args, out, i=i: seen.__setitem__(i, ([a.clone() if torch.is_tensor(a) else a for a in args],
+                                                         out.clone())))
+        for i, layer in enumerate(layers)]
+    head_in: list = []
+    head = model.lm_head
+    if isinstance(head, PackedLinear):
+        hooks.append(head.register_forward_hook(lambda mod, args, out: head_in.append((args[0].clone(), out.clone()))))
+    try:
+        with torch.inference_mode():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+
+    def dequantized(layer):  # swap the layer's PackedLinears for Linears; returns what to put back
+        packed = [(name, mod) for name, mod in layer.named_modules() if isinstance(mod, PackedLinear)]
+        for name, mod in packed:
+            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
+            lin.weight = torch.nn.Parameter(mod.weight_float().to(mod.lo.device, model.dtype), requires_grad=False)
+            lin.bias = mod.bias
+            set_module(layer, name, lin)
+        return packed
+
+    errs = []
+    for i, layer in enumerate(layers):
+        args, out = seen[i]
+        packed = dequantized(layer)
+        try:
+            with torch.inference_mode():
+                ref = layer(*args).float()
+        finally:
+            for name, mod in packed:
+                set_module(layer, name, mod)
+        errs.append(float((out.float() - ref).norm() / ref.norm()))
+    if head_in:
+        x, out = head_in[0]
+        with torch.inference_mode():
+            ref = torch.nn.functional.linear(x, head.weight_float().to(x.device, x.dtype), head.bias).float()
+        errs.append(float((out.float() - ref).norm() / ref.norm()))
+    return errs
+
+
 def _more_bits(i: int, n: int) -> bool:  # llama.cpp's Q4_K_M rule for attn_v / ffn_down
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
@@ -388,9 +441,11 @@ def main(argv=None) -> None:
             # are checked against their own weights: the same model with every packed weight
             # dequantized into a plain bf16 Linear (cuBLAS)
             r["logits_rel_err_vs_dequantized"] = rel_fake = kernels_vs_dequantized(model, check_ids, q_logits)
+            r["layer_rel_err_vs_dequantized"] = lay = layers_vs_dequantized(model, check_ids)
             print(f"{r['name']}: {r['decode_tok_s']:.1f} tok/s = {r['decode_tok_s'] / roof:.0%} of its roofline "
                   f"{roof:.0f} ({nbytes / 1e9:.2f} GB/token), TTFT {r['ttft_ms']:.1f} ms, logits vs its dequantized "
-                  f"weights rel err {rel_fake:.1e} (vs bf16 {rel:.2f}), setup {setup_s:.1f}s", flush=True)
+                  f"weights rel err {rel_fake:.1e} (per layer at most {max(lay):.1e}; vs bf16 {rel:.2f}), "
+                  f"setup {setup_s:.1f}s", flush=True)
             torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()
