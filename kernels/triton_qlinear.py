@@ -750,12 +750,15 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
                                              NIBBLES=p.fmt.codes == NIB, NBLK=4, HAS_PERM=p.perm is not None)
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     f = p.fmt
-    planes, strides = _planes(p, hi=False)
+    gemv = M == 1 and not mma
+    planes, strides = _planes(p, hi=gemv)  # only the GEMV reads a high-bit plane (Q6_K)
     flags = {"CODES": f.codes, "SUB": f.sub, "TWO_LEVEL": f.two_level, "ZERO": f.zero, "OFFSET": f.offset,
              "MINS": f.mins, "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET}
     b = bias if bias is not None else y
     tune = config is None and not INTERPRET
     cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
+    if mma:
+        cfg["BN"] = max(cfg["BN"], 16)  # the smallest int8 dot
     cfg.setdefault("EVEN_K", p.K % cfg["BK"] == 0)
     grid = (lambda meta: (triton.cdiv(p.N, meta["BN"]),)) if tune else (triton.cdiv(p.N, cfg["BN"]),)
     if mma:
@@ -764,15 +767,14 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
         if tune:
             _gemm_q8mma_tuned[grid](*args, **flags)
         else:
-            _gemm_q8mma[grid](*args, **flags, **{"BN": max(cfg["BN"], 16), **{k: v for k, v in cfg.items() if k != "BN"}})
+            _gemm_q8mma[grid](*args, **flags, **cfg)
         return y.reshape(*x.shape[:-1], p.N)
-    if M == 1:
-        hp, hs = _planes(p, hi=True)
+    if gemv:
         flags["HI_BITS"] = f.hi_bits
         if tune:
-            _gemv_q8_tuned[grid](xw, sx, xs, y, b, *hp, p.N, p.K, *hs, **flags)
+            _gemv_q8_tuned[grid](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags)
         else:
-            _gemv_q8[grid](xw, sx, xs, y, b, *hp, p.N, p.K, *hs, **flags, **cfg)
+            _gemv_q8[grid](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags, **cfg)
     else:
         mr = 1 << (M - 1).bit_length()
         if tune:

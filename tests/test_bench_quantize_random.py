@@ -11,6 +11,21 @@ from dsq.bench.decode_gpu import quantize_model, quantize_packed
 from dsq.kernels import packed
 
 
+def _random_model(layers: int):
+    """A small Llama-shaped Transformer with random weights (seed 0), norms near 1."""
+    from dsq.models.base import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                     max_position_embeddings=256, rope={"rope_type": "default", "rope_theta": 10000.0})
+    model = Transformer(args).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(1 + 0.05 * torch.randn(p.shape) if "norm" in n else 0.05 * torch.randn(p.shape))
+    return model
+
+
 @pytest.mark.parametrize("fmt,tol", [("int4", 0.12), ("int4-actorder", 0.12), ("fp8", 0.05), ("Q4_K", 0.15),
                                      ("Q6_K", 0.04)])
 def test_packers_approximate_the_weight(fmt, tol):
@@ -26,16 +41,7 @@ def test_packers_approximate_the_weight(fmt, tol):
 
 @pytest.mark.parametrize("fmt", ["awq-int4", "gptq-int4-actorder", "fp8", "q4_k_m"])
 def test_quantized_model_keeps_its_logits(fmt):
-    from dsq.models.base import ModelArgs, Transformer
-
-    torch.manual_seed(0)
-    args = ModelArgs(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
-                     max_position_embeddings=256, rope={"rope_type": "default", "rope_theta": 10000.0})
-    model = Transformer(args).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(1 + 0.05 * torch.randn(p.shape) if "norm" in n else 0.05 * torch.randn(p.shape))
+    model = _random_model(2)
     ids = torch.randint(0, 300, (1, 16))
     with torch.inference_mode():
         ref = model(ids).float()
@@ -61,17 +67,9 @@ def test_layer_check_finds_the_wrong_layer():
     the same input. Exact here (the CPU reference computes the same weights); a kernel that is off
     by 1% in one layer shows in that layer and no other; the model leaves as it came."""
     from dsq.bench.decode_gpu import layers_vs_dequantized
-    from dsq.models.base import ModelArgs, Transformer
     from dsq.runtime.qmodules import PackedLinear
 
-    torch.manual_seed(0)
-    args = ModelArgs(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
-                     max_position_embeddings=256, rope={"rope_type": "default", "rope_theta": 10000.0})
-    model = Transformer(args).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(1 + 0.05 * torch.randn(p.shape) if "norm" in n else 0.05 * torch.randn(p.shape))
+    model = _random_model(3)
     quantize_model(model, "q4_k_m")  # the head is packed too
     model.fuse_projections()
     ids = torch.randint(0, 300, (1, 16))

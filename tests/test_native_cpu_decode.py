@@ -195,6 +195,16 @@ def _tiny_transformer(**extra):
     return model
 
 
+def _prefill_then_decode(model):
+    """A 3-token prompt, then 7 decode steps (T = 1) into a fresh cache: (logits of all 10, cache)."""
+    with torch.inference_mode():
+        cache = model.make_cache(1, 16, torch.float32)
+        outs = [model(torch.tensor([[1, 2, 3]]), torch.arange(3), cache, kv_len=3)[0]]
+        for i in range(3, 10):
+            outs.append(model(torch.tensor([[i * 3]]), torch.tensor([i]), cache, kv_len=i + 1)[0])
+    return torch.cat(outs), cache
+
+
 @needs_kernels
 def test_attention_decode_step_uses_c_attention(monkeypatch):
     """The eager CPU decode step (T = 1, with a mask) runs the C attention; its logits equal the
@@ -205,18 +215,10 @@ def test_attention_decode_step_uses_c_attention(monkeypatch):
     monkeypatch.setattr(cpu, "attn_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(dispatch, "attn_step_cpu", lambda *a, **k: None)  # (the one-call step: tested below)
 
-    def run():
-        with torch.inference_mode():
-            cache = model.make_cache(1, 16, torch.float32)
-            outs = [model(torch.tensor([[1, 2, 3]]), torch.arange(3), cache, kv_len=3)[0]]
-            for i in range(3, 10):
-                outs.append(model(torch.tensor([[i * 3]]), torch.tensor([i]), cache, kv_len=i + 1)[0])
-        return torch.cat(outs)
-
-    fast = run()
+    fast = _prefill_then_decode(model)[0]
     assert len(calls) == 7 * 2
     monkeypatch.setenv("DSQ_KERNELS", "reference")
-    torch.testing.assert_close(fast, run(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast, _prefill_then_decode(model)[0], atol=1e-5, rtol=1e-5)
     assert len(calls) == 7 * 2
     assert dispatch.attn_decode_cpu(torch.randn(1, 1, 4, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16),
                                     None, 0.25) is None  # reference forced: not taken
@@ -301,18 +303,10 @@ def test_decode_step_uses_one_call_attention(monkeypatch, gemma):
     real = cpu.attn_step
     monkeypatch.setattr(cpu, "attn_step", lambda *a, **k: calls.append(1) or real(*a, **k))
 
-    def run():
-        with torch.inference_mode():
-            cache = model.make_cache(1, 16, torch.float32)
-            outs = [model(torch.tensor([[1, 2, 3]]), torch.arange(3), cache, kv_len=3)[0]]
-            for i in range(3, 10):
-                outs.append(model(torch.tensor([[i * 3]]), torch.tensor([i]), cache, kv_len=i + 1)[0])
-        return torch.cat(outs), cache
-
-    fast, fast_cache = run()
+    fast, fast_cache = _prefill_then_decode(model)
     assert len(calls) == 7 * 2
     monkeypatch.setattr(dispatch, "attn_step_cpu", lambda *a, **k: None)
-    slow, slow_cache = run()
+    slow, slow_cache = _prefill_then_decode(model)
     assert len(calls) == 7 * 2
     assert torch.equal(fast, slow)
     assert all(torch.equal(a, b) for a, b in zip(fast_cache.k + fast_cache.v, slow_cache.k + slow_cache.v))

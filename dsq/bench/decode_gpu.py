@@ -10,6 +10,7 @@ Roofline = weight bytes read per token / measured device copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -148,25 +149,31 @@ def quantize_packed(w: torch.Tensor, fmt: str):
     raise ValueError(fmt)
 
 
-def kernels_vs_dequantized(model, ids: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """Relative error of `q_logits` (the model through the packed kernels) against the same model
-    with every PackedLinear swapped for a Linear of its dequantized weight (in the model's
-    activation dtype). The PackedLinears are put back afterwards: the model leaves as it came."""
+@contextlib.contextmanager
+def _dequantized(root: torch.nn.Module, dtype: torch.dtype):
+    """Inside: every PackedLinear under `root` swapped for a Linear of its dequantized weight in
+    `dtype` (cuBLAS on a GPU); put back on the way out, so the model leaves as it came."""
     from dsq.runtime.qmodules import PackedLinear, set_module
 
-    dt = model.dtype
-    packed = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, PackedLinear)]
+    packed = [(name, mod) for name, mod in root.named_modules() if isinstance(mod, PackedLinear)]
     try:
         for name, mod in packed:
             lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
-            lin.weight = torch.nn.Parameter(mod.weight_float().to(q_logits.device, dt), requires_grad=False)
+            lin.weight = torch.nn.Parameter(mod.weight_float().to(mod.lo.device, dtype), requires_grad=False)
             lin.bias = mod.bias
-            set_module(model, name, lin)
-        with torch.inference_mode():
-            ref = model(ids).float()
+            set_module(root, name, lin)
+        yield
     finally:
         for name, mod in packed:
-            set_module(model, name, mod)
+            set_module(root, name, mod)
+
+
+def kernels_vs_dequantized(model, ids: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """Relative error of `q_logits` (the model through the packed kernels) against the same model
+    with every PackedLinear swapped for a Linear of its dequantized weight (in the model's
+    activation dtype)."""
+    with _dequantized(model, model.dtype), torch.inference_mode():
+        ref = model(ids).float()
     return float((q_logits - ref).norm() / ref.norm())
 
 
@@ -176,7 +183,7 @@ def layers_vs_dequantized(model, ids: torch.Tensor) -> list[float]:
     dequantized weights, both fed the same input (what the packed model gave that layer). Unlike
     the logits check this does not compound over layers: a wrong kernel shows in the layer it runs
     in. The model leaves as it came."""
-    from dsq.runtime.qmodules import PackedLinear, set_module
+    from dsq.runtime.qmodules import PackedLinear
 
     layers = list(model.model.layers)
     seen: list = [None] * len(layers)
@@ -195,25 +202,11 @@ def layers_vs_dequantized(model, ids: torch.Tensor) -> list[float]:
         for h in hooks:
             h.remove()
 
-    def dequantized(layer):  # swap the layer's PackedLinears for Linears; returns what to put back
-        packed = [(name, mod) for name, mod in layer.named_modules() if isinstance(mod, PackedLinear)]
-        for name, mod in packed:
-            lin = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
-            lin.weight = torch.nn.Parameter(mod.weight_float().to(mod.lo.device, model.dtype), requires_grad=False)
-            lin.bias = mod.bias
-            set_module(layer, name, lin)
-        return packed
-
     errs = []
     for i, layer in enumerate(layers):
         args, out = seen[i]
-        packed = dequantized(layer)
-        try:
-            with torch.inference_mode():
-                ref = layer(*args).float()
-        finally:
-            for name, mod in packed:
-                set_module(layer, name, mod)
+        with _dequantized(layer, model.dtype), torch.inference_mode():
+            ref = layer(*args).float()
         errs.append(float((out.float() - ref).norm() / ref.norm()))
     if head_in:
         x, out = head_in[0]

@@ -99,8 +99,6 @@ def bench_shape(fmt: str, N: int, K: int, M: int) -> dict:
                  for _ in range(copies_for(p0.nbytes()) - 1)]
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     ys = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in ps]
-    if q8 and M > 16:
-        raise ValueError("the int8-activation kernels take up to 16 rows")
     y = kern(x, p0)  # correctness on this shape first (and autotuning)
     ref = linear_ref_q8(x.float(), p0) if q8 else linear_ref(x.float(), p0)
     rel = float((y.float() - ref).norm() / ref.norm())
