@@ -1,0 +1,96 @@
+"""Count the SASS instructions in the main loop of a Triton kernel compiled for an H100/H200
+(sm_90), without a GPU: how kernel changes were judged before spending device time on them.
+
+    python -m dsq.bench.sass_count gemv_q8 int4 --BN 4 --BK 512 --warps 1 --stages 3 [--set EVEN_K=0]
+    python -m dsq.bench.sass_count gemv_rows fp8 --BN 8 --BK 1024 --warps 2 --stages 3 [--set FP8_HW=1]
+    python -m dsq.bench.sass_count gemm_q8mma int4 --BN 64 --BK 128 --warps 4 --stages 3
+
+Prints the loop's instruction count, per weight element and thread, the shared memory, the
+copies' vector widths (Triton's `contiguity`) and the most frequent opcodes. Needs Triton's
+bundled ptxas (it ships with the wheel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+
+# the formats' compile-time flags and scale-plane pointer type (kernels/packed.py Fmt)
+FORMATS = {
+    "int4": dict(CODES=0, SUB=128, ZERO=2, sc="*fp16"),
+    "q4k": dict(CODES=0, SUB=32, TWO_LEVEL=True, MINS=True, sc="*u8"),
+    "q6k": dict(CODES=0, HI_BITS=2, SUB=16, TWO_LEVEL=True, ZERO=1, OFFSET=32, sc="*i8"),
+    "q8_0": dict(CODES=2, SUB=32, sc="*fp16"),
+    "fp8": dict(CODES=3, SUB=1 << 20, sc="*fp32"),
+}
+_PTRS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "bias_ptr": "*bf16", "xw_ptr": "*i32", "xq_ptr": "*i8",
+         "sx_ptr": "*fp32", "xsum_ptr": "*fp32", "lo_ptr": "*i32", "hi_ptr": "*i32", "d_ptr": "*fp16",
+         "zp_ptr": "*u8", "mn_ptr": "*u8", "dmin_ptr": "*fp16"}
+_DEFAULTS = dict(CODES=0, HI_BITS=0, SUB=128, SC_ROWS=1, TWO_LEVEL=False, ZERO=0, OFFSET=0, MINS=False,
+                 HAS_BIAS=False, USE_ASM=True, EVEN_K=True, FP8_HW=True)
+
+
+def compile_sm90(kernel: str, fmt: str, warps: int, **const):
+    """triton_qlinear._<kernel> compiled for sm_90 with the format's flags and `const` tile sizes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dsq.kernels import triton_qlinear
+
+    fn = getattr(triton_qlinear, "_" + kernel)
+    f = dict(FORMATS[fmt])
+    sc = f.pop("sc")
+    names = list(fn.arg_names)
+    constexprs = {p.name for p in fn.params if p.is_constexpr}
+    values = {**_DEFAULTS, **f, **const}
+    consts = {n: values[n] for n in names if n in constexprs and n in values}
+    sig = {n: "constexpr" if n in consts else ("*u8" if kernel == "gemm_q8mma" and n == "lo_ptr" else
+                                               sc if n == "sc_ptr" else _PTRS.get(n, "i32"))
+           for n in names if n in consts or n not in constexprs}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n.endswith("_ptr") or n.startswith("s_") or n in ("N", "K")}
+    src = ASTSource(fn, sig, {(names.index(k),): v for k, v in consts.items()}, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+
+
+def loop_opcodes(compiled) -> list[str]:
+    """Opcodes of the longest backward-branching block of the SASS (the K loop)."""
+    lines = compiled.asm["sass"].splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\s*(\.?L\w+):", line))}
+    best = None
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?(\.?L\w+)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i and (best is None or i - labels[m.group(1)] > best[1] - best[0]):
+            best = (labels[m.group(1)], i)
+    if best is None:
+        raise ValueError("no loop found in the SASS")
+    body = [line.split("\t")[1] for line in lines[best[0] + 1:best[1] + 1] if "\t" in line]
+    return [re.sub(r"^@!?U?P\w+\s+", "", op).split()[0].split(".")[0] for op in body]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("kernel", choices=["gemv_q8", "gemv_rows", "gemm_q8", "gemm_q8mma"])
+    ap.add_argument("fmt", choices=sorted(FORMATS))
+    ap.add_argument("--BN", type=int, default=4)
+    ap.add_argument("--BK", type=int, default=512)
+    ap.add_argument("--warps", type=int, default=1)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--MR", type=int, default=4, help="x rows (gemm_q8)")
+    ap.add_argument("--set", action="append", default=[], help="NAME=INT for another constexpr (EVEN_K=0, ...)")
+    a = ap.parse_args(argv)
+    extra = {k: int(v) for k, v in (s.split("=") for s in a.set)}
+    k = compile_sm90(a.kernel, a.fmt, a.warps, BN=a.BN, BK=a.BK, STAGES=a.stages, MR=a.MR, **extra)
+    ops = loop_opcodes(k)
+    per = len(ops) / (a.BN * a.BK / (32 * a.warps))
+    widths = sorted(set(re.findall(r"contiguity = (\d+)", k.asm["ttgir"])))
+    print(f"{a.kernel} {a.fmt} BN={a.BN} BK={a.BK} warps={a.warps} stages={a.stages} {extra or ''}: "
+          f"{len(ops)} instructions a loop, {per:.2f} per weight element and thread, shared {k.metadata.shared} B, "
+          f"copy contiguity {'/'.join(widths) or '-'} words")
+    print("  " + ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(14)))
+
+
+if __name__ == "__main__":
+    main()
