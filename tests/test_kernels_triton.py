@@ -198,12 +198,19 @@ def run_q8(x, p, bias=None, config=None, mma=False):
 
 @pytest.mark.parametrize("fmt", ["gptq-int4", "gptq-int4-act", "gptq-int4-g32", "gptq-int8", "Q4_0", "Q8_0", "Q4_K"])
 @pytest.mark.parametrize("cfg,M", [({"BN": 8, "BK": 64, "STAGES": 1}, 1), ({"BN": 4, "BK": 256, "STAGES": 2}, 1),
-                                   ({"BN": 2, "BK": 512, "STAGES": 2}, 1), ({"BN": 4, "BK": 128, "STAGES": 2}, 3),
+                                   ({"BN": 2, "BK": 512, "STAGES": 2}, 1), ({"BN": 4, "BK": 256, "PREFETCH": True}, 1),
+                                   ({"BN": 1, "BK": 128, "PREFETCH": True}, 1), ({"BN": 2, "BK": 512, "PREFETCH": True}, 1),
+                                   ({"BN": 2, "BK": 256, "PREFETCH": True, "PERSIST": 3}, 1),
+                                   ({"BN": 4, "BK": 512, "PREFETCH": True, "PERSIST": 2}, 1),
+                                   ({"BN": 4, "BK": 128, "STAGES": 2}, 3),
                                    ({"BN": 4, "BK": 512, "STAGES": 2}, 5), ({"BN": 8, "BK": 64, "STAGES": 1}, 16)])
 def test_q8_gemv_equals_its_reference(fmt, cfg, M):
     """Exactly W (xq sx) (packed.linear_ref_q8) on odd N, with a bias; and within int8 rounding of
-    the float product. M = 1 (_gemv_q8) and 3, 5, 16 (_gemm_q8); K = 768 a multiple of the tile
-    (no K mask: EVEN_K) or not (BK 512: a masked tail)."""
+    the float product. M = 1 (_gemv_q8, pipelined through shared memory or with PREFETCH in
+    registers) and 3, 5, 16 (_gemm_q8); K = 768 a multiple of the tile (no K mask: EVEN_K; with
+    PREFETCH the last tile is reloaded, not masked) or not (BK 512: a masked tail); N a multiple
+    of BN (GPTQ's 24 rows, or BN 1: no row mask, EVEN_N) or not; PERSIST: 2-3 programs (the
+    interpreter counts one SM), each walking many row tiles with the prefetch running across them."""
     N, K = (24 if fmt.startswith("gptq") else 21), 768  # GPTQ packs rows by 8
     p = q8_case(fmt, N, K)
     assert packed.q8_ok(p)
@@ -255,7 +262,8 @@ def test_q8_x_quantizer_kernel_equals_torch():
 
 
 @pytest.mark.parametrize("cfg", [{"BN": 8, "BK": 64, "STAGES": 1}, {"BN": 4, "BK": 256, "STAGES": 2},
-                                 {"BN": 2, "BK": 512, "STAGES": 2}])
+                                 {"BN": 2, "BK": 512, "STAGES": 2}, {"BN": 1, "BK": 256, "PREFETCH": True},
+                                 {"BN": 2, "BK": 512, "PREFETCH": True}, {"BN": 2, "BK": 256, "PREFETCH": True, "PERSIST": 2}])
 def test_q8_gemv_q6k(cfg):
     """Q6_K through the int8-x GEMV (one row): 6-bit codes rebuilt from the nibble and 2-bit planes,
     offset by 32 as signed bytes, 16-element scale groups; exactly W (xq sx), K = 768 a multiple of

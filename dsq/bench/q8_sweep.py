@@ -18,7 +18,12 @@ import torch
 CANDIDATES = [(4, 1024, 1, 3), (2, 1024, 1, 3), (4, 2048, 1, 3), (4, 512, 1, 3), (2, 2048, 1, 2), (4, 1024, 1, 4),
               (4, 2048, 2, 3), (8, 2048, 2, 3), (2, 4096, 1, 2), (4, 1024, 1, 2), (1, 2048, 1, 3), (8, 1024, 1, 3),
               (32, 512, 4, 3), (16, 1024, 4, 3), (16, 512, 4, 3), (8, 1024, 2, 3), (8, 512, 1, 3),
-              (16, 512, 2, 3)]  # (BN, BK, warps, stages)
+              (16, 512, 2, 3),  # (BN, BK, warps, stages)
+              # stages 0: PREFETCH, the next tile's loads held in registers (no shared memory)
+              (1, 1024, 1, 0), (2, 1024, 1, 0), (4, 1024, 1, 0), (8, 1024, 1, 0), (1, 2048, 1, 0),
+              (2, 2048, 1, 0), (4, 2048, 2, 0), (2, 2048, 2, 0), (8, 2048, 2, 0), (4, 4096, 4, 0),
+              # a fifth field: PERSIST, programs per SM walking several row tiles each
+              (1, 1024, 1, 0, 32), (2, 1024, 1, 0, 32), (1, 2048, 1, 0, 32), (1, 2048, 1, 0, 16), (1, 4096, 1, 0)]
 MMA_CANDIDATES = [(16, 256, 1, 3), (16, 512, 1, 2), (16, 512, 1, 3), (32, 256, 1, 3), (32, 512, 2, 2),
                   (32, 256, 2, 3), (64, 256, 4, 2), (64, 128, 4, 4), (32, 1024, 2, 2), (16, 1024, 1, 2),
                   (64, 512, 4, 2), (128, 256, 4, 2)]
@@ -30,7 +35,8 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default="28672x8192,4096x4096,4096x14336")
     ap.add_argument("--mma", action="store_true", help="the tensor-core kernel (M <= 16)")
     ap.add_argument("--m", type=int, default=1)
-    ap.add_argument("--configs", help="BN:BK:warps:stages,... instead of the built-in candidates")
+    ap.add_argument("--configs", help="BN:BK:warps:stages[:persist],... instead of the built-in candidates "
+                                      "(stages 0: PREFETCH; persist: programs per SM)")
     a = ap.parse_args(argv)
     cands = MMA_CANDIDATES if a.mma else CANDIDATES
     if a.configs:
@@ -50,8 +56,12 @@ def main(argv=None) -> None:
             x = torch.randn(a.m, K, device="cuda", dtype=torch.bfloat16)
             ref = linear_ref_q8(x.float(), p0)
             ys = [torch.empty(a.m, N, device="cuda", dtype=torch.bfloat16) for _ in ps]
-            for bn, bk, w, st in cands:
-                cfg = {"BN": bn, "BK": bk, "STAGES": st, "num_warps": w}
+            for bn, bk, w, st, *persist in cands:
+                cfg = {"BN": bn, "BK": bk, "STAGES": max(st, 1), "num_warps": w}
+                if st == 0 and not a.mma:
+                    cfg["PREFETCH"] = True
+                if persist and persist[0]:
+                    cfg["PERSIST"] = persist[0]
                 y = T.q8_linear(x, p0, config=cfg, mma=a.mma)
                 rel = float((y.float() - ref).norm() / ref.norm())
                 t = graph_time([lambda p=p, yy=yy: T.q8_linear(x, p, out=yy, config=cfg, mma=a.mma)

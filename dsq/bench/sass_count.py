@@ -2,11 +2,13 @@
 (sm_90), without a GPU: how kernel changes were judged before spending device time on them.
 
     python -m dsq.bench.sass_count gemv_q8 int4 --BN 4 --BK 512 --warps 1 --stages 3 [--set EVEN_K=0]
+    python -m dsq.bench.sass_count gemv_q8 int4 --BN 4 --BK 1024 --warps 1 --stages 1 --set PREFETCH=1
     python -m dsq.bench.sass_count gemv_rows fp8 --BN 8 --BK 1024 --warps 2 --stages 3 [--set FP8_HW=1]
     python -m dsq.bench.sass_count gemm_q8mma int4 --BN 64 --BK 128 --warps 4 --stages 3
 
 Prints the loop's instruction count, per weight element and thread, the shared memory, the
-copies' vector widths (Triton's `contiguity`) and the most frequent opcodes. Needs Triton's
+copies' vector widths (Triton's `contiguity`), the most frequent opcodes and the registers a
+thread. Needs Triton's
 bundled ptxas (it ships with the wheel).
 """
 
@@ -28,7 +30,8 @@ _PTRS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "bias_ptr": "*bf16", "xw_ptr": "*i3
          "sx_ptr": "*fp32", "xsum_ptr": "*fp32", "lo_ptr": "*i32", "hi_ptr": "*i32", "d_ptr": "*fp16",
          "zp_ptr": "*u8", "mn_ptr": "*u8", "dmin_ptr": "*fp16"}
 _DEFAULTS = dict(CODES=0, HI_BITS=0, SUB=128, SC_ROWS=1, TWO_LEVEL=False, ZERO=0, OFFSET=0, MINS=False,
-                 HAS_BIAS=False, USE_ASM=True, EVEN_K=True, FP8_HW=True)
+                 HAS_BIAS=False, USE_ASM=True, EVEN_K=True, EVEN_N=True, PREFETCH=False, PERSIST=0,
+                 FP8_HW=True)
 
 
 def compile_sm90(kernel: str, fmt: str, warps: int, **const):
@@ -55,8 +58,9 @@ def compile_sm90(kernel: str, fmt: str, warps: int, **const):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
 
 
-def loop_opcodes(compiled) -> list[str]:
-    """Opcodes of the longest backward-branching block of the SASS (the K loop)."""
+def loop_opcodes(compiled, modifiers: bool = False) -> list[str]:
+    """Opcodes of the longest backward-branching block of the SASS (the K loop); with `modifiers`
+    as written (LDG.E.128), else the bare opcode (LDG)."""
     lines = compiled.asm["sass"].splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\s*(\.?L\w+):", line))}
     best = None
@@ -67,7 +71,8 @@ def loop_opcodes(compiled) -> list[str]:
     if best is None:
         raise ValueError("no loop found in the SASS")
     body = [line.split("\t")[1] for line in lines[best[0] + 1:best[1] + 1] if "\t" in line]
-    return [re.sub(r"^@!?U?P\w+\s+", "", op).split()[0].split(".")[0] for op in body]
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", op).split()[0].rstrip(";") for op in body]
+    return ops if modifiers else [op.split(".")[0] for op in ops]
 
 
 def main(argv=None) -> None:
@@ -90,6 +95,25 @@ def main(argv=None) -> None:
           f"{len(ops)} instructions a loop, {per:.2f} per weight element and thread, shared {k.metadata.shared} B, "
           f"copy contiguity {'/'.join(widths) or '-'} words")
     print("  " + ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(14)))
+    print(f"  registers a thread: {registers(k)}")
+
+
+def registers(compiled) -> str:
+    """Registers a thread, from Triton's own ptxas run again with -v on the kernel's PTX."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia import compiler
+
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        r = subprocess.run([compiler.get_ptxas(90).path, "-v", "-arch=sm_90a", ptx, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    m = re.search(r"Used (\d+) registers", r.stderr)
+    return m.group(1) if m else "unknown"
 
 
 if __name__ == "__main__":
