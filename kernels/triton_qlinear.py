@@ -443,7 +443,8 @@ def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, 
              CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
              OFFSET: tl.constexpr, MINS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
              BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr = False,
-             EVEN_N: tl.constexpr = False, PREFETCH: tl.constexpr = False, PERSIST: tl.constexpr = 0):
+             EVEN_N: tl.constexpr = False, PREFETCH: tl.constexpr = False, PERSIST: tl.constexpr = 0,
+             PDL: tl.constexpr = False):
     """M = 1 with x as int8 per 32-element block (quantize_x_q8, llama.cpp's Q8_1 scheme): integer
     codes meet x in dp4a, four products per instruction. Tiles (BN rows, NB blocks, WB words of a
     block); per row and block: dp = sum c xq (exact int32), then y += s (sx dp - z xsum) - m xsum
@@ -459,7 +460,10 @@ def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, 
     own scales; no zero-point term is left. PERSIST (with PREFETCH; the grid is PERSIST programs
     per SM, fewer than the row tiles): each program walks row tiles pid, pid + P, ... and the
     prefetch runs on across them, so a program's next row is in flight while its current one
-    ends (no load-latency bubble per row tile, which short rows, K = 4096, pay most)."""
+    ends (no load-latency bubble per row tile, which short rows, K = 4096, pay most). PDL (launched
+    as a programmatic dependent of _quant_x, which lets it start at once): the first tile's code
+    words are prefetched into L2 before the kernel waits for x, so the weight stream starts while
+    x is still being rounded."""
     WB: tl.constexpr = 4 if CODES == 0 else 8  # code words per 32-element block
     NB: tl.constexpr = BK // 32
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -468,6 +472,9 @@ def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, 
     bt = tl.arange(0, NB)
     wt = (bt * WB)[None, :, None] + tl.arange(0, WB)[None, None, :]  # (1, NB, WB) word in the tile
     acc = tl.zeros((BN, NB), dtype=tl.float32)
+    if PDL:
+        _prefetch_l2(lo_ptr + r3 * s_lo + (bt * WB)[None, :, None])  # a 16-byte block's first word: its line
+        tl.extra.cuda.gdc_wait()  # x (the previous kernel's output) is read only after this
     if PERSIST:
         P = tl.num_programs(0)
         RT = tl.cdiv(N, BN)  # row tiles; the grid is at most RT
@@ -518,6 +525,13 @@ def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, 
             acc += _q8_dot(q, xe, xo, h, sx, xs, s, z, m, k0 // (32 // WB) + wt, CODES, HI_BITS, USE_ASM, BN, NB)
     if not PERSIST:
         _q8_store(y_ptr, bias_ptr, rn, acc, N, HAS_BIAS, EVEN_N)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Fetch the lines at ptrs into L2 (no registers written; kept: not pure)."""
+    tl.inline_asm_elementwise("{ mov.u32 $0, 0; prefetch.global.L2 [$1]; }", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -660,11 +674,14 @@ def _gemm_q8mma(xq_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr
 
 @triton.jit
 def _quant_x(x_ptr, perm_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.constexpr, NBLK: tl.constexpr,
-             HAS_PERM: tl.constexpr = False):
+             HAS_PERM: tl.constexpr = False, PDL: tl.constexpr = False):
     """packed.quantize_x_q8 as one kernel: NBLK blocks of 32 elements per program, row
     program_id(1) of x (stride s_x) into row program_id(1) of the outputs (K/4 words, K/32 blocks).
     HAS_PERM (act-order weights): element e is read from x[perm[e]], so the permutation costs no
-    kernel of its own."""
+    kernel of its own. PDL: lets the GEMV that reads its output launch at once (it waits for this
+    kernel's results itself)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(1)
     x_ptr += row * s_x
     xw_ptr += row * (K // 4)
@@ -832,6 +849,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): Hopper and later, with a Triton that has it;
+    never under the interpreter. DSQ_PDL=0 turns it off."""
+    return (not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+            and hasattr(tl.extra.cuda, "gdc_wait") and os.environ.get("DSQ_PDL", "1") != "0")
+
+
 def _rows_grid(N: int, BN: int, persist: int, sms: int) -> int:
     """Programs over N rows in tiles of BN: one per tile, or with `persist` (programs per SM) at
     most that many per SM, each walking several tiles."""
@@ -880,11 +905,12 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     xw = torch.empty(M, p.K // 4, dtype=torch.int32, device=x.device)
     sx = torch.empty(M, p.K // 32, dtype=torch.float32, device=x.device)
     xs = torch.empty_like(sx)
+    gemv = M == 1 and not mma
+    pdl = gemv and _pdl(x.device)
     _quant_x[(triton.cdiv(p.K // 32, 4), M)](x1, p.perm if p.perm is not None else x1, xw, sx, xs, p.K, x1.stride(0),
-                                             NIBBLES=p.fmt.codes == NIB, NBLK=4, HAS_PERM=p.perm is not None)
+                                             NIBBLES=p.fmt.codes == NIB, NBLK=4, HAS_PERM=p.perm is not None, PDL=pdl)
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     f = p.fmt
-    gemv = M == 1 and not mma
     planes, strides = _planes(p, hi=gemv)  # only the GEMV reads a high-bit plane (Q6_K)
     flags = {"CODES": f.codes, "SUB": f.sub, "TWO_LEVEL": f.two_level, "ZERO": f.zero, "OFFSET": f.offset,
              "MINS": f.mins, "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET}
@@ -909,6 +935,8 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
         return y.reshape(*x.shape[:-1], p.N)
     if gemv:
         flags["HI_BITS"] = f.hi_bits
+        if pdl:
+            flags.update(PDL=True, launch_pdl=True)
         if tune:
             _gemv_q8_tuned[grid](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags)
         else:

@@ -55,3 +55,30 @@ def test_fp8_hardware_conversion():
     ops = {hw: _loop_ops("gemv_rows", "fp8", 2, BN=8, BK=1024, STAGES=3, FP8_HW=hw) for hw in (False, True)}
     assert ops[True].get("F2FP", 0) > 0 and ops[False].get("F2FP", 0) == 0
     assert 2 * sum(ops[True].values()) < 1.1 * sum(ops[False].values()), ops
+
+
+_PTX_CHILD = """
+import json, sys
+from dsq.bench import sass_count
+kernel, fmt, warps, const = json.loads(sys.argv[1])
+print(json.dumps(sass_count.compile_sm90(kernel, fmt, warps, **const).asm["ptx"]))
+"""
+
+
+def test_pdl_prefetches_weights_then_waits_for_x():
+    """PDL: the GEMV prefetches its first code words into L2, then waits for the previous kernel
+    (griddepcontrol.wait) before anything reads x; without PDL neither is in the code."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    ptx = {}
+    for pdl in (False, True):
+        const = dict(BN=1, BK=2048, STAGES=1, PREFETCH=True, PERSIST=32, PDL=pdl)
+        r = subprocess.run([sys.executable, "-c", _PTX_CHILD, json.dumps(["gemv_q8", "int4", 1, const])], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        ptx[pdl] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "griddepcontrol.wait" not in ptx[False] and "prefetch.global.L2" not in ptx[False]
+    body = ptx[True]
+    wait = body.index("griddepcontrol.wait")
+    assert body.index("prefetch.global.L2") < wait
+    first_load = min(i for i in (body.find("ld.global"),) if i >= 0)
+    assert wait < first_load, "a load before the wait could read x before the previous kernel wrote it"

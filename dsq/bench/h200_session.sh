@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 secs=$2; shift 2
   echo "==== $name (limit ${secs}s)"
-  timeout "$secs" "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.txt" | tail -45
+  timeout "$secs" "$@" 2>&1 | grep -v -E "Warning|warnings.warn" | tee "$OUT/$name.txt" | tail -45
 }
 if [ "$PART" = 1 ]; then
   step tests 170 python -m pytest -q tests/test_native_cuda.py tests/test_kernels_triton.py -k "cuda or real_shapes or dispatch"

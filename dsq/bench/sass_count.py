@@ -47,7 +47,11 @@ def compile_sm90(kernel: str, fmt: str, warps: int, **const):
     sc = f.pop("sc")
     names = list(fn.arg_names)
     constexprs = {p.name for p in fn.params if p.is_constexpr}
-    values = {**_DEFAULTS, **f, **const}
+    import inspect
+
+    sig_defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
+                    if p.default is not inspect.Parameter.empty}  # constexprs with defaults (PDL, ...)
+    values = {**sig_defaults, **_DEFAULTS, **f, **const}
     consts = {n: values[n] for n in names if n in constexprs and n in values}
     sig = {n: "constexpr" if n in consts else ("*u8" if kernel == "gemm_q8mma" and n == "lo_ptr" else
                                                sc if n == "sc_ptr" else _PTRS.get(n, "i32"))
