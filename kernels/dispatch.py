@@ -115,6 +115,29 @@ def attn_decode_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return cpu.attn_decode(q, k, v, mask, scale)
 
 
+TRITON_ATTN = os.environ.get("DSQ_TRITON_ATTN", "1") != "0"
+
+
+def attn_decode_gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> torch.Tensor | None:
+    """The Triton decode attention (kernels/triton_attn.py: q (B, H, 1, D), k/v cache slices
+    (B, Hk, S, D), mask (B, 1, 1, S) bool) on a GPU, as (B, 1, H * D); under torch.compile one
+    operator call the graph keeps. None when it does not apply (the caller then runs SDPA);
+    DSQ_TRITON_ATTN=0 keeps SDPA."""
+    if (not TRITON_ATTN or mask is None or q.device.type != "cuda" or _reference() or not _triton_ok()
+            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        return None
+    from dsq.kernels import triton_attn
+
+    if not triton_attn.supported(q, k, v, mask):
+        return None
+    if torch.compiler.is_compiling():
+        from dsq.kernels import ops
+
+        return ops.attn_decode(q, k, v, mask, scale)
+    return triton_attn.attn_decode(q, k, v, mask, scale)
+
+
 def attn_step_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                   k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, S: int,

@@ -39,6 +39,9 @@ _lib.define("fp8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias=None
 _lib.define("packed_linear(Tensor x, Tensor lo, Tensor sc, Tensor? hi, Tensor? d, Tensor? zp, Tensor? mn, "
             "Tensor? dmin, Tensor? perm, Tensor? bias, int[] fmt, int N, int K) -> Tensor")
 
+# the GPU decode attention (kernels/triton_attn.py)
+_lib.define("attn_decode(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor")
+
 # the kernels as they are (each returns a new tensor of x's dtype)
 _lib.impl("gguf_linear", cpu.gguf_linear, "CPU")
 _lib.impl("gguf_rows", cpu.gguf_rows, "CPU")
@@ -60,6 +63,22 @@ def _packed_linear(x, lo, sc, hi, d, zp, mn, dmin, perm, bias, fmt, N, K):
 
 _lib.impl("packed_linear", _packed_linear, "CPU")
 _lib.impl("packed_linear", _packed_linear, "CUDA")
+
+
+def _attn_decode_cuda(q, k, v, mask, scale):
+    from dsq.kernels import triton_attn
+
+    return triton_attn.attn_decode(q, k, v, mask, scale)
+
+
+def _attn_decode_cpu(q, k, v, mask, scale):
+    from dsq.kernels import triton_attn
+
+    return triton_attn.attn_decode_ref(q, k, v, mask, scale).to(q.dtype)
+
+
+_lib.impl("attn_decode", _attn_decode_cuda, "CUDA")
+_lib.impl("attn_decode", _attn_decode_cpu, "CPU")
 
 
 def packed_linear_op(x, p, bias=None):
@@ -91,6 +110,11 @@ def _fp8_linear_fake(x, weight, scale, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.register_fake("dsq::attn_decode", lib=_lib)
+def _attn_decode_fake(q, k, v, mask, scale):
+    return q.new_empty(q.shape[0], 1, q.shape[1] * q.shape[3])
+
+
 @torch.library.register_fake("dsq::packed_linear", lib=_lib)
 def _packed_linear_fake(x, lo, sc, hi, d, zp, mn, dmin, perm, bias, fmt, N, K):
     return x.new_empty(*x.shape[:-1], N)
@@ -100,3 +124,4 @@ gguf_linear = torch.ops.dsq.gguf_linear.default
 gguf_rows = torch.ops.dsq.gguf_rows.default
 int_linear = torch.ops.dsq.int_linear.default
 fp8_linear = torch.ops.dsq.fp8_linear.default
+attn_decode = torch.ops.dsq.attn_decode.default

@@ -281,6 +281,10 @@ class Attention(nn.Module):
             s = (qg * kc[:, :, None]).sum(-1) * self.scale  # (B, Hk, rep, S)
             p = s.masked_fill(~mask, float("-inf")).softmax(-1)
             o = (p[..., None] * vc[:, :, None]).sum(-2).reshape(B, self.n_head, 1, self.head_dim)
+        elif T == 1 and q.is_cuda and (o := dispatch.attn_decode_gpu(q, kc, vc, mask, self.scale)) is not None:
+            # the GPU decode step: a split-cache Triton kernel (kernels/triton_attn.py), where SDPA
+            # runs one query token as a prefill with a mask conversion around it
+            return self.o_proj(o)
         else:
             o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale, is_causal=mask is None,
                                                enable_gqa=self.n_head != self.n_kv)

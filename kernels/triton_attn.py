@@ -1,0 +1,144 @@
+"""Triton decode attention (one query token a sequence) over the KV cache, split along the cache
+("flash decoding"): the GPU twin of kernels/cpu.py attn_decode, same arguments and result.
+
+One query token reads the whole cache once; SDPA (cuDNN there) runs it as a prefill-shaped
+kernel with one program per head and a mask conversion around it. Here each program takes one
+KV head and its REP query heads (grouped-query attention: the keys and values are read once for
+all of them) over a slice of the cache, keeps a running max and sum (online softmax) and writes
+its unnormalized partial result; a second kernel combines the slices. Masked slots (past the
+sequence, padding, outside a sliding window) are neither loaded nor counted, so a cache longer
+than the sequence costs little.
+
+Runs under TRITON_INTERPRET=1 on the CPU (the CI tests); `attn_decode_ref` is the oracle.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _attn_part(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, ml_ptr, S, HK, scale,
+               s_qb, s_qh, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_mb,
+               SPLIT, REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, F32: tl.constexpr):
+    """Program (b * HK + hk, split): query heads hk * REP .. + REP of sequence b against cache slots
+    split * SPLIT .. + SPLIT, in tiles of BS slots. Writes acc = sum_s p_s v_s (RP, D), and the
+    running max m and sum l of p (RP,) per head, with p_s = exp(q k_s scale - m)."""
+    bh = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = bh // HK
+    hk = bh % HK
+    r = tl.arange(0, RP)
+    d = tl.arange(0, D)
+    rm = r < REP
+    q = tl.load(q_ptr + b * s_qb + (hk * REP + r)[:, None] * s_qh + d[None, :], mask=rm[:, None], other=0)
+    m_i = tl.full((RP,), float("-inf"), tl.float32)
+    l_i = tl.zeros((RP,), tl.float32)
+    acc = tl.zeros((RP, D), tl.float32)
+    kb = k_ptr + b * s_kb + hk * s_kh
+    vb = v_ptr + b * s_vb + hk * s_vh
+    s0 = sp * SPLIT
+    for t in range(0, SPLIT, BS):
+        offs = s0 + t + tl.arange(0, BS)
+        ok = tl.load(m_ptr + b * s_mb + offs, mask=offs < S, other=0) != 0  # masked or past S: not loaded
+        k = tl.load(kb + offs[:, None] * s_ks + d[None, :], mask=ok[:, None], other=0)
+        if F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # (RP, BS), fp32 accumulation
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing seen yet: no NaN
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vb + offs[:, None] * s_vs + d[None, :], mask=ok[:, None], other=0)
+        if F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+    row = (bh * tl.num_programs(1) + sp) * REP + r  # the real heads only (RP pads REP up to a dot's 16)
+    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=rm[:, None])
+    tl.store(ml_ptr + row * 2, m_i, mask=rm)
+    tl.store(ml_ptr + row * 2 + 1, l_i, mask=rm)
+
+
+@triton.jit
+def _attn_combine(acc_ptr, ml_ptr, o_ptr, H, s_ob, s_oh, NSPLIT, REP: tl.constexpr, D: tl.constexpr,
+                  NSP: tl.constexpr):
+    """Program b * H + h (one query head): its NSPLIT partial results into o = sum acc / sum l,
+    each slice scaled by exp(m_slice - m_max)."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    sp = tl.arange(0, NSP)
+    d = tl.arange(0, D)
+    spm = sp < NSPLIT
+    row = ((b * (H // REP) + h // REP) * NSPLIT + sp) * REP + h % REP  # (NSP,)
+    m = tl.load(ml_ptr + row * 2, mask=spm, other=float("-inf"))
+    lsum = tl.load(ml_ptr + row * 2 + 1, mask=spm, other=0)
+    mx = tl.max(m, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp(m - mx)  # an empty slice: exp(-inf) = 0
+    den = tl.sum(w * lsum, axis=0)
+    a = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=spm[:, None], other=0)  # (NSP, D)
+    o = tl.sum(a * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
+    tl.store(o_ptr + b * s_ob + h * s_oh + d, o.to(o_ptr.dtype.element_ty))
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
+    """One query token, heads a multiple of the KV heads, a power-of-two head size 16..256, keys
+    and values contiguous along the head dimension, a bool mask (B, 1, 1, S)."""
+    B, H, T, D = q.shape
+    return (T == 1 and k.dim() == 4 and k.shape[0] == B and H % k.shape[1] == 0 and k.shape == v.shape
+            and k.shape[-1] == D and 16 <= D <= 256 and D & (D - 1) == 0 and q.stride(-1) == 1
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and mask.dtype == torch.bool
+            and mask.shape == (B, 1, 1, k.shape[2]) and mask.stride(-1) == 1
+            and q.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
+def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                nsplit: int | None = None, block: int = 64) -> torch.Tensor:
+    """softmax(q k^T scale, masked) v for one query token: q (B, H, 1, D), k/v (B, Hk, S, D),
+    mask (B, 1, 1, S) bool (True: attend) -> (B, 1, H * D) in q's dtype (rows with nothing to
+    attend are 0). `nsplit` slices of the cache (default: about two programs per SM)."""
+    B, H, _, D = q.shape
+    HK, S = k.shape[1], k.shape[2]
+    rep = H // HK
+    rp = max(16, triton.next_power_of_2(rep))  # tl.dot's smallest M
+    tiles = triton.cdiv(S, block)
+    if nsplit is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        nsplit = max(1, min(tiles, triton.cdiv(2 * sms, B * HK)))
+    split = triton.cdiv(tiles, nsplit) * block
+    nsplit = triton.cdiv(S, split)
+    acc = torch.empty(B * HK * nsplit * rep, D, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B * HK * nsplit * rep, 2, dtype=torch.float32, device=q.device)
+    f32 = q.dtype == torch.float32 or INTERPRET
+    _attn_part[(B * HK, nsplit)](q, k, v, mask, acc, ml, S, HK, scale, q.stride(0), q.stride(1),
+                                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                                 mask.stride(0), split, REP=rep, RP=rp, D=D, BS=block, F32=f32, num_warps=4)
+    o = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device)
+    _attn_combine[(B * H,)](acc, ml, o, H, o.stride(0), o.stride(2), nsplit, REP=rep, D=D,
+                            NSP=triton.next_power_of_2(nsplit), num_warps=1)
+    return o.reshape(B, 1, H * D)
+
+
+def attn_decode_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """The oracle, in float64: (B, 1, H * D), rows with nothing to attend 0."""
+    B, H, _, D = q.shape
+    rep = H // k.shape[1]
+    kr = k.double().repeat_interleave(rep, 1)
+    vr = v.double().repeat_interleave(rep, 1)
+    s = (q.double() @ kr.transpose(-1, -2)) * scale  # (B, H, 1, S)
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.nan_to_num(s.softmax(-1), nan=0.0)
+    return (p @ vr).transpose(1, 2).reshape(B, 1, H * D)
