@@ -5,23 +5,11 @@ with one, also against SDPA on a real shape and through the model's compiled dec
 
 from __future__ import annotations
 
-import os
-import platform
-
 import pytest
 import torch
-
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
-if platform.system() == "Linux":  # the dev install brings Triton there: never skip these silently
-    import triton  # noqa: F401
-else:
-    triton = pytest.importorskip("triton")
+from triton_interp import CUDA, DEV
 
 from dsq.kernels import triton_attn as ta  # noqa: E402
-
-DEV = "cuda" if CUDA else "cpu"
 
 
 def _case(B, H, HK, S, D, dtype, seed=0):

@@ -7,20 +7,10 @@ GPU, the same tests plus real model shapes through the autotuned path."""
 
 from __future__ import annotations
 
-import os
-import platform
-
 import numpy as np
 import pytest
 import torch
-
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
-if platform.system() == "Linux":  # the dev install brings Triton there: never skip these silently
-    import triton  # noqa: F401
-else:
-    triton = pytest.importorskip("triton")
+from triton_interp import CUDA, DEV
 
 from dsq.kernels import fp8_ref, gguf_ref, intq_ref, packed  # noqa: E402
 from dsq.kernels import triton_qlinear as tq  # noqa: E402
@@ -28,7 +18,6 @@ from test_kernels_ref import FORMATS, random_blocks  # noqa: E402
 
 from dsq.formats import intq as disk  # noqa: E402
 
-DEV = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
 
 
