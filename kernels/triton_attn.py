@@ -124,7 +124,8 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     f32 = q.dtype == torch.float32 or INTERPRET
     _attn_part[(B * HK, nsplit)](q, k, v, mask, acc, ml, S, HK, scale, q.stride(0), q.stride(1),
                                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                                 mask.stride(0), split, REP=rep, RP=rp, D=D, BS=block, F32=f32, num_warps=4)
+                                 mask.stride(0), split, REP=rep, RP=rp, D=D, BS=block, F32=f32,
+                                 num_warps=4 if D <= 128 else 8)  # D 256 on 4 warps: 255 registers
     o = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device)
     _attn_combine[(B * H,)](acc, ml, o, H, o.stride(0), o.stride(2), nsplit, REP=rep, D=D,
                             NSP=triton.next_power_of_2(nsplit), num_warps=1)
