@@ -1,12 +1,12 @@
 """Triton kernels: fused dequantize + matmul over the packed layout (kernels/packed.py), for every
 format dsq holds (int4/int8 from AWQ and GPTQ, FP8, GGUF Q4_0..Q6_K).
 
-- `_gemv_q8` (M = 1, integer codes incl. Q6_K, the default there): x rounded to int8 per 32
-  elements by `_quant_x` (llama.cpp's Q8_1 scheme), codes and x meet in dp4a (four products per
-  instruction, exact int32 per 32-element block), then block and group scales in float. Computes
-  exactly packed.linear_ref_q8. Small programs (2-8 rows, one warp) ran fastest on an H200.
-  `_gemm_q8` is the same for 2-4 rows (the default there); `_gemm_q8mma` does up to 16 rows on
-  int8 tensor cores (exact, not faster than `_gemm` yet, so not the default).
+- `_gemv_q8` (1-4 rows of x, integer codes incl. Q6_K at one row, the default there): x rounded
+  to int8 per 32 elements by `_quant_x` (llama.cpp's Q8_1 scheme), codes and x meet in dp4a
+  (four products per instruction, exact int32 per 32-element block), then block and group scales
+  in float. Computes exactly packed.linear_ref_q8. Small programs (1-4 weight rows, one warp)
+  with the next tile's loads held in registers ran fastest on an H200. `_gemm_q8mma` does up to
+  16 rows on int8 tensor cores (exact, not faster than `_gemm` yet, so not the default).
 - `_gemv` (M = 1, float x): `_gemv_rows` holds BN rows as a tensor dimension, so each x element is
   loaded once for all of them, with the K loop software-pipelined (tl.range, cp.async);
   `_gemv4` (four row tensors, not pipelined) stays for GGUF formats with high-bit planes. Codes
@@ -353,15 +353,29 @@ def _ld(ptr, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _q8_tile(xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, k0, N, K, r3, r2, bt, wt,
-             s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+def _xld(ptr, kmask, rmask, EVEN_K: tl.constexpr, MR: tl.constexpr):
+    """A load of x's words or block values: one row (MR 1) as _ld; MR rows with the row mask rmask
+    (rows past M), and the K mask kmask unless EVEN_K."""
+    if MR == 1:
+        return _ld(ptr, kmask, EVEN_K)
+    elif EVEN_K:
+        return tl.load(ptr, mask=rmask, other=0)
+    else:
+        return tl.load(ptr, mask=rmask & kmask, other=0)
+
+
+@triton.jit
+def _q8_tile(xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, k0, M, N, K, r3, r2, bt,
+             wt, s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
              CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr,
              ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr, WB: tl.constexpr, NB: tl.constexpr,
-             EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+             EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, MR: tl.constexpr):
     """_gemv_q8's loads for the K tile at k0: code words q (BN, NB, WB), x words xe (and xo: the
     odd elements, 4-bit codes), the high-bit words h (Q6_K), x's block scales sx and sums xs, and
     per row and block the group's s, z, m (Q6_K: s per half block (BN, NB, 2), z = the super-block
-    scale d). Formats without a part return a stand-in that is never used."""
+    scale d). x's tensors are (1, NB, WB) and (1, NB) for one row of x, (MR, 1, NB, WB) and
+    (MR, 1, NB) for MR rows (of which M are real). Formats without a part return a stand-in that
+    is never used."""
     w = k0 // (32 // WB) + wt
     b = k0 // 32 + bt[None, :]  # (1, NB) x block
     EV: tl.constexpr = EVEN_K and EVEN_N
@@ -373,16 +387,21 @@ def _q8_tile(xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
         bm = b < K // 32
     q = _ld(lo_ptr + r3 * s_lo + w, wm, EV)
     h = q
+    m4 = 0  # x's row offsets: none for one row, else a leading dimension (rows past M masked)
+    m3 = 0
+    if MR > 1:
+        m4 = tl.arange(0, MR)[:, None, None, None]
+        m3 = tl.arange(0, MR)[:, None, None]
     if CODES == 0:
         xi = k0 // 4 + (bt * 8)[None, :, None] + tl.arange(0, WB)[None, None, :]  # block's even words
-        xe = _ld(xw_ptr + xi, xi < K // 4, EVEN_K)
-        xo = _ld(xw_ptr + xi + 4, xi < K // 4, EVEN_K)
+        xe = _xld(xw_ptr + m4 * (K // 4) + xi, xi < K // 4, m4 < M, EVEN_K, MR)
+        xo = _xld(xw_ptr + m4 * (K // 4) + xi + 4, xi < K // 4, m4 < M, EVEN_K, MR)
         if HI_BITS == 2:
             h = _ld(hi_ptr + r3 * s_hi + w // 2, wm, EV)
     else:
-        xe = _ld(xw_ptr + w, w < K // 4, EVEN_K)
+        xe = _xld(xw_ptr + m4 * (K // 4) + w, w < K // 4, m4 < M, EVEN_K, MR)
         xo = xe
-    sx = _ld(sx_ptr + b, bm, EVEN_K)
+    sx = _xld(sx_ptr + m3 * (K // 32) + b, bm, m3 < M, EVEN_K, MR)
     if HI_BITS == 2:  # two 16-element scale groups a block
         eh = (b * 32)[:, :, None] + (tl.arange(0, 2) * 16)[None, None, :]
         s = _ld(sc_ptr + r3 * s_sc + eh // 16, (bm & (r2 < N))[:, :, None], EV).to(tl.float32)
@@ -390,7 +409,7 @@ def _q8_tile(xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
         xs = sx
         m = z
     else:
-        xs = _ld(xsum_ptr + b, bm, EVEN_K)
+        xs = _xld(xsum_ptr + m3 * (K // 32) + b, bm, m3 < M, EVEN_K, MR)
         gm = bm & (r2 < N)
         e2 = b * 32
         s = _ld(sc_ptr + r2 * s_sc + e2 // SUB, gm, EV).to(tl.float32)
@@ -411,8 +430,9 @@ def _q8_tile(xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
 @triton.jit
 def _q8_dot(q, xe, xo, h, sx, xs, s, z, m, w, CODES: tl.constexpr, HI_BITS: tl.constexpr, USE_ASM: tl.constexpr,
             BN: tl.constexpr, NB: tl.constexpr):
-    """One K tile of _gemv_q8 from _q8_tile's loads: per row and block (BN, NB), dp = sum c xq
-    (exact int32, dp4a), then s (sx dp - z xsum) - m xsum (Q6_K: d sx sum_half s dp_half)."""
+    """One K tile of _gemv_q8 from _q8_tile's loads: per row and block (BN, NB; (MR, BN, NB) for
+    MR rows of x), dp = sum c xq (exact int32, dp4a), then s (sx dp - z xsum) - m xsum (Q6_K, one
+    row only: d sx sum_half s dp_half)."""
     if CODES == 0:
         ce = q & 0x0F0F0F0F  # byte j: element 2j of the word
         co = (q >> 4) & 0x0F0F0F0F  # element 2j + 1
@@ -432,21 +452,22 @@ def _q8_dot(q, xe, xo, h, sx, xs, s, z, m, w, CODES: tl.constexpr, HI_BITS: tl.c
         dph = tl.sum(tl.reshape(dp, (BN, NB, 2, 2)), axis=3).to(tl.float32)
         r = (z * sx) * tl.sum(s * dph, axis=2)
     else:
-        dps = tl.sum(dp, axis=2).to(tl.float32)  # (BN, NB)
+        dps = tl.sum(dp, axis=len(dp.shape) - 1).to(tl.float32)  # (BN, NB) or (MR, BN, NB)
         r = s * (sx * dps - z * xs) - m * xs
     return r
 
 
 @triton.jit
 def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr,
-             N, K, s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+             M, N, K, s_ym, s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
              CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
              OFFSET: tl.constexpr, MINS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
              BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr = False,
              EVEN_N: tl.constexpr = False, PREFETCH: tl.constexpr = False, PERSIST: tl.constexpr = 0,
-             PDL: tl.constexpr = False):
-    """M = 1 with x as int8 per 32-element block (quantize_x_q8, llama.cpp's Q8_1 scheme): integer
-    codes meet x in dp4a, four products per instruction. Tiles (BN rows, NB blocks, WB words of a
+             PDL: tl.constexpr = False, MR: tl.constexpr = 1):
+    """M rows of x (MR, a power of two >= M; MR = 1: the GEMV) as int8 per 32-element block
+    (quantize_x_q8, llama.cpp's Q8_1 scheme): integer codes meet x in dp4a, four products per
+    instruction; each code word is loaded and split once for all rows of x. Tiles (BN rows, NB blocks, WB words of a
     block); per row and block: dp = sum c xq (exact int32), then y += s (sx dp - z xsum) - m xsum
     with xsum = sx sum xq: exactly W (xq sx), packed.linear_ref_q8. EVEN_K (K % BK == 0) and
     EVEN_N (N % BN == 0): no masks, so code and x words are copied 16 bytes at a time (a K mask
@@ -471,7 +492,10 @@ def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, 
     r2 = rn[:, None]
     bt = tl.arange(0, NB)
     wt = (bt * WB)[None, :, None] + tl.arange(0, WB)[None, None, :]  # (1, NB, WB) word in the tile
-    acc = tl.zeros((BN, NB), dtype=tl.float32)
+    if MR == 1:
+        acc = tl.zeros((BN, NB), dtype=tl.float32)
+    else:
+        acc = tl.zeros((MR, BN, NB), dtype=tl.float32)
     if PDL:
         _prefetch_l2(lo_ptr + r3 * s_lo + (bt * WB)[None, :, None])  # a 16-byte block's first word: its line
         tl.extra.cuda.gdc_wait()  # x (the previous kernel's output) is read only after this
@@ -481,50 +505,50 @@ def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, 
         rt = tl.program_id(0)
         k0 = rt * 0
         q, xe, xo, h, sx, xs, s, z, m = _q8_tile(
-            xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, 0, N, K, r3, r2, bt, wt,
+            xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, 0, M, N, K, r3, r2, bt, wt,
             s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, TWO_LEVEL, ZERO, OFFSET, MINS, WB, NB,
-            EVEN_K, EVEN_N)
+            EVEN_K, EVEN_N, MR)
         for _ in range(0, tl.cdiv(RT - rt, P) * tl.cdiv(K, BK)):
             last = k0 + BK >= K  # this tile ends its row
             kn = tl.multiple_of(tl.where(last, 0, k0 + BK), BK)
             rtn = tl.minimum(tl.where(last, rt + P, rt), RT - 1)  # past the end: reload a real tile, unused
             rnn = rtn * BN + tl.arange(0, BN)
             q1, xe1, xo1, h1, sx1, xs1, s1, z1, m1 = _q8_tile(
-                xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, kn, N, K,
+                xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, kn, M, N, K,
                 rnn[:, None, None], rnn[:, None], bt, wt, s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS,
-                SUB, TWO_LEVEL, ZERO, OFFSET, MINS, WB, NB, EVEN_K, EVEN_N)
+                SUB, TWO_LEVEL, ZERO, OFFSET, MINS, WB, NB, EVEN_K, EVEN_N, MR)
             acc += _q8_dot(q, xe, xo, h, sx, xs, s, z, m, k0 // (32 // WB) + wt, CODES, HI_BITS, USE_ASM, BN, NB)
             if last:
-                _q8_store(y_ptr, bias_ptr, rt * BN + tl.arange(0, BN), acc, N, HAS_BIAS, EVEN_N)
-                acc = tl.zeros((BN, NB), dtype=tl.float32)
+                _q8_store(y_ptr, bias_ptr, rt * BN + tl.arange(0, BN), acc, M, N, s_ym, HAS_BIAS, EVEN_N, MR)
+                acc = tl.zeros_like(acc)
             q, xe, xo, h, sx, xs, s, z, m = q1, xe1, xo1, h1, sx1, xs1, s1, z1, m1
             rt = tl.where(last, rt + P, rt)
             k0 = kn
     elif PREFETCH:
         q, xe, xo, h, sx, xs, s, z, m = _q8_tile(
-            xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, 0, N, K, r3, r2, bt, wt,
+            xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, 0, M, N, K, r3, r2, bt, wt,
             s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, TWO_LEVEL, ZERO, OFFSET, MINS, WB, NB,
-            EVEN_K, EVEN_N)
+            EVEN_K, EVEN_N, MR)
         for k0 in range(0, K, BK):
             if EVEN_K:  # the last iteration reloads its own tile (an L2 hit) rather than masking every load
                 kn = tl.multiple_of(tl.minimum(k0 + BK, K - BK), BK)  # keeps the copies 16 bytes wide
             else:
                 kn = k0 + BK
             q1, xe1, xo1, h1, sx1, xs1, s1, z1, m1 = _q8_tile(
-                xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, kn, N, K, r3, r2,
+                xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, kn, M, N, K, r3, r2,
                 bt, wt, s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, TWO_LEVEL, ZERO, OFFSET, MINS,
-                WB, NB, EVEN_K, EVEN_N)
+                WB, NB, EVEN_K, EVEN_N, MR)
             acc += _q8_dot(q, xe, xo, h, sx, xs, s, z, m, k0 // (32 // WB) + wt, CODES, HI_BITS, USE_ASM, BN, NB)
             q, xe, xo, h, sx, xs, s, z, m = q1, xe1, xo1, h1, sx1, xs1, s1, z1, m1
     else:
         for k0 in tl.range(0, K, BK, num_stages=STAGES):
             q, xe, xo, h, sx, xs, s, z, m = _q8_tile(
-                xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, k0, N, K, r3, r2,
+                xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, k0, M, N, K, r3, r2,
                 bt, wt, s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, TWO_LEVEL, ZERO, OFFSET, MINS,
-                WB, NB, EVEN_K, EVEN_N)
+                WB, NB, EVEN_K, EVEN_N, MR)
             acc += _q8_dot(q, xe, xo, h, sx, xs, s, z, m, k0 // (32 // WB) + wt, CODES, HI_BITS, USE_ASM, BN, NB)
     if not PERSIST:
-        _q8_store(y_ptr, bias_ptr, rn, acc, N, HAS_BIAS, EVEN_N)
+        _q8_store(y_ptr, bias_ptr, rn, acc, M, N, s_ym, HAS_BIAS, EVEN_N, MR)
 
 
 @triton.jit
@@ -535,72 +559,19 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _q8_store(y_ptr, bias_ptr, rn, acc, N, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr):
-    """y[rn] = the rows' sums of acc (BN, NB) (+ bias)."""
-    out = tl.sum(acc, axis=1)
+def _q8_store(y_ptr, bias_ptr, rn, acc, M, N, s_ym, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, MR: tl.constexpr):
+    """y[:, rn] = the sums of acc (BN, NB), or (MR, BN, NB) for M <= MR rows of x (+ bias)."""
+    out = tl.sum(acc, axis=len(acc.shape) - 1)
     if HAS_BIAS:
         out += _ld(bias_ptr + rn, rn < N, EVEN_N).to(tl.float32)
-    if EVEN_N:
-        tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty))
+    if MR == 1:
+        if EVEN_N:
+            tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty))
+        else:
+            tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
     else:
-        tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
-
-
-@triton.jit
-def _gemm_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, M, N, K,
-             s_ym, s_lo, s_sc, s_d, s_zp, s_mn, s_dmin,
-             CODES: tl.constexpr, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
-             OFFSET: tl.constexpr, MINS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
-             MR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-             EVEN_K: tl.constexpr = False):
-    """_gemv_q8 for 2 <= M <= MR (<= 16) rows of x: each weight word is loaded and split once and
-    meets every row's int8 x in dp4a; tiles (MR, BN, NB, WB). Not the default yet (unmeasured on
-    a GPU): reached through q8_linear with M > 1."""
-    WB: tl.constexpr = 4 if CODES == 0 else 8
-    NB: tl.constexpr = BK // 32
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    rm = tl.arange(0, MR)
-    m4 = rm[:, None, None, None]
-    m3 = rm[:, None, None]
-    r4 = rn[None, :, None, None]
-    r2 = rn[:, None]
-    bt = tl.arange(0, NB)
-    wt = (bt * WB)[None, None, :, None] + tl.arange(0, WB)[None, None, None, :]  # (1, 1, NB, WB)
-    KW = K // (32 // WB)
-    acc = tl.zeros((MR, BN, NB), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        w = k0 // (32 // WB) + wt
-        b = k0 // 32 + bt  # (NB,)
-        if EVEN_K:  # no K mask: full-width copies
-            wm = w >= 0
-            bm = b >= 0
-        else:
-            wm = w < KW
-            bm = b < K // 32
-        q = tl.load(lo_ptr + r4 * s_lo + w, mask=wm & (r4 < N), other=0)  # (1, BN, NB, WB)
-        xm = wm & (m4 < M)
-        if CODES == 0:
-            xi = k0 // 4 + (bt * 8)[None, None, :, None] + tl.arange(0, WB)[None, None, None, :]
-            xe = tl.load(xw_ptr + m4 * (K // 4) + xi, mask=xm, other=0)  # (MR, 1, NB, WB)
-            xo = tl.load(xw_ptr + m4 * (K // 4) + xi + 4, mask=xm, other=0)
-            dp = _dp4a(q & 0x0F0F0F0F, xe, tl.zeros_like(xe), False, USE_ASM)
-            dp = _dp4a((q >> 4) & 0x0F0F0F0F, xo, dp, False, USE_ASM)
-        else:
-            xv = tl.load(xw_ptr + m4 * (K // 4) + w, mask=xm, other=0)
-            dp = _dp4a(q, xv, tl.zeros_like(xv), CODES == 2, USE_ASM)
-        dps = tl.sum(dp, axis=3).to(tl.float32)  # (MR, BN, NB)
-        xb = m3 * (K // 32) + b[None, None, :]
-        xbm = bm[None, None, :] & (m3 < M)
-        sx = tl.load(sx_ptr + xb, mask=xbm, other=0)  # (MR, 1, NB)
-        xs = tl.load(xsum_ptr + xb, mask=xbm, other=0)
-        s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r2, b[None, :] * 32, bm[None, :] & (r2 < N),
-                                s_sc, s_d, s_zp, s_mn, s_dmin, SUB, 1, TWO_LEVEL, ZERO, OFFSET, MINS)
-        acc += s[None] * (sx * dps - z[None] * xs) - m[None] * xs
-    out = tl.sum(acc, axis=2)  # (MR, BN)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + rn, mask=rn < N, other=0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :], out.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+        rm = tl.arange(0, MR)[:, None]
+        tl.store(y_ptr + rm * s_ym + rn[None, :], out.to(y_ptr.dtype.element_ty), mask=(rm < M) & (rn[None, :] < N))
 
 
 @triton.jit
@@ -794,11 +765,14 @@ _Q8_CONFIGS = ([triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)  
                   for bn, bk, w, pe in [(1, 1024, 1, 0), (2, 1024, 1, 0), (4, 1024, 1, 0), (1, 2048, 1, 0),
                                         (2, 2048, 1, 0), (2, 1024, 1, 32), (1, 2048, 1, 32), (1, 2048, 1, 16)]])
 _gemv_q8_tuned = _autotune(_Q8_CONFIGS, ["N", "K", "CODES", "HI_BITS", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(_even_kn(_gemv_q8))
-_Q8M_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
-                for bn, bk, w, st in [(4, 256, 1, 3), (8, 256, 2, 3), (4, 512, 1, 2), (16, 256, 4, 3),
-                                      (8, 128, 1, 3), (2, 512, 1, 3)]]
+_Q8M_CONFIGS = ([triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
+                 for bn, bk, w, st in [(4, 256, 1, 3), (8, 256, 2, 3), (4, 512, 1, 2), (16, 256, 4, 3),
+                                       (8, 128, 1, 3), (2, 512, 1, 3)]]
+                # the M=1 winners' register prefetch, not yet measured at 2-4 rows
+                + [triton.Config({"BN": bn, "BK": bk, "STAGES": 1, "PREFETCH": True, "PERSIST": pe}, num_warps=w)
+                   for bn, bk, w, pe in [(1, 1024, 1, 0), (2, 1024, 1, 0), (4, 1024, 1, 0), (1, 2048, 1, 32)]])
 _gemm_q8_tuned = _autotune(_Q8M_CONFIGS, ["N", "K", "MR", "CODES", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(
-    _even_k(_gemm_q8))
+    _even_kn(_gemv_q8))  # the same kernel with MR rows of x
 
 
 _MMA_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
@@ -892,8 +866,8 @@ def _planes(p: Packed, hi: bool = True) -> tuple[list[torch.Tensor], list[int]]:
 def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
               config: dict | None = None, mma: bool = False) -> torch.Tensor:
     """y = x W^T (+ bias) for 1 to 16 rows of x, each rounded to int8 per 32 elements by _quant_x
-    (_gemv_q8 for one row, _gemm_q8 above, or with `mma` the tensor-core _gemm_q8mma; all compute
-    packed.linear_ref_q8). Formats: packed.q8_ok."""
+    (_gemv_q8, MR = 1 for one row, the next power of two above; or with `mma` the tensor-core
+    _gemm_q8mma; all compute packed.linear_ref_q8). Formats: packed.q8_ok."""
     x1 = x.reshape(-1, p.K)  # act-order: _quant_x reads x through the permutation
     if x1.stride(-1) != 1:
         x1 = x1.contiguous()
@@ -905,13 +879,12 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     xw = torch.empty(M, p.K // 4, dtype=torch.int32, device=x.device)
     sx = torch.empty(M, p.K // 32, dtype=torch.float32, device=x.device)
     xs = torch.empty_like(sx)
-    gemv = M == 1 and not mma
-    pdl = gemv and _pdl(x.device)
+    pdl = not mma and _pdl(x.device)
     _quant_x[(triton.cdiv(p.K // 32, 4), M)](x1, p.perm if p.perm is not None else x1, xw, sx, xs, p.K, x1.stride(0),
                                              NIBBLES=p.fmt.codes == NIB, NBLK=4, HAS_PERM=p.perm is not None, PDL=pdl)
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     f = p.fmt
-    planes, strides = _planes(p, hi=gemv)  # only the GEMV reads a high-bit plane (Q6_K)
+    planes, strides = _planes(p, hi=not mma)  # the tensor-core kernel takes no high-bit plane
     flags = {"CODES": f.codes, "SUB": f.sub, "TWO_LEVEL": f.two_level, "ZERO": f.zero, "OFFSET": f.offset,
              "MINS": f.mins, "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET}
     b = bias if bias is not None else y
@@ -920,11 +893,11 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     if mma:
         cfg["BN"] = max(cfg["BN"], 16)  # the smallest int8 dot
     cfg.setdefault("EVEN_K", p.K % cfg["BK"] == 0)
-    if gemv:
+    if not mma:
         cfg.setdefault("EVEN_N", p.N % cfg["BN"] == 0)
     sms = _sm_count(x.device)
     grid = (lambda meta: (_rows_grid(p.N, meta["BN"], meta.get("PERSIST", 0), sms),)) if tune else \
-        (_rows_grid(p.N, cfg["BN"], cfg.get("PERSIST", 0) if gemv else 0, sms),)
+        (_rows_grid(p.N, cfg["BN"], 0 if mma else cfg.get("PERSIST", 0), sms),)
     if mma:
         planes[0], strides[0] = p.lo, p.lo.stride(0)  # codes as bytes
         args = (xw.view(torch.int8), sx, xs, y, b, *planes, M, p.N, p.K, y.stride(0), *strides)
@@ -933,20 +906,16 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
         else:
             _gemm_q8mma[grid](*args, **flags, **cfg)
         return y.reshape(*x.shape[:-1], p.N)
-    if gemv:
-        flags["HI_BITS"] = f.hi_bits
-        if pdl:
-            flags.update(PDL=True, launch_pdl=True)
-        if tune:
-            _gemv_q8_tuned[grid](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags)
-        else:
-            _gemv_q8[grid](xw, sx, xs, y, b, *planes, p.N, p.K, *strides, **flags, **cfg)
+    flags["HI_BITS"] = f.hi_bits
+    if pdl:
+        flags.update(PDL=True, launch_pdl=True)
+    args = (xw, sx, xs, y, b, *planes, M, p.N, p.K, y.stride(0), *strides)
+    if M > 1:
+        flags["MR"] = 1 << (M - 1).bit_length()
+    if tune:
+        (_gemv_q8_tuned if M == 1 else _gemm_q8_tuned)[grid](*args, **flags)
     else:
-        mr = 1 << (M - 1).bit_length()
-        if tune:
-            _gemm_q8_tuned[grid](xw, sx, xs, y, b, *planes, M, p.N, p.K, y.stride(0), *strides, MR=mr, **flags)
-        else:
-            _gemm_q8[grid](xw, sx, xs, y, b, *planes, M, p.N, p.K, y.stride(0), *strides, MR=mr, **flags, **cfg)
+        _gemv_q8[grid](*args, **flags, **cfg)
     return y.reshape(*x.shape[:-1], p.N)
 
 

@@ -191,15 +191,17 @@ def run_q8(x, p, bias=None, config=None, mma=False):
                                    ({"BN": 1, "BK": 128, "PREFETCH": True}, 1), ({"BN": 2, "BK": 512, "PREFETCH": True}, 1),
                                    ({"BN": 2, "BK": 256, "PREFETCH": True, "PERSIST": 3}, 1),
                                    ({"BN": 4, "BK": 512, "PREFETCH": True, "PERSIST": 2}, 1),
-                                   ({"BN": 4, "BK": 128, "STAGES": 2}, 3),
+                                   ({"BN": 4, "BK": 128, "STAGES": 2}, 3), ({"BN": 2, "BK": 256, "PREFETCH": True}, 3),
+                                   ({"BN": 1, "BK": 512, "PREFETCH": True, "PERSIST": 2}, 4),
                                    ({"BN": 4, "BK": 512, "STAGES": 2}, 5), ({"BN": 8, "BK": 64, "STAGES": 1}, 16)])
 def test_q8_gemv_equals_its_reference(fmt, cfg, M):
     """Exactly W (xq sx) (packed.linear_ref_q8) on odd N, with a bias; and within int8 rounding of
     the float product. M = 1 (_gemv_q8, pipelined through shared memory or with PREFETCH in
-    registers) and 3, 5, 16 (_gemm_q8); K = 768 a multiple of the tile (no K mask: EVEN_K; with
-    PREFETCH the last tile is reloaded, not masked) or not (BK 512: a masked tail); N a multiple
-    of BN (GPTQ's 24 rows, or BN 1: no row mask, EVEN_N) or not; PERSIST: 2-3 programs (the
-    interpreter counts one SM), each walking many row tiles with the prefetch running across them."""
+    registers) and 3, 4, 5, 16 (the same kernel with MR rows of x, also prefetching); K = 768 a
+    multiple of the tile (no K mask: EVEN_K; with PREFETCH the last tile is reloaded, not masked)
+    or not (BK 512: a masked tail); N a multiple of BN (GPTQ's 24 rows, or BN 1: no row mask,
+    EVEN_N) or not; PERSIST: 2-3 programs (the interpreter counts one SM), each walking many row
+    tiles with the prefetch running across them."""
     N, K = (24 if fmt.startswith("gptq") else 21), 768  # GPTQ packs rows by 8
     p = q8_case(fmt, N, K)
     assert packed.q8_ok(p)

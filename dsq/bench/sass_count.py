@@ -81,13 +81,13 @@ def loop_opcodes(compiled, modifiers: bool = False) -> list[str]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["gemv_q8", "gemv_rows", "gemm_q8", "gemm_q8mma"])
+    ap.add_argument("kernel", choices=["gemv_q8", "gemv_rows", "gemm_q8mma"])
     ap.add_argument("fmt", choices=sorted(FORMATS))
     ap.add_argument("--BN", type=int, default=4)
     ap.add_argument("--BK", type=int, default=512)
     ap.add_argument("--warps", type=int, default=1)
     ap.add_argument("--stages", type=int, default=3)
-    ap.add_argument("--MR", type=int, default=4, help="x rows (gemm_q8)")
+    ap.add_argument("--MR", type=int, default=1, help="rows of x, a power of two (gemv_q8)")
     ap.add_argument("--set", action="append", default=[], help="NAME=INT for another constexpr (EVEN_K=0, ...)")
     a = ap.parse_args(argv)
     extra = {k: int(v) for k, v in (s.split("=") for s in a.set)}
