@@ -131,15 +131,18 @@ def linear_ref(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None) -> 
 
 
 def q8_ok(p: Packed, rows: int = 1) -> bool:
-    """Formats the int8-activation kernels take for `rows` rows of x: integer codes without
-    high-bit planes (int4 AWQ/GPTQ, int8, Q4_0, Q8_0, Q4_K) with scale groups of whole 32-element
-    blocks; at one row also Q6_K (6-bit codes offset by 32, 16-element groups); K a multiple of 32."""
+    """Formats the int8-activation kernels take for `rows` rows of x: integer codes (int4 AWQ/GPTQ,
+    int8, Q4_0, Q8_0, Q4_K, and with one high bit per code Q5_0, Q5_K) with scale groups of whole
+    32-element blocks; at one row also Q6_K (6-bit codes offset by 32, 16-element groups); K a
+    multiple of 32."""
     f = p.fmt
     if p.K % 32 or f.codes not in (NIB, U8, I8) or f.sc_rows != 1:
         return False
     if f.hi_bits == 2 and rows == 1:  # Q6_K
         return f.sub == 16 and f.two_level and f.zero == Z_CONST and f.offset == 32 and not f.mins
-    return f.hi_bits == 0 and (f.sub >= p.K or f.sub % 32 == 0)
+    if f.hi_bits == 1 and f.codes != NIB:
+        return False
+    return f.hi_bits < 2 and (f.sub >= p.K or f.sub % 32 == 0)
 
 
 def _round_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

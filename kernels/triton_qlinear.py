@@ -396,8 +396,8 @@ def _q8_tile(xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
         xi = k0 // 4 + (bt * 8)[None, :, None] + tl.arange(0, WB)[None, None, :]  # block's even words
         xe = _xld(xw_ptr + m4 * (K // 4) + xi, xi < K // 4, m4 < M, EVEN_K, MR)
         xo = _xld(xw_ptr + m4 * (K // 4) + xi + 4, xi < K // 4, m4 < M, EVEN_K, MR)
-        if HI_BITS == 2:
-            h = _ld(hi_ptr + r3 * s_hi + w // 2, wm, EV)
+        if HI_BITS > 0:  # the word's high bits: 8 (Q5) or 16 (Q6_K) of a plane word
+            h = _ld(hi_ptr + r3 * s_hi + w // (4 // HI_BITS), wm, EV)
     else:
         xe = _xld(xw_ptr + m4 * (K // 4) + w, w < K // 4, m4 < M, EVEN_K, MR)
         xo = xe
@@ -432,10 +432,17 @@ def _q8_dot(q, xe, xo, h, sx, xs, s, z, m, w, CODES: tl.constexpr, HI_BITS: tl.c
             BN: tl.constexpr, NB: tl.constexpr):
     """One K tile of _gemv_q8 from _q8_tile's loads: per row and block (BN, NB; (MR, BN, NB) for
     MR rows of x), dp = sum c xq (exact int32, dp4a), then s (sx dp - z xsum) - m xsum (Q6_K, one
-    row only: d sx sum_half s dp_half)."""
+    row only: d sx sum_half s dp_half). Q5_0 / Q5_K: each byte gets its fifth bit from the plane
+    (codes 0..31, unsigned)."""
     if CODES == 0:
         ce = q & 0x0F0F0F0F  # byte j: element 2j of the word
         co = (q >> 4) & 0x0F0F0F0F  # element 2j + 1
+        if HI_BITS == 1:  # Q5_0 / Q5_K: the word's 8 high bits, a pair to each byte, then bit 4 of each code
+            hh = (h >> ((w % 4) * 8)) & 0xFF
+            hh = ((hh & 0xF0) << 12) | (hh & 0x0F)
+            hh = ((hh & 0x000C000C) << 6) | (hh & 0x00030003)
+            ce = ce | ((hh & 0x01010101) << 4)
+            co = co | ((hh & 0x02020202) << 3)
         if HI_BITS == 2:  # the word's 16 high bits: nibble j -> byte j, then 2 bits to each element
             hh = (h >> ((w % 2) * 16)) & 0xFFFF
             hh = ((hh & 0xFF00) << 8) | (hh & 0xFF)
@@ -891,6 +898,8 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     tune = config is None and not INTERPRET
     cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
     if mma:
+        if f.hi_bits:
+            raise ValueError("the tensor-core int8 kernel reads no high-bit plane (Q5, Q6_K)")
         cfg["BN"] = max(cfg["BN"], 16)  # the smallest int8 dot
     cfg.setdefault("EVEN_K", p.K % cfg["BK"] == 0)
     if not mma:

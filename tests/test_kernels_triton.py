@@ -185,7 +185,8 @@ def run_q8(x, p, bias=None, config=None, mma=False):
     return y
 
 
-@pytest.mark.parametrize("fmt", ["gptq-int4", "gptq-int4-act", "gptq-int4-g32", "gptq-int8", "Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("fmt", ["gptq-int4", "gptq-int4-act", "gptq-int4-g32", "gptq-int8", "Q4_0", "Q8_0", "Q4_K",
+                                 "Q5_0", "Q5_K"])
 @pytest.mark.parametrize("cfg,M", [({"BN": 8, "BK": 64, "STAGES": 1}, 1), ({"BN": 4, "BK": 256, "STAGES": 2}, 1),
                                    ({"BN": 2, "BK": 512, "STAGES": 2}, 1), ({"BN": 4, "BK": 256, "PREFETCH": True}, 1),
                                    ({"BN": 1, "BK": 128, "PREFETCH": True}, 1), ({"BN": 2, "BK": 512, "PREFETCH": True}, 1),
@@ -278,8 +279,10 @@ def test_q8_refuses_what_it_cannot_run():
     assert packed.q8_ok(q6) and not packed.q8_ok(q6, 3)
     with pytest.raises(ValueError):
         tq.q8_linear(torch.randn(3, 256, device=DEV), q6.to(DEV))
-    assert not packed.q8_ok(packed.from_gguf(torch.from_numpy(random_blocks("Q5_K", 4, 256, rng)), "Q5_K", 256))
     assert not packed.q8_ok(packed.from_fp8(torch.randn(4, 64).to(torch.float8_e4m3fn), torch.ones(1)))
+    q5 = packed.from_gguf(torch.from_numpy(random_blocks("Q5_K", 4, 256, rng)), "Q5_K", 256)
+    with pytest.raises(ValueError):  # the tensor-core kernel reads no high-bit plane
+        tq.q8_linear(torch.randn(1, 256, device=DEV), q5.to(DEV), mma=True)
     p = q8_case("Q4_0", 8, 256)
     with pytest.raises(ValueError):
         tq.q8_linear(torch.randn(17, 256, device=DEV), p.to(DEV))
@@ -288,7 +291,7 @@ def test_q8_refuses_what_it_cannot_run():
 @pytest.mark.skipif(not CUDA, reason="real shapes and autotuning need a GPU")
 @pytest.mark.parametrize("fmt,M,mma", [(f, M, mma) for f in ["gptq-int4-act", "Q4_0", "Q8_0", "Q4_K", "gptq-int8"]
                                        for M, mma in [(1, False), (3, False), (16, True), (7, True)]]
-                         + [("Q6_K", 1, False)])  # Q6_K takes int8 x at one row only
+                         + [("Q6_K", 1, False), ("Q5_K", 1, False), ("Q5_K", 3, False), ("Q5_0", 1, False)])
 def test_q8_real_shapes_autotuned(fmt, M, mma):
     p = q8_case(fmt, 1024, 4096)
     x = torch.randn(M, 4096, dtype=torch.bfloat16)

@@ -25,7 +25,7 @@ if [ "$PART" = 1 ]; then
   # the table: every format at M=1 and M=16 on its four shapes, autotuned (which config won is printed)
   step kernels 230 env TRITON_PRINT_AUTOTUNING=1 python -m dsq.bench.kernels_gpu --m 1 \
     --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
-    --formats int4-g128+q8,Q4_K+q8,Q6_K+q8,Q8_0+q8,fp8-channel,fp8-block --json "$OUT/kernels.json"
+    --formats int4-g128+q8,Q4_K+q8,Q5_K+q8,Q5_K,Q6_K+q8,Q8_0+q8,fp8-channel,fp8-block --json "$OUT/kernels.json"
   step kernels16 150 python -m dsq.bench.kernels_gpu --m 16 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
     --formats int4-g128,Q4_K,fp8-channel --json "$OUT/kernels16.json"
 else

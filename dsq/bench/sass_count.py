@@ -22,6 +22,8 @@ import re
 FORMATS = {
     "int4": dict(CODES=0, SUB=128, ZERO=2, sc="*fp16"),
     "q4k": dict(CODES=0, SUB=32, TWO_LEVEL=True, MINS=True, sc="*u8"),
+    "q5k": dict(CODES=0, HI_BITS=1, SUB=32, TWO_LEVEL=True, MINS=True, sc="*u8"),
+    "q5_0": dict(CODES=0, HI_BITS=1, SUB=32, ZERO=1, OFFSET=16, sc="*fp16"),
     "q6k": dict(CODES=0, HI_BITS=2, SUB=16, TWO_LEVEL=True, ZERO=1, OFFSET=32, sc="*i8"),
     "q8_0": dict(CODES=2, SUB=32, sc="*fp16"),
     "fp8": dict(CODES=3, SUB=1 << 20, sc="*fp32"),
