@@ -816,6 +816,19 @@ _gemm_tuned = _autotune(_GEMM_CONFIGS, ["N", "K", "M_BUCKET", *_FMT_KEYS],
                         prune_configs_by={"early_config_prune": _prune_gemm})(_gemm_bucketed)
 
 
+def autotune_choices() -> dict[str, dict[str, str]]:
+    """The autotuner's picks so far, per kernel and key ("N=28672, K=8192, CODES=0, ..."): for
+    benchmark records (two machines can pick differently for the same shape)."""
+    out = {}
+    for name, tuned in (("gemv_q8", _gemv_q8_tuned), ("gemv_q8 (2-4 rows)", _gemm_q8_tuned), ("gemv", _gemv_tuned),
+                        ("gemm", _gemm_tuned), ("gemm_q8mma", _gemm_q8mma_tuned)):
+        picks = {", ".join(f"{n}={v}" for n, v in zip(tuned.keys, key)): str(cfg)
+                 for key, cfg in getattr(tuned, "cache", {}).items()}
+        if picks:
+            out[name] = picks
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def _fp8_hw(device: torch.device) -> bool:
     """Whether the GPU converts e4m3 in hardware (cvt.rn.f16x2.e4m3x2: sm_89 and later); never

@@ -406,7 +406,7 @@ def main(argv=None) -> None:
 
     del model
     torch.cuda.empty_cache()
-    from dsq.kernels import dispatch
+    from dsq.kernels import dispatch, triton_qlinear
 
     for fmt in [f for f in a.formats.split(",") if f]:
         model, _ = random_model(a.shape)  # the same seeded weights as the bf16 runs
@@ -427,7 +427,7 @@ def main(argv=None) -> None:
                 profile_step(nm, a.prompt_tokens)
             roof = bw / nbytes
             r.update(name=f"native {fmt} {qv}", setup_s=setup_s, bytes_per_token=nbytes, roofline_tok_s=roof,
-                     logits_rel_err_vs_bf16=rel)
+                     logits_rel_err_vs_bf16=rel, autotuned=triton_qlinear.autotune_choices())
             rows.append(r)
             del nm
             # quantization error compounds over 32 random layers to O(1) against bf16, so the kernels
