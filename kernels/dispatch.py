@@ -19,8 +19,9 @@ from dsq.kernels import cpu, fp8_ref, gguf_ref, intq_ref, packed
 
 ACT_Q8 = os.environ.get("DSQ_ACT_Q8", "1") != "0"
 # Up to this many rows of x take the int8-activation kernels: on an H200 (int4, 28672x8192) the int8-x
-# kernel with MR rows (then _gemm_q8, now _gemv_q8 with MR) ran at 1.65-1.77x bf16 at M = 2 and 1.16x at 4 against the tl.dot GEMM's 0.77-0.83x, and lost at
-# 8 (0.61x vs 0.84x) and 16 (0.39x vs 0.78x) (docs/benchmarks.md)
+# kernel with MR rows (then _gemm_q8, now _gemv_q8 with MR) ran at 1.65-1.77x bf16 at M = 2 and 1.16x
+# at 4 against the tl.dot GEMM's 0.77-0.83x, and lost at 8 (0.61x vs 0.84x) and 16 (0.39x vs 0.78x)
+# (docs/benchmarks.md, session 4; the register-prefetch candidates are not yet measured there)
 Q8_MAX_ROWS = 4
 
 

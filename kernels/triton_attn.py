@@ -19,6 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from dsq.kernels.triton_qlinear import _sm_count
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -115,8 +116,7 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     rp = max(16, triton.next_power_of_2(rep))  # tl.dot's smallest M
     tiles = triton.cdiv(S, block)
     if nsplit is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        nsplit = max(1, min(tiles, triton.cdiv(2 * sms, B * HK)))
+        nsplit = max(1, min(tiles, triton.cdiv(2 * _sm_count(q.device), B * HK)))
     split = triton.cdiv(tiles, nsplit) * block
     nsplit = triton.cdiv(S, split)
     acc = torch.empty(B * HK * nsplit * rep, D, dtype=torch.float32, device=q.device)

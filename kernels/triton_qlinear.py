@@ -68,21 +68,21 @@ def _codes(lo_ptr, hi_ptr, rn4, w, i4, mask, s_lo, s_hi, CODES: tl.constexpr, HI
 @triton.jit
 def _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn2, e2, gmask, s_sc, s_d, s_zp, s_mn, s_dmin,
                   SUB: tl.constexpr, SC_ROWS: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
-                  OFFSET: tl.constexpr, MINS: tl.constexpr):
+                  OFFSET: tl.constexpr, MINS: tl.constexpr, EVEN: tl.constexpr = False):
     """Per scale group (rows rn2 (BN,1), first elements e2 (1,GT)): scale s, zero z and min m with
-    W = s * (c - z) - m."""
-    s = tl.load(sc_ptr + (rn2 // SC_ROWS) * s_sc + e2 // SUB, mask=gmask, other=0).to(tl.float32)
+    W = s * (c - z) - m. EVEN: gmask is all true, so the loads go unmasked (_ld)."""
+    s = _ld(sc_ptr + (rn2 // SC_ROWS) * s_sc + e2 // SUB, gmask, EVEN).to(tl.float32)
     if TWO_LEVEL:
-        s = s * tl.load(d_ptr + rn2 * s_d + e2 // 256, mask=gmask, other=0).to(tl.float32)
+        s = s * _ld(d_ptr + rn2 * s_d + e2 // 256, gmask, EVEN).to(tl.float32)
     z = tl.zeros_like(s)
     if ZERO == 1:
         z += OFFSET
     if ZERO == 2:
-        z = tl.load(zp_ptr + rn2 * s_zp + e2 // SUB, mask=gmask, other=0).to(tl.float32)
+        z = _ld(zp_ptr + rn2 * s_zp + e2 // SUB, gmask, EVEN).to(tl.float32)
     m = tl.zeros_like(s)
     if MINS:
-        m = (tl.load(dmin_ptr + rn2 * s_dmin + e2 // 256, mask=gmask, other=0).to(tl.float32)
-             * tl.load(mn_ptr + rn2 * s_mn + e2 // 32, mask=gmask, other=0).to(tl.float32))
+        m = (_ld(dmin_ptr + rn2 * s_dmin + e2 // 256, gmask, EVEN).to(tl.float32)
+             * _ld(mn_ptr + rn2 * s_mn + e2 // 32, gmask, EVEN).to(tl.float32))
     return s, z, m
 
 
@@ -410,20 +410,8 @@ def _q8_tile(xw_ptr, sx_ptr, xsum_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
         m = z
     else:
         xs = _xld(xsum_ptr + m3 * (K // 32) + b, bm, m3 < M, EVEN_K, MR)
-        gm = bm & (r2 < N)
-        e2 = b * 32
-        s = _ld(sc_ptr + r2 * s_sc + e2 // SUB, gm, EV).to(tl.float32)
-        if TWO_LEVEL:
-            s = s * _ld(d_ptr + r2 * s_d + e2 // 256, gm, EV).to(tl.float32)
-        z = tl.zeros_like(s)
-        if ZERO == 1:
-            z += OFFSET
-        if ZERO == 2:
-            z = _ld(zp_ptr + r2 * s_zp + e2 // SUB, gm, EV).to(tl.float32)
-        m = tl.zeros_like(s)
-        if MINS:
-            m = (_ld(dmin_ptr + r2 * s_dmin + e2 // 256, gm, EV).to(tl.float32)
-                 * _ld(mn_ptr + r2 * s_mn + e2 // 32, gm, EV).to(tl.float32))
+        s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r2, b * 32, bm & (r2 < N), s_sc, s_d, s_zp,
+                                s_mn, s_dmin, SUB, 1, TWO_LEVEL, ZERO, OFFSET, MINS, EV)
     return q, xe, xo, h, sx, xs, s, z, m
 
 
@@ -474,8 +462,8 @@ def _gemv_q8(xw_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, 
              PDL: tl.constexpr = False, MR: tl.constexpr = 1):
     """M rows of x (MR, a power of two >= M; MR = 1: the GEMV) as int8 per 32-element block
     (quantize_x_q8, llama.cpp's Q8_1 scheme): integer codes meet x in dp4a, four products per
-    instruction; each code word is loaded and split once for all rows of x. Tiles (BN rows, NB blocks, WB words of a
-    block); per row and block: dp = sum c xq (exact int32), then y += s (sx dp - z xsum) - m xsum
+    instruction; each code word is loaded and split once for all rows of x. Tiles (BN rows, NB
+    blocks, WB words of a block); per row and block: dp = sum c xq (exact int32), then y += s (sx dp - z xsum) - m xsum
     with xsum = sx sum xq: exactly W (xq sx), packed.linear_ref_q8. EVEN_K (K % BK == 0) and
     EVEN_N (N % BN == 0): no masks, so code and x words are copied 16 bytes at a time (a K mask
     has the constancy of K's divisibility, which halved the copies' width) and no load zeroes its
@@ -771,15 +759,15 @@ _Q8_CONFIGS = ([triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)  
                + [triton.Config({"BN": bn, "BK": bk, "STAGES": 1, "PREFETCH": True, "PERSIST": pe}, num_warps=w)
                   for bn, bk, w, pe in [(1, 1024, 1, 0), (2, 1024, 1, 0), (4, 1024, 1, 0), (1, 2048, 1, 0),
                                         (2, 2048, 1, 0), (2, 1024, 1, 32), (1, 2048, 1, 32), (1, 2048, 1, 16)]])
-_gemv_q8_tuned = _autotune(_Q8_CONFIGS, ["N", "K", "CODES", "HI_BITS", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(_even_kn(_gemv_q8))
+_Q8_KEYS = ["N", "K", "MR", "CODES", "HI_BITS", "SUB", "TWO_LEVEL", "ZERO", "MINS"]
+_gemv_q8_tuned = _autotune(_Q8_CONFIGS, _Q8_KEYS)(_even_kn(_gemv_q8))
 _Q8M_CONFIGS = ([triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
                  for bn, bk, w, st in [(4, 256, 1, 3), (8, 256, 2, 3), (4, 512, 1, 2), (16, 256, 4, 3),
                                        (8, 128, 1, 3), (2, 512, 1, 3)]]
                 # the M=1 winners' register prefetch, not yet measured at 2-4 rows
                 + [triton.Config({"BN": bn, "BK": bk, "STAGES": 1, "PREFETCH": True, "PERSIST": pe}, num_warps=w)
                    for bn, bk, w, pe in [(1, 1024, 1, 0), (2, 1024, 1, 0), (4, 1024, 1, 0), (1, 2048, 1, 32)]])
-_gemm_q8_tuned = _autotune(_Q8M_CONFIGS, ["N", "K", "MR", "CODES", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(
-    _even_kn(_gemv_q8))  # the same kernel with MR rows of x
+_gemm_q8_tuned = _autotune(_Q8M_CONFIGS, _Q8_KEYS)(_even_kn(_gemv_q8))  # the same kernel with MR rows of x
 
 
 _MMA_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
@@ -932,8 +920,7 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     if pdl:
         flags.update(PDL=True, launch_pdl=True)
     args = (xw, sx, xs, y, b, *planes, M, p.N, p.K, y.stride(0), *strides)
-    if M > 1:
-        flags["MR"] = 1 << (M - 1).bit_length()
+    flags["MR"] = 1 << (M - 1).bit_length()  # 1 for one row; an autotune key
     if tune:
         (_gemv_q8_tuned if M == 1 else _gemm_q8_tuned)[grid](*args, **flags)
     else:

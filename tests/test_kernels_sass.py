@@ -28,8 +28,8 @@ def _loop_ops(kernel: str, fmt: str, warps: int, modifiers: bool = False, **cons
 
 def test_even_k_copies_whole_16_byte_words():
     """Without a K mask (EVEN_K) the int8-x GEMV copies its code words 16 bytes at a time: twice the
-    16-byte copies and fewer copies in all than the masked loop (a K mask has the constancy of K's divisibility, which
-    split every copy in two: 58 -> 43 us at 28672x8192 on an H200)."""
+    16-byte copies and fewer copies in all than the masked loop (a K mask has the constancy of K's
+    divisibility, which split every copy in two: 58 -> 43 us at 28672x8192 on an H200)."""
     ops = {even: _loop_ops("gemv_q8", "int4", 1, True, BN=2, BK=2048, STAGES=2, EVEN_K=even, EVEN_N=False)
            for even in (False, True)}
     wide = {e: sum(n for op, n in o.items() if op.startswith("LDGSTS") and op.endswith(".128")) for e, o in ops.items()}
@@ -80,5 +80,4 @@ def test_pdl_prefetches_weights_then_waits_for_x():
     body = ptx[True]
     wait = body.index("griddepcontrol.wait")
     assert body.index("prefetch.global.L2") < wait
-    first_load = min(i for i in (body.find("ld.global"),) if i >= 0)
-    assert wait < first_load, "a load before the wait could read x before the previous kernel wrote it"
+    assert wait < body.index("ld.global"), "a load before the wait could read x before the previous kernel wrote it"

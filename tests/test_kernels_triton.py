@@ -319,8 +319,8 @@ def test_dispatch_takes_int8_x_up_to_its_row_limit(M):
 def test_autotune_choices_name_each_key(monkeypatch):
     """The autotuner's picks as benchmark records write them: kernel -> "N=.., K=.., ..." -> config."""
     tuned = tq._gemv_q8_tuned
-    monkeypatch.setattr(tuned, "cache", {(28672, 8192, 0, 0, 128, False, 2, False, "torch.int32"):
+    monkeypatch.setattr(tuned, "cache", {(28672, 8192, 1, 0, 0, 128, False, 2, False, "torch.int32"):
                                          tq.triton.Config({"BN": 1, "BK": 2048, "PERSIST": 32}, num_warps=1)})
     picks = tq.autotune_choices()["gemv_q8"]
     (key, cfg), = picks.items()
-    assert key.startswith("N=28672, K=8192, CODES=0, HI_BITS=0, SUB=128") and "PERSIST: 32" in cfg
+    assert key.startswith("N=28672, K=8192, MR=1, CODES=0, HI_BITS=0, SUB=128") and "PERSIST: 32" in cfg

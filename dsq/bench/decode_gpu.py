@@ -310,7 +310,8 @@ def main(argv=None) -> None:
                     help="how the quantized models run: graph+fused, compile+graph+fused (torch.compile around the "
                          "Triton kernels, which stay opaque operators); +fx: float x at M=1 instead of the "
                          "int8-activation GEMV")
-    ap.add_argument("--profile", action="store_true", help="kernel-time breakdown of a decode step (compiled bf16 variants, every quantized one)")
+    ap.add_argument("--profile", action="store_true",
+                    help="kernel-time breakdown of a decode step (compiled bf16 variants, every quantized one)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
 

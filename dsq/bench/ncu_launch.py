@@ -4,7 +4,8 @@
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \\
         --section MemoryWorkloadAnalysis -k regex:"_gemv|_gemm|_quant_x" python -m dsq.bench.ncu_launch [--m 16]
 
-M = 1: the int8-x GEMV (int4, Q8_0), the float-x GEMV (int4, FP8) and cuBLAS bf16 beside them;
+M = 1: the int8-x GEMV (int4 with register prefetch on a persistent grid, session 5's winner, and
+pipelined through shared memory; Q8_0), the float-x GEMV (int4, FP8) and cuBLAS bf16 beside them;
 M = 16: the tensor-core int8 kernel and the tl.dot GEMM (int4). Shape: --shape N x K (28672x8192).
 """
 
@@ -26,7 +27,8 @@ def main(argv=None) -> None:
     N, K = (int(v) for v in a.shape.split("x"))
     x = torch.randn(a.m, K, device="cuda", dtype=torch.bfloat16)
     if a.m == 1:
-        runs = [("int4-g128", T.q8_linear, dict(BN=2, BK=2048, STAGES=2, num_warps=1)),
+        runs = [("int4-g128", T.q8_linear, dict(BN=1, BK=2048, STAGES=1, PREFETCH=True, PERSIST=32, num_warps=1)),
+                ("int4-g128", T.q8_linear, dict(BN=2, BK=2048, STAGES=2, num_warps=1)),  # session 4's pipeline
                 ("Q8_0", T.q8_linear, dict(BN=4, BK=1024, STAGES=2, num_warps=1)),
                 ("int4-g128", T.packed_linear, dict(BN=8, BK=1024, STAGES=3, num_warps=2)),
                 ("fp8-channel", T.packed_linear, dict(BN=8, BK=1024, STAGES=3, num_warps=2))]

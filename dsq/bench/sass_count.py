@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import re
 
 # the formats' compile-time flags and scale-plane pointer type (kernels/packed.py Fmt)
@@ -32,8 +33,7 @@ _PTRS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "bias_ptr": "*bf16", "xw_ptr": "*i3
          "sx_ptr": "*fp32", "xsum_ptr": "*fp32", "lo_ptr": "*i32", "hi_ptr": "*i32", "d_ptr": "*fp16",
          "zp_ptr": "*u8", "mn_ptr": "*u8", "dmin_ptr": "*fp16"}
 _DEFAULTS = dict(CODES=0, HI_BITS=0, SUB=128, SC_ROWS=1, TWO_LEVEL=False, ZERO=0, OFFSET=0, MINS=False,
-                 HAS_BIAS=False, USE_ASM=True, EVEN_K=True, EVEN_N=True, PREFETCH=False, PERSIST=0,
-                 FP8_HW=True)
+                 HAS_BIAS=False, USE_ASM=True, EVEN_K=True, EVEN_N=True, FP8_HW=True)  # the others: the signature's
 
 
 def compile_sm90(kernel: str, fmt: str, warps: int, **const):
@@ -49,8 +49,6 @@ def compile_sm90(kernel: str, fmt: str, warps: int, **const):
     sc = f.pop("sc")
     names = list(fn.arg_names)
     constexprs = {p.name for p in fn.params if p.is_constexpr}
-    import inspect
-
     sig_defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
                     if p.default is not inspect.Parameter.empty}  # constexprs with defaults (PDL, ...)
     values = {**sig_defaults, **_DEFAULTS, **f, **const}
