@@ -1,8 +1,10 @@
 """Choose the implementation for a quantized op by device, format and shape.
 
 - CUDA: the Triton kernels over the packed layout (kernels/triton_qlinear.py) when Triton imports.
-  Up to Q8_MAX_ROWS rows of x (decode) with integer codes take the int8-activation kernels (x
-  rounded to int8 per 32 elements as llama.cpp does, packed.linear_ref_q8) unless DSQ_ACT_Q8=0.
+  `gpu_kernel` decides: MMA_MIN_ROWS..16 rows of bf16/fp16 x against int4 grouped codes (AWQ/GPTQ)
+  take the tensor-core kernel (kernels/triton_mma.py) unless DSQ_MMA=0; up to Q8_MAX_ROWS rows of
+  x (decode) with integer codes take the int8-activation kernels (x rounded to int8 per 32
+  elements as llama.cpp does, packed.linear_ref_q8) unless DSQ_ACT_Q8=0; the rest the float-x ones.
 - CPU: the C kernels (kernels/csrc) when they were built.
 - Anything else, or DSQ_KERNELS=reference: the torch reference with the same signature.
 Shape is decided inside each kernel family (GEMV at M=1, tiles and tl.dot / blocked rows above).
@@ -23,6 +25,11 @@ ACT_Q8 = os.environ.get("DSQ_ACT_Q8", "1") != "0"
 # at 4 against the tl.dot GEMM's 0.77-0.83x, and lost at 8 (0.61x vs 0.84x) and 16 (0.39x vs 0.78x)
 # (docs/benchmarks.md, session 4; the register-prefetch candidates are not yet measured there)
 Q8_MAX_ROWS = 4
+MMA = os.environ.get("DSQ_MMA", "1") != "0"
+# From this many rows of x int4 grouped codes take the bf16 tensor-core kernel (triton_mma): on an H200
+# it beat the int8-x kernel at 4 rows on the four decode shapes (11.4-57.6 us against 12.6-92.3) and
+# lost to it at 2 (docs/benchmarks.md, session 6)
+MMA_MIN_ROWS = 3
 
 
 # _reference() runs ~200 times a CPU decode step: read os.environ's own dict (what os.environ.get
@@ -190,11 +197,28 @@ def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None =
     if x.device.type == "cuda" and not _reference() and _triton_ok():
         from dsq.kernels import triton_qlinear
 
-        if ACT_Q8 and x.numel() <= Q8_MAX_ROWS * p.K and packed.q8_ok(p, x.numel() // p.K):
+        kind = gpu_kernel(p, x.numel() // p.K, x.dtype)
+        if kind == "mma":
+            from dsq.kernels import triton_mma
+
+            return triton_mma.mma_linear(x, p, bias)
+        if kind == "q8":
             return triton_qlinear.q8_linear(x, p, bias)
         if triton_qlinear.supported(p, x):
             return triton_qlinear.packed_linear(x, p, bias)
     return packed.linear_ref(x, p, bias)
+
+
+def gpu_kernel(p: packed.Packed, rows: int, dtype: torch.dtype) -> str:
+    """Which Triton kernel family takes `rows` rows of x on a GPU: "mma" (bf16 tensor cores, a few
+    rows, int4 grouped codes), "q8" (int8 x, up to Q8_MAX_ROWS rows) or "float" (the others)."""
+    from dsq.kernels import triton_mma
+
+    if MMA and MMA_MIN_ROWS <= rows and dtype in (torch.bfloat16, torch.float16) and triton_mma.supported(p, rows):
+        return "mma"
+    if ACT_Q8 and rows <= Q8_MAX_ROWS and packed.q8_ok(p, rows):
+        return "q8"
+    return "float"
 
 
 def implementation(device: str = "cpu", qtype: str = "Q4_K") -> str:

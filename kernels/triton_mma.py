@@ -1,0 +1,319 @@
+"""Tensor cores for a few rows of x (batched decode, speculative verification: M = 2..16) against
+4-bit grouped codes (AWQ/GPTQ int4, act-order included, groups of 64 elements or more): `mma_linear`.
+
+Why a kernel of its own: dequantizing a weight tile to bf16 and handing it to `tl.dot` the usual
+way (`_gemm` in triton_qlinear.py) sends every dequantized weight through shared memory to reach
+the tensor cores' operand layout, about 4 bytes of shared-memory traffic a weight, more than an
+SM moves while HBM delivers one int4 weight (0.78x bf16 at M = 16 on an H200). Here:
+
+- **swap AB**: y^T (BN, MP) = W (BN, K) x^T (K, MP). Weight rows fill the MMA's long side (64 rows
+  a warpgroup: wgmma, whose A operand may come from registers), the few rows of x its short side
+  (MP = 8 or 16). Only the packed codes (0.5 byte a weight) and x pass through shared memory.
+- **codes to bf16 without a conversion**: a nibble written under bf16 128.0's bits (0x4300 | c) is
+  128 + c. One 32-bit register holds two 16-bit code words (four nibbles each) of one row, so one
+  `lop3` (and a shift) makes two bf16 operands: sub-dot i takes nibble i of every code word.
+- **x in the sub-dots' order**: `_prep_x` writes x permuted within each 64 elements so that sub-dot
+  i's operand is contiguous (x_p[64c + 16i + j] = x[64c + 4j + i]), through the act-order
+  permutation if any, and each scale group's sum xs. Then
+      y[m, n] = sum_g s[n, g] * (sum_{k in g} (128 + c[n, k]) x[m, k] - (128 + z[n, g]) xs[m, g]),
+  the offset and zero point folded into one product per group, after the group's MMAs.
+
+Computes packed.linear_ref with bf16 products and float32 sums (the tensor cores); x float32 is
+rounded to bf16 first. Runs under TRITON_INTERPRET=1 (float32 dots, no inline PTX) for the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from dsq.kernels.packed import NIB, Z_ARRAY, Z_CONST, Packed
+from dsq.kernels.triton_qlinear import INTERPRET, _autotune
+
+MAX_ROWS = 16
+CHUNK = 64  # x's permutation period: four sub-dots of 16 code words (K 16 each: one MMA step)
+
+
+def supported(p: Packed, rows: int) -> bool:
+    """4-bit codes without high bits, plain scales (no K-quant mins or super-scales), groups of 64,
+    128 or 256 elements or one a row, K a multiple of 64, 1..16 rows."""
+    f = p.fmt
+    group_ok = f.sub >= p.K or f.sub in (64, 128, 256)
+    return (1 <= rows <= MAX_ROWS and f.codes == NIB and f.hi_bits == 0 and not f.two_level and not f.mins
+            and f.sc_rows == 1 and p.K % CHUNK == 0 and group_ok)
+
+
+INTERPRET_K = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _bf16(v):
+    """v rounded to bf16 to nearest even, as torch does (the interpreter's own conversion truncates)."""
+    if INTERPRET_K and v.dtype == tl.float32:
+        b = v.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        return b.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _prep_x(x_ptr, perm_ptr, xp_ptr, xs_ptr, K, s_x, GS, HAS_PERM: tl.constexpr):
+    """Row program_id(1) of x (stride s_x), group program_id(0) (GS elements): x_p (bf16, row
+    stride K) permuted within each 64 (x_p[64c + 16i + j] = x[64c + 4j + i]), read through perm
+    (act-order), and the group's sum of the rounded values into xs (float32, K / GS a row)."""
+    row = tl.program_id(1)
+    g = tl.program_id(0)
+    o = tl.arange(0, 64)
+    src = 4 * (o % 16) + o // 16
+    x_ptr += row * s_x
+    xp_ptr += row * K
+    tot = tl.zeros((64,), dtype=tl.float32)
+    for c0 in range(g * GS, g * GS + GS, 64):
+        e = c0 + src
+        if HAS_PERM:
+            e = tl.load(perm_ptr + e)
+        v = _bf16(tl.load(x_ptr + e))
+        tl.store(xp_ptr + c0 + o, v)
+        tot += v.to(tl.float32)
+    tl.store(xs_ptr + row * (K // GS) + g, tl.sum(tot, axis=0))
+
+
+@triton.jit
+def _nib_bf16(h, NIB_I: tl.constexpr, USE_ASM: tl.constexpr):
+    """Nibble NIB_I of each 16-bit code word h as bf16 128 + c: in PTX two words a register, one
+    lop3 (c & 15 | 0x4300 on both halves) after a shift."""
+    if USE_ASM:
+        if NIB_I == 0:
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xea;", "=r,r", [h],
+                                             dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif NIB_I == 1:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $1, 4; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xea; }", "=r,r", [h],
+                dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif NIB_I == 2:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $1, 8; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xea; }", "=r,r", [h],
+                dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $1, 12; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xea; }", "=r,r", [h],
+                dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        return (((h >> (4 * NIB_I)) & 15) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _tile_dot(lo_ptr, xp_ptr, rn, rm, nm, mm, jh, jx, kg, K, s_lo, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+              USE_ASM: tl.constexpr):
+    """The (BN, MP) products of one tile: its code words (BN, T/4) from elements kg on, four
+    independent sub-dots (none waits for another's result), summed."""
+    wm = nm[:, None]
+    xm = mm[None, :]
+    if not EVEN_K:  # elements past K (K is a multiple of 64: whole sub-dot rows)
+        wm = wm & (kg + 4 * jh[None, :] < K)
+        xm = xm & (kg + jx[:, None] < K)
+    if EVEN_N and EVEN_K:
+        h = tl.load(lo_ptr + rn[:, None] * s_lo + kg // 4 + jh[None, :])
+    else:
+        h = tl.load(lo_ptr + rn[:, None] * s_lo + kg // 4 + jh[None, :], mask=wm, other=0)
+    xq = xp_ptr + rm[None, :] * K + kg + jx[:, None]
+    return ((_sub_dot(h, xq, xm, 0, USE_ASM) + _sub_dot(h, xq, xm, 1, USE_ASM))
+            + (_sub_dot(h, xq, xm, 2, USE_ASM) + _sub_dot(h, xq, xm, 3, USE_ASM)))
+
+
+@triton.jit
+def _sub_dot(h, xq, xm, NIB_I: tl.constexpr, USE_ASM: tl.constexpr):
+    """Nibble NIB_I of the code words h (BN, T/4) against x's rows for it (pointers xq + 16 NIB_I)."""
+    a = _nib_bf16(h, NIB_I, USE_ASM)
+    xt = tl.load(xq + NIB_I * 16, mask=xm, other=0)
+    if USE_ASM:
+        return tl.dot(a, xt)
+    return tl.dot(a.to(tl.float32), xt.to(tl.float32), input_precision="ieee")  # the interpreter's bf16 dot is inexact
+
+
+@triton.jit
+def _fence(t, USE_ASM: tl.constexpr):
+    """A GPU-scope acquire/release fence by every thread (t: any tensor, one fence per element
+    held), ordering this program's partial sums around the split counter. The interpreter runs
+    programs one after another: nothing to order."""
+    if USE_ASM:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [t.to(tl.int32, bitcast=True)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _mma_t(xp_ptr, xs_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, zp_ptr, ws_ptr, cnt_ptr, M, N, K, s_ym, s_lo, s_sc,
+           s_zp, ZERO: tl.constexpr, OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+           GS: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+           SPLIT: tl.constexpr = 1, NG: tl.constexpr = 1, EVEN_N: tl.constexpr = False,
+           EVEN_K: tl.constexpr = False):
+    """y (M, N) for BN weight rows a program, over K / SPLIT of the inputs (program_id(1)), NG (1 or
+    2) tiles an iteration, each a scale group of GS elements (GS 0: one group a row, applied at the
+    end; tiles of BK). Split ranges are whole iterations.
+    lo_ptr: the codes as 16-bit words (row stride s_lo words); xp_ptr/xs_ptr: _prep_x's (xs: K / GS
+    sums a row, or one). SPLIT > 1: each program leaves its partial sums in ws (SPLIT, MP, N) and
+    counts itself in cnt[row tile]; the last to arrive adds them up, writes y and zeroes the count."""
+    ONE: tl.constexpr = GS == 0
+    T: tl.constexpr = BK if ONE else GS  # elements between scale applications
+    pid_n = tl.program_id(0)
+    rn = pid_n * BN + tl.arange(0, BN)
+    nm = rn < N
+    rm = tl.arange(0, MP)
+    mm = rm < M
+    jh = tl.arange(0, T // 4)  # the tile's code words
+    jx = (jh // 16) * 64 + jh % 16  # where sub-dot 0's operand row of each word lies in x_p
+    G = 1 if ONE else K // GS
+    k_lo = 0
+    k_hi = K
+    if SPLIT > 1:
+        per = tl.cdiv(tl.cdiv(K, T * NG), SPLIT) * T * NG
+        k_lo = tl.program_id(1) * per
+        k_hi = tl.minimum(k_lo + per, K)
+    acc = tl.zeros((BN, MP), dtype=tl.float32)
+    if not ONE:  # the first groups' parameters; each iteration loads the next ones' (latency hidden)
+        s_n, z_n, xs_n = _group(sc_ptr, zp_ptr, xs_ptr, rn, rm, nm, mm, k_lo // GS, G, s_sc, s_zp, ZERO, OFFSET)
+        s_m, z_m, xs_m = s_n, z_n, xs_n
+        if NG == 2:
+            s_m, z_m, xs_m = _group(sc_ptr, zp_ptr, xs_ptr, rn, rm, nm, mm, k_lo // GS + 1, G, s_sc, s_zp, ZERO,
+                                    OFFSET)
+    for kg in tl.range(k_lo, k_hi, T * NG, num_stages=STAGES):
+        d = _tile_dot(lo_ptr, xp_ptr, rn, rm, nm, mm, jh, jx, kg, K, s_lo, EVEN_N, EVEN_K, USE_ASM)
+        if NG == 2:
+            d2 = _tile_dot(lo_ptr, xp_ptr, rn, rm, nm, mm, jh, jx, kg + T, K, s_lo, EVEN_N, EVEN_K, USE_ASM)
+        if ONE:
+            acc += d
+            if NG == 2:
+                acc += d2
+        else:
+            s, z, xs = s_n, z_n, xs_n
+            s_n, z_n, xs_n = _group(sc_ptr, zp_ptr, xs_ptr, rn, rm, nm, mm, kg // GS + NG, G, s_sc, s_zp, ZERO,
+                                    OFFSET)
+            acc += s[:, None] * (d - z[:, None] * xs[None, :])
+            if NG == 2:
+                s, z, xs = s_m, z_m, xs_m
+                s_m, z_m, xs_m = _group(sc_ptr, zp_ptr, xs_ptr, rn, rm, nm, mm, kg // GS + 3, G, s_sc, s_zp, ZERO,
+                                        OFFSET)
+                acc += s[:, None] * (d2 - z[:, None] * xs[None, :])
+    if SPLIT == 1:
+        _mma_store(acc, y_ptr, bias_ptr, xs_ptr, sc_ptr, zp_ptr, rn, rm, nm, mm, s_ym, s_sc, s_zp, ZERO, OFFSET,
+                   HAS_BIAS, ONE)
+    else:
+        ws = ws_ptr + rm[None, :] * N + rn[:, None]
+        tl.store(ws + tl.program_id(1) * MP * N, acc, mask=nm[:, None])
+        _fence(acc, USE_ASM)
+        if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:  # the last one here
+            _fence(acc, USE_ASM)
+            tot = tl.zeros((BN, MP), dtype=tl.float32)
+            for k in tl.static_range(SPLIT):
+                tot += tl.load(ws + k * MP * N, mask=nm[:, None], other=0, cache_modifier=".cg")
+            tl.store(cnt_ptr + pid_n, 0)
+            _mma_store(tot, y_ptr, bias_ptr, xs_ptr, sc_ptr, zp_ptr, rn, rm, nm, mm, s_ym, s_sc, s_zp, ZERO, OFFSET,
+                       HAS_BIAS, ONE)
+
+
+@triton.jit
+def _mma_store(acc, y_ptr, bias_ptr, xs_ptr, sc_ptr, zp_ptr, rn, rm, nm, mm, s_ym, s_sc, s_zp, ZERO: tl.constexpr,
+               OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, ONE: tl.constexpr):
+    """y^T tile = acc (ONE: the row's single scale and zero point applied here) + bias."""
+    if ONE:
+        xs = tl.load(xs_ptr + rm, mask=mm, other=0)
+        s, z = _scale_zero(sc_ptr, zp_ptr, rn, 0, nm, s_sc, s_zp, ZERO, OFFSET)
+        acc = s[:, None] * (acc - z[:, None] * xs[None, :])
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=nm, other=0).to(tl.float32)[:, None]
+    tl.store(y_ptr + rm[None, :] * s_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=mm[None, :] & nm[:, None])
+
+
+@triton.jit
+def _group(sc_ptr, zp_ptr, xs_ptr, rn, rm, nm, mm, gi, G, s_sc, s_zp, ZERO: tl.constexpr, OFFSET: tl.constexpr):
+    """Group gi's scale and zero point (+128) per row rn and x sums per row rm; zeros past G."""
+    s, z = _scale_zero(sc_ptr, zp_ptr, rn, gi, nm & (rn * 0 + gi < G), s_sc, s_zp, ZERO, OFFSET)
+    xs = tl.load(xs_ptr + rm * G + gi, mask=mm & (rm * 0 + gi < G), other=0)  # tensor masks: the interpreter's
+    return s, z, xs
+
+
+@triton.jit
+def _scale_zero(sc_ptr, zp_ptr, rn, gi, gm, s_sc, s_zp, ZERO: tl.constexpr, OFFSET: tl.constexpr):
+    """Group gi's scale s and zero point plus the codes' 128 offset z, rows rn (mask gm)."""
+    s = tl.load(sc_ptr + rn * s_sc + gi, mask=gm, other=0).to(tl.float32)
+    if ZERO == 2:
+        z = tl.load(zp_ptr + rn * s_zp + gi, mask=gm, other=0).to(tl.float32) + 128.0
+    elif ZERO == 1:
+        z = tl.full(s.shape, 128.0 + OFFSET, tl.float32)
+    else:
+        z = tl.full(s.shape, 128.0, tl.float32)
+    return s, z
+
+
+# BK: the tile when a row is one scale group (GS 0); else a tile is a group. The winners of an H200 sweep (docs/benchmarks.md, session 6) on the four decode shapes at 4, 8 and
+# 16 rows: BN 64/128 with 4 warps use wgmma (a warpgroup, the codes from registers), with 2 warps
+# mma.sync. SPLIT: programs along K, for short N and long K (4096 x 14336, 4096 x 4096); NG 2: two
+# scale groups an iteration (longer runs of each row's codes a step)
+_CONFIGS = [triton.Config({"BN": bn, "BK": 128, "STAGES": st, "SPLIT": sp, "NG": ng}, num_warps=w)
+            for bn, w, st, sp, ng in [(128, 4, 4, 1, 1), (64, 4, 3, 1, 1), (64, 4, 3, 1, 2), (64, 2, 3, 1, 2),
+                                      (128, 2, 3, 1, 2), (64, 4, 3, 4, 1), (64, 4, 3, 4, 2), (128, 4, 3, 4, 2),
+                                      (64, 4, 3, 2, 2)]]
+MAX_SPLIT = 4
+
+
+def _step(a) -> int:
+    """Elements of K an iteration: NG tiles of a scale group (or of BK)."""
+    return (a["GS"] or a["BK"]) * a.get("NG", 1)
+
+
+_even = triton.heuristics({"EVEN_K": lambda a: a["K"] % _step(a) == 0, "EVEN_N": lambda a: a["N"] % a["BN"] == 0})
+
+
+_mma_t_tuned = _autotune(_CONFIGS, ["N", "K", "MP", "GS", "ZERO"])(_even(_mma_t))
+_scratch: dict = {}
+
+
+def _split_scratch(device: torch.device, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial sums (MAX_SPLIT, 16, N) float32 and per-row-tile counts (zero between calls: the
+    last program of a tile zeroes its count), kept per device and grown when N grows. Inside a
+    CUDA graph capture a too-small one is not grown but made for the graph (zeroed in it)."""
+    ws_n, cnt_n = MAX_SPLIT * MAX_ROWS * N, triton.cdiv(N, 16)
+    have = _scratch.get(device)
+    if have is not None and have[0].numel() >= ws_n and have[1].numel() >= cnt_n:
+        return have
+    ws = torch.empty(ws_n, dtype=torch.float32, device=device)
+    cnt = torch.zeros(cnt_n, dtype=torch.int32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _scratch[device] = (ws, cnt)
+    return ws, cnt
+
+
+def mma_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) for 1 to 16 rows of x (formats: `supported`), y in x's dtype. `config`
+    (BN, BK, STAGES[, SPLIT, NG, num_warps]) fixes the tiles (no autotuning)."""
+    x1 = x.reshape(-1, p.K)
+    if x1.stride(-1) != 1:
+        x1 = x1.contiguous()
+    M = x1.shape[0]
+    if not supported(p, M):
+        raise ValueError("mma_linear takes 1-16 rows and 4-bit codes in groups of 64, 128 or 256 (K % 64 == 0)")
+    f = p.fmt
+    GS = f.sub if f.sub < p.K else 0  # 0: one group a row
+    xp = torch.empty(M, p.K, dtype=torch.bfloat16, device=x.device)
+    xs = torch.empty(M, p.K // (GS or p.K), dtype=torch.float32, device=x.device)
+    _prep_x[(p.K // (GS or p.K), M)](x1, p.perm if p.perm is not None else x1, xp, xs, p.K, x1.stride(0), GS or p.K,
+                                     HAS_PERM=p.perm is not None)
+    y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
+    lo = p.lo.view(torch.int16)
+    zp = p.zp if p.zp is not None else p.sc
+    ws, cnt = _split_scratch(x.device, p.N)
+    args = (xp, xs, y, bias if bias is not None else y, lo, p.sc, zp, ws, cnt, M, p.N, p.K, y.stride(0), lo.stride(0),
+            p.sc.stride(0), zp.stride(0))
+    flags = {"ZERO": f.zero if f.zero in (Z_CONST, Z_ARRAY) else 0, "OFFSET": f.offset, "HAS_BIAS": bias is not None,
+             "USE_ASM": not INTERPRET, "GS": GS, "MP": 8 if M <= 8 else 16}
+    if config is None and not INTERPRET:
+        _mma_t_tuned[lambda meta: (triton.cdiv(p.N, meta["BN"]), meta["SPLIT"])](*args, **flags)
+    else:
+        cfg = {"BN": 16, "BK": GS or 128, "STAGES": 1, "SPLIT": 1, "NG": 1, **(config or {})}
+        if not 1 <= cfg["SPLIT"] <= MAX_SPLIT:
+            raise ValueError(f"SPLIT is 1 to {MAX_SPLIT}")
+        cfg.setdefault("EVEN_K", p.K % _step({**flags, **cfg}) == 0)
+        cfg.setdefault("EVEN_N", p.N % cfg["BN"] == 0)
+        _mma_t[(triton.cdiv(p.N, cfg["BN"]), cfg["SPLIT"])](*args, **flags, **cfg)
+    return y.reshape(*x.shape[:-1], p.N)
