@@ -807,9 +807,11 @@ _gemm_tuned = _autotune(_GEMM_CONFIGS, ["N", "K", "M_BUCKET", *_FMT_KEYS],
 def autotune_choices() -> dict[str, dict[str, str]]:
     """The autotuner's picks so far, per kernel and key ("N=28672, K=8192, CODES=0, ..."): for
     benchmark records (two machines can pick differently for the same shape)."""
+    from dsq.kernels import triton_mma
+
     out = {}
     for name, tuned in (("gemv_q8", _gemv_q8_tuned), ("gemv_q8 (2-4 rows)", _gemm_q8_tuned), ("gemv", _gemv_tuned),
-                        ("gemm", _gemm_tuned), ("gemm_q8mma", _gemm_q8mma_tuned)):
+                        ("gemm", _gemm_tuned), ("gemm_q8mma", _gemm_q8mma_tuned), ("mma_t", triton_mma._mma_t_tuned)):
         picks = {", ".join(f"{n}={v}" for n, v in zip(tuned.keys, key)): str(cfg)
                  for key, cfg in getattr(tuned, "cache", {}).items()}
         if picks:
