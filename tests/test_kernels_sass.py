@@ -81,3 +81,15 @@ def test_pdl_prefetches_weights_then_waits_for_x():
     wait = body.index("griddepcontrol.wait")
     assert body.index("prefetch.global.L2") < wait
     assert wait < body.index("ld.global"), "a load before the wait could read x before the previous kernel wrote it"
+
+
+def test_tensor_core_kernel_takes_the_codes_from_registers():
+    """triton_mma's loop at 16 rows (BN 128, one warpgroup): wgmma (HGMMA) with the dequantized codes
+    as the register operand, so nothing is stored to shared memory in the loop (the tl.dot GEMM
+    sent every dequantized bf16 weight through it); codes to bf16 with at most one LOP3 and one
+    shift per two weights (LOP3 + SHF per weight element and thread <= 0.9)."""
+    BN, GS, warps = 128, 128, 4
+    ops = _loop_ops("mma_t", "int4", warps, BN=BN, BK=128, STAGES=4, GS=GS, MP=16)
+    per_thread = BN * GS / (32 * warps)
+    assert ops.get("HGMMA", 0) >= 4 and ops.get("STS", 0) <= 2, ops
+    assert (ops.get("LOP3", 0) + ops.get("SHF", 0)) / per_thread <= 0.9, ops

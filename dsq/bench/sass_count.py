@@ -5,6 +5,7 @@
     python -m dsq.bench.sass_count gemv_q8 int4 --BN 4 --BK 1024 --warps 1 --stages 1 --set PREFETCH=1
     python -m dsq.bench.sass_count gemv_rows fp8 --BN 8 --BK 1024 --warps 2 --stages 3 [--set FP8_HW=1]
     python -m dsq.bench.sass_count gemm_q8mma int4 --BN 64 --BK 128 --warps 4 --stages 3
+    python -m dsq.bench.sass_count mma_t int4 --BN 128 --BK 128 --warps 4 --stages 4 --set GS=128 --set MP=16
 
 Prints the loop's instruction count, per weight element and thread, the shared memory, the
 copies' vector widths (Triton's `contiguity`), the most frequent opcodes and the registers a
@@ -31,7 +32,8 @@ FORMATS = {
 }
 _PTRS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "bias_ptr": "*bf16", "xw_ptr": "*i32", "xq_ptr": "*i8",
          "sx_ptr": "*fp32", "xsum_ptr": "*fp32", "lo_ptr": "*i32", "hi_ptr": "*i32", "d_ptr": "*fp16",
-         "zp_ptr": "*u8", "mn_ptr": "*u8", "dmin_ptr": "*fp16"}
+         "zp_ptr": "*u8", "mn_ptr": "*u8", "dmin_ptr": "*fp16", "xp_ptr": "*bf16", "xs_ptr": "*fp32",
+         "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 _DEFAULTS = dict(CODES=0, HI_BITS=0, SUB=128, SC_ROWS=1, TWO_LEVEL=False, ZERO=0, OFFSET=0, MINS=False,
                  HAS_BIAS=False, USE_ASM=True, EVEN_K=True, EVEN_N=True, FP8_HW=True)  # the others: the signature's
 
@@ -42,9 +44,9 @@ def compile_sm90(kernel: str, fmt: str, warps: int, **const):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from dsq.kernels import triton_qlinear
+    from dsq.kernels import triton_mma, triton_qlinear
 
-    fn = getattr(triton_qlinear, "_" + kernel)
+    fn = getattr(triton_mma if kernel == "mma_t" else triton_qlinear, "_" + kernel)
     f = dict(FORMATS[fmt])
     sc = f.pop("sc")
     names = list(fn.arg_names)
@@ -53,7 +55,8 @@ def compile_sm90(kernel: str, fmt: str, warps: int, **const):
                     if p.default is not inspect.Parameter.empty}  # constexprs with defaults (PDL, ...)
     values = {**sig_defaults, **_DEFAULTS, **f, **const}
     consts = {n: values[n] for n in names if n in constexprs and n in values}
-    sig = {n: "constexpr" if n in consts else ("*u8" if kernel == "gemm_q8mma" and n == "lo_ptr" else
+    lo = {"gemm_q8mma": "*u8", "mma_t": "*i16"}.get(kernel, "*i32")  # the codes as bytes / 16-bit words
+    sig = {n: "constexpr" if n in consts else (lo if n == "lo_ptr" else
                                                sc if n == "sc_ptr" else _PTRS.get(n, "i32"))
            for n in names if n in consts or n not in constexprs}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -81,7 +84,7 @@ def loop_opcodes(compiled, modifiers: bool = False) -> list[str]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["gemv_q8", "gemv_rows", "gemm_q8mma"])
+    ap.add_argument("kernel", choices=["gemv_q8", "gemv_rows", "gemm_q8mma", "mma_t"])
     ap.add_argument("fmt", choices=sorted(FORMATS))
     ap.add_argument("--BN", type=int, default=4)
     ap.add_argument("--BK", type=int, default=512)
@@ -93,7 +96,8 @@ def main(argv=None) -> None:
     extra = {k: int(v) for k, v in (s.split("=") for s in a.set)}
     k = compile_sm90(a.kernel, a.fmt, a.warps, BN=a.BN, BK=a.BK, STAGES=a.stages, MR=a.MR, **extra)
     ops = loop_opcodes(k)
-    per = len(ops) / (a.BN * a.BK / (32 * a.warps))
+    elems = a.BN * (extra.get("GS") or a.BK) * extra.get("NG", 1) if a.kernel == "mma_t" else a.BN * a.BK
+    per = len(ops) / (elems / (32 * a.warps))
     widths = sorted(set(re.findall(r"contiguity = (\d+)", k.asm["ttgir"])))
     print(f"{a.kernel} {a.fmt} BN={a.BN} BK={a.BK} warps={a.warps} stages={a.stages} {extra or ''}: "
           f"{len(ops)} instructions a loop, {per:.2f} per weight element and thread, shared {k.metadata.shared} B, "
