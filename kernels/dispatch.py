@@ -27,8 +27,8 @@ ACT_Q8 = os.environ.get("DSQ_ACT_Q8", "1") != "0"
 Q8_MAX_ROWS = 4
 MMA = os.environ.get("DSQ_MMA", "1") != "0"
 # From this many rows of x int4 grouped codes take the bf16 tensor-core kernel (triton_mma): on an H200
-# it beat the int8-x kernel at 4 rows on the four decode shapes (11.4-57.6 us against 12.6-92.3) and
-# lost to it at 2 (docs/benchmarks.md, session 6)
+# it beat the int8-x kernel at 4 rows on the four decode shapes (11.5-57.4 us against 23.8-92.8 in the
+# same run) and lost to it at 2 on three of them (docs/benchmarks.md, session 6)
 MMA_MIN_ROWS = 3
 
 
