@@ -1,10 +1,12 @@
-"""Tensor cores for a few rows of x (batched decode, speculative verification: M = 2..16) against
-4-bit grouped codes (AWQ/GPTQ int4, act-order included, groups of 64 elements or more): `mma_linear`.
+"""Tensor cores for a few rows of x (batched decode, short prompts; the dispatcher sends 3-16 rows)
+against 4-bit grouped codes (AWQ/GPTQ int4, act-order included, groups of 64-256 elements or one a
+row): `mma_linear`. On an H200 at 16 rows: 1.57x bf16 at 28672x8192, 0.96-1.28x on the smaller
+decode shapes, against 0.53-0.76x for `_gemm` (docs/benchmarks.md, session 6).
 
 Why a kernel of its own: dequantizing a weight tile to bf16 and handing it to `tl.dot` the usual
 way (`_gemm` in triton_qlinear.py) sends every dequantized weight through shared memory to reach
 the tensor cores' operand layout, about 4 bytes of shared-memory traffic a weight, more than an
-SM moves while HBM delivers one int4 weight (0.78x bf16 at M = 16 on an H200). Here:
+SM moves while HBM delivers one int4 weight. Here:
 
 - **swap AB**: y^T (BN, MP) = W (BN, K) x^T (K, MP). Weight rows fill the MMA's long side (64 rows
   a warpgroup: wgmma, whose A operand may come from registers), the few rows of x its short side
@@ -17,6 +19,8 @@ SM moves while HBM delivers one int4 weight (0.78x bf16 at M = 16 on an H200). H
   permutation if any, and each scale group's sum xs. Then
       y[m, n] = sum_g s[n, g] * (sum_{k in g} (128 + c[n, k]) x[m, k] - (128 + z[n, g]) xs[m, g]),
   the offset and zero point folded into one product per group, after the group's MMAs.
+- **split-K** (`SPLIT`) where N is short: programs along K leave partial sums in a workspace; the
+  last to arrive at a row tile (an atomic count) adds them up and zeroes the count.
 
 Computes packed.linear_ref with bf16 products and float32 sums (the tensor cores); x float32 is
 rounded to bf16 first. Runs under TRITON_INTERPRET=1 (float32 dots, no inline PTX) for the tests.
@@ -36,9 +40,9 @@ CHUNK = 64  # x's permutation period: four sub-dots of 16 code words (K 16 each:
 
 def supported(p: Packed, rows: int) -> bool:
     """4-bit codes without high bits, plain scales (no K-quant mins or super-scales), groups of 64,
-    128 or 256 elements or one a row, K a multiple of 64, 1..16 rows."""
+    128 or 256 elements dividing K, or one a row; K a multiple of 64; 1..16 rows."""
     f = p.fmt
-    group_ok = f.sub >= p.K or f.sub in (64, 128, 256)
+    group_ok = f.sub >= p.K or (f.sub in (64, 128, 256) and p.K % f.sub == 0)
     return (1 <= rows <= MAX_ROWS and f.codes == NIB and f.hi_bits == 0 and not f.two_level and not f.mins
             and f.sc_rows == 1 and p.K % CHUNK == 0 and group_ok)
 
@@ -228,7 +232,7 @@ def _mma_store(acc, y_ptr, bias_ptr, xs_ptr, sc_ptr, zp_ptr, rn, rm, nm, mm, s_y
 def _group(sc_ptr, zp_ptr, xs_ptr, rn, rm, nm, mm, gi, G, s_sc, s_zp, ZERO: tl.constexpr, OFFSET: tl.constexpr):
     """Group gi's scale and zero point (+128) per row rn and x sums per row rm; zeros past G."""
     s, z = _scale_zero(sc_ptr, zp_ptr, rn, gi, nm & (rn * 0 + gi < G), s_sc, s_zp, ZERO, OFFSET)
-    xs = tl.load(xs_ptr + rm * G + gi, mask=mm & (rm * 0 + gi < G), other=0)  # tensor masks: the interpreter's
+    xs = tl.load(xs_ptr + rm * G + gi, mask=mm & (rm * 0 + gi < G), other=0)  # tensor masks (the interpreter)
     return s, z, xs
 
 
@@ -245,10 +249,10 @@ def _scale_zero(sc_ptr, zp_ptr, rn, gi, gm, s_sc, s_zp, ZERO: tl.constexpr, OFFS
     return s, z
 
 
-# BK: the tile when a row is one scale group (GS 0); else a tile is a group. The winners of an H200 sweep (docs/benchmarks.md, session 6) on the four decode shapes at 4, 8 and
+# The winners of an H200 sweep (docs/benchmarks.md, session 6) on the four decode shapes at 4, 8 and
 # 16 rows: BN 64/128 with 4 warps use wgmma (a warpgroup, the codes from registers), with 2 warps
 # mma.sync. SPLIT: programs along K, for short N and long K (4096 x 14336, 4096 x 4096); NG 2: two
-# scale groups an iteration (longer runs of each row's codes a step)
+# scale groups an iteration. BK: the tile when a row is one scale group (GS 0); else a tile is a group.
 _CONFIGS = [triton.Config({"BN": bn, "BK": 128, "STAGES": st, "SPLIT": sp, "NG": ng}, num_warps=w)
             for bn, w, st, sp, ng in [(128, 4, 4, 1, 1), (64, 4, 3, 1, 1), (64, 4, 3, 1, 2), (64, 2, 3, 1, 2),
                                       (128, 2, 3, 1, 2), (64, 4, 3, 4, 1), (64, 4, 3, 4, 2), (128, 4, 3, 4, 2),
@@ -271,7 +275,8 @@ _scratch: dict = {}
 def _split_scratch(device: torch.device, N: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial sums (MAX_SPLIT, 16, N) float32 and per-row-tile counts (zero between calls: the
     last program of a tile zeroes its count), kept per device and grown when N grows. Inside a
-    CUDA graph capture a too-small one is not grown but made for the graph (zeroed in it)."""
+    CUDA graph capture a too-small one is not grown but made for the graph (zeroed in it). One
+    set a device: split calls must not run concurrently on two streams (dsq runs one)."""
     ws_n, cnt_n = MAX_SPLIT * MAX_ROWS * N, triton.cdiv(N, 16)
     have = _scratch.get(device)
     if have is not None and have[0].numel() >= ws_n and have[1].numel() >= cnt_n:

@@ -105,6 +105,9 @@ def test_constant_offset_and_unsupported_formats():
             tm.mma_linear(x.to(DEV), q.to(DEV))
     assert not tm.supported(int4(N, K, 32), 4)
     assert not tm.supported(int4(N, K, 64), 17)
+    import dataclasses
+
+    assert not tm.supported(dataclasses.replace(int4(N, 512, 256), K=384), 4)  # a group of 256 not dividing K
 
 
 @pytest.mark.skipif(not CUDA, reason="real shapes, autotuned: GPU only")
