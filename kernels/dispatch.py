@@ -30,6 +30,7 @@ MMA = os.environ.get("DSQ_MMA", "1") != "0"
 # it beat the int8-x kernel at 4 rows on the four decode shapes (11.5-57.4 us against 23.8-92.8 in the
 # same run) and lost to it at 2 on three of them (docs/benchmarks.md, session 6)
 MMA_MIN_ROWS = 3
+MMA_MAX_ROWS = 16  # triton_mma takes up to 64; above 16 it is not yet timed against _gemm
 
 
 # _reference() runs ~200 times a CPU decode step: read os.environ's own dict (what os.environ.get
@@ -214,7 +215,7 @@ def gpu_kernel(p: packed.Packed, rows: int, dtype: torch.dtype) -> str:
     rows, int4 grouped codes), "q8" (int8 x, up to Q8_MAX_ROWS rows) or "float" (the others)."""
     from dsq.kernels import triton_mma
 
-    if MMA and MMA_MIN_ROWS <= rows and dtype in (torch.bfloat16, torch.float16) and triton_mma.supported(p, rows):
+    if MMA and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and dtype in (torch.bfloat16, torch.float16) and triton_mma.supported(p, rows):
         return "mma"
     if ACT_Q8 and rows <= Q8_MAX_ROWS and packed.q8_ok(p, rows):
         return "q8"

@@ -10,7 +10,7 @@ SM moves while HBM delivers one int4 weight. Here:
 
 - **swap AB**: y^T (BN, MP) = W (BN, K) x^T (K, MP). Weight rows fill the MMA's long side (64 rows
   a warpgroup: wgmma, whose A operand may come from registers), the few rows of x its short side
-  (MP = 8 or 16). Only the packed codes (0.5 byte a weight) and x pass through shared memory.
+  (MP = 8, 16, 32 or 64). Only the packed codes (0.5 byte a weight) and x pass through shared memory.
 - **codes to bf16 without a conversion**: a nibble written under bf16 128.0's bits (0x4300 | c) is
   128 + c. One 32-bit register holds two 16-bit code words (four nibbles each) of one row, so one
   `lop3` (and a shift) makes two bf16 operands: sub-dot i takes nibble i of every code word.
@@ -34,7 +34,7 @@ import triton.language as tl
 from dsq.kernels.packed import NIB, Z_ARRAY, Z_CONST, Packed
 from dsq.kernels.triton_qlinear import INTERPRET, _autotune
 
-MAX_ROWS = 16
+MAX_ROWS = 64  # the dispatcher sends up to dispatch.MMA_MAX_ROWS (measured); 17-64 rows: benchmarks, tests
 CHUNK = 64  # x's permutation period: four sub-dots of 16 code words (K 16 each: one MMA step)
 
 
@@ -272,12 +272,12 @@ _mma_t_tuned = _autotune(_CONFIGS, ["N", "K", "MP", "GS", "ZERO"])(_even(_mma_t)
 _scratch: dict = {}
 
 
-def _split_scratch(device: torch.device, N: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial sums (MAX_SPLIT, 16, N) float32 and per-row-tile counts (zero between calls: the
+def _split_scratch(device: torch.device, N: int, mp: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial sums (MAX_SPLIT, mp, N) float32 and per-row-tile counts (zero between calls: the
     last program of a tile zeroes its count), kept per device and grown when N grows. Inside a
     CUDA graph capture a too-small one is not grown but made for the graph (zeroed in it). One
     set a device: split calls must not run concurrently on two streams (dsq runs one)."""
-    ws_n, cnt_n = MAX_SPLIT * MAX_ROWS * N, triton.cdiv(N, 16)
+    ws_n, cnt_n = MAX_SPLIT * mp * N, triton.cdiv(N, 16)
     have = _scratch.get(device)
     if have is not None and have[0].numel() >= ws_n and have[1].numel() >= cnt_n:
         return have
@@ -290,14 +290,14 @@ def _split_scratch(device: torch.device, N: int) -> tuple[torch.Tensor, torch.Te
 
 def mma_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                config: dict | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias) for 1 to 16 rows of x (formats: `supported`), y in x's dtype. `config`
+    """y = x W^T (+ bias) for 1 to 64 rows of x (formats: `supported`), y in x's dtype. `config`
     (BN, BK, STAGES[, SPLIT, NG, num_warps]) fixes the tiles (no autotuning)."""
     x1 = x.reshape(-1, p.K)
     if x1.stride(-1) != 1:
         x1 = x1.contiguous()
     M = x1.shape[0]
     if not supported(p, M):
-        raise ValueError("mma_linear takes 1-16 rows and 4-bit codes in groups of 64, 128 or 256 (K % 64 == 0)")
+        raise ValueError("mma_linear takes 1-64 rows and 4-bit codes in groups of 64, 128 or 256 (K % 64 == 0)")
     f = p.fmt
     GS = f.sub if f.sub < p.K else 0  # 0: one group a row
     xp = torch.empty(M, p.K, dtype=torch.bfloat16, device=x.device)
@@ -307,11 +307,12 @@ def mma_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     lo = p.lo.view(torch.int16)
     zp = p.zp if p.zp is not None else p.sc
-    ws, cnt = _split_scratch(x.device, p.N)
+    MP = max(8, 1 << (M - 1).bit_length())  # 8, 16, 32 or 64: the MMA's narrow side
+    ws, cnt = _split_scratch(x.device, p.N, MP)
     args = (xp, xs, y, bias if bias is not None else y, lo, p.sc, zp, ws, cnt, M, p.N, p.K, y.stride(0), lo.stride(0),
             p.sc.stride(0), zp.stride(0))
     flags = {"ZERO": f.zero if f.zero in (Z_CONST, Z_ARRAY) else 0, "OFFSET": f.offset, "HAS_BIAS": bias is not None,
-             "USE_ASM": not INTERPRET, "GS": GS, "MP": 8 if M <= 8 else 16}
+             "USE_ASM": not INTERPRET, "GS": GS, "MP": MP}
     if config is None and not INTERPRET:
         _mma_t_tuned[lambda meta: (triton.cdiv(p.N, meta["BN"]), meta["SPLIT"])](*args, **flags)
     else:

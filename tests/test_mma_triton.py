@@ -40,7 +40,7 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("M", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 16, 17, 40, 64])
 @pytest.mark.parametrize("group,act_order", [(64, False), (128, True), (-1, False)])
 @pytest.mark.parametrize("cfg", [{"BN": 16, "BK": 128}, {"BN": 64, "BK": 256}, {"BN": 32, "BK": 128, "NG": 2}])
 def test_int4_grouped(M, group, act_order, cfg):
@@ -58,7 +58,8 @@ def test_split_k(split, bk, group, ng):
     3 tiles of 128 (SPLIT 4: one program gets none), or 2 of 256 with a masked tail; two tiles an
     iteration (NG 2) with a masked second one. The tile counts are back at zero afterwards, so a
     second call gives the same result."""
-    N, K, M = 40, 384, 6
+    N, K = 40, 384
+    M = 33 if split == 3 else 6  # 33 rows: 64 wide tiles of x
     p = int4(N, K, K if group == -1 else group)
     x, bias = torch.randn(M, K), torch.randn(N)
     cfg = {"BN": 16, "BK": bk, "SPLIT": split, "NG": ng}
@@ -104,14 +105,14 @@ def test_constant_offset_and_unsupported_formats():
         with pytest.raises(ValueError):
             tm.mma_linear(x.to(DEV), q.to(DEV))
     assert not tm.supported(int4(N, K, 32), 4)
-    assert not tm.supported(int4(N, K, 64), 17)
+    assert not tm.supported(int4(N, K, 64), 65)
     import dataclasses
 
     assert not tm.supported(dataclasses.replace(int4(N, 512, 256), K=384), 4)  # a group of 256 not dividing K
 
 
 @pytest.mark.skipif(not CUDA, reason="real shapes, autotuned: GPU only")
-@pytest.mark.parametrize("M", [2, 4, 8, 16])
+@pytest.mark.parametrize("M", [2, 4, 8, 16, 40])
 @pytest.mark.parametrize("N,K,group,act_order", [(4096, 4096, 128, False), (14336, 4096, 128, True),
                                                  (4096, 14336, 128, False), (6144, 4096, -1, False)])
 def test_real_shapes_autotuned(M, N, K, group, act_order):
