@@ -1,6 +1,7 @@
 """The tensor-core kernel for a few rows of x (kernels/triton_mma.py) against the packed reference:
-int4 AWQ and GPTQ (act-order, per-row groups), 1-16 rows, odd N, K not a multiple of the tile,
-bias, outputs poisoned before each call. Under TRITON_INTERPRET=1 on the CPU without a GPU."""
+int4 AWQ and GPTQ (act-order, per-row groups), 1-64 rows, odd N, K not a multiple of the tile,
+split-K, bias, outputs poisoned before each call; and the dispatcher's choice of kernel. Under
+TRITON_INTERPRET=1 on the CPU without a GPU; with one, also real shapes through the autotuner."""
 
 from __future__ import annotations
 
