@@ -22,6 +22,11 @@ SM moves while HBM delivers one int4 weight. Here:
 - **split-K** (`SPLIT`) where N is short: programs along K leave partial sums in a workspace; the
   last to arrive at a row tile (an atomic count) adds them up and zeroes the count.
 
+`mma_linear_scaled` (`_mma_s`) is the variant for formats whose scales change every 32 elements
+(Q4_0, Q4_K, int4 in groups of 32), where a 16-element MMA step spans two blocks: the weights are
+made in bf16 before the MMA (one fma.rn.bf16x2 a pair, the block's scale and offset broadcast in
+registers). Not yet timed on a GPU, so the dispatcher does not call it.
+
 Computes packed.linear_ref with bf16 products and float32 sums (the tensor cores); x float32 is
 rounded to bf16 first. Runs under TRITON_INTERPRET=1 (float32 dots, no inline PTX) for the tests.
 """
@@ -32,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 from dsq.kernels.packed import NIB, Z_ARRAY, Z_CONST, Packed
-from dsq.kernels.triton_qlinear import INTERPRET, _autotune
+from dsq.kernels.triton_qlinear import INTERPRET, _autotune, _group_params
 
 MAX_ROWS = 64  # the dispatcher sends up to dispatch.MMA_MAX_ROWS (measured); 17-64 rows: benchmarks, tests
 CHUNK = 64  # x's permutation period: four sub-dots of 16 code words (K 16 each: one MMA step)
@@ -202,17 +207,29 @@ def _mma_t(xp_ptr, xs_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, zp_ptr, ws_ptr, cnt_
         _mma_store(acc, y_ptr, bias_ptr, xs_ptr, sc_ptr, zp_ptr, rn, rm, nm, mm, s_ym, s_sc, s_zp, ZERO, OFFSET,
                    HAS_BIAS, ONE)
     else:
-        ws = ws_ptr + rm[None, :] * N + rn[:, None]
-        tl.store(ws + tl.program_id(1) * MP * N, acc, mask=nm[:, None])
-        _fence(acc, USE_ASM)
-        if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:  # the last one here
-            _fence(acc, USE_ASM)
-            tot = tl.zeros((BN, MP), dtype=tl.float32)
-            for k in tl.static_range(SPLIT):
-                tot += tl.load(ws + k * MP * N, mask=nm[:, None], other=0, cache_modifier=".cg")
-            tl.store(cnt_ptr + pid_n, 0)
+        last, tot = _split_sum(acc, ws_ptr, cnt_ptr, pid_n, rn, rm, nm, N, MP, SPLIT, USE_ASM)
+        if last:
             _mma_store(tot, y_ptr, bias_ptr, xs_ptr, sc_ptr, zp_ptr, rn, rm, nm, mm, s_ym, s_sc, s_zp, ZERO, OFFSET,
                        HAS_BIAS, ONE)
+
+
+@triton.jit
+def _split_sum(acc, ws_ptr, cnt_ptr, pid_n, rn, rm, nm, N, MP: tl.constexpr, SPLIT: tl.constexpr,
+               USE_ASM: tl.constexpr):
+    """Split-K: leaves this program's partial sums acc in ws (SPLIT, MP, N) and counts it at its
+    row tile. Returns whether it arrived last, and then the sum of all SPLIT partials (its count
+    zeroed for the next call)."""
+    ws = ws_ptr + rm[None, :] * N + rn[:, None]
+    tl.store(ws + tl.program_id(1) * MP * N, acc, mask=nm[:, None])
+    _fence(acc, USE_ASM)
+    last = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+    tot = tl.zeros_like(acc)
+    if last:
+        _fence(acc, USE_ASM)
+        for k in tl.static_range(SPLIT):
+            tot += tl.load(ws + k * MP * N, mask=nm[:, None], other=0, cache_modifier=".cg")
+        tl.store(cnt_ptr + pid_n, 0)
+    return last, tot
 
 
 @triton.jit
@@ -247,6 +264,105 @@ def _scale_zero(sc_ptr, zp_ptr, rn, gi, gm, s_sc, s_zp, ZERO: tl.constexpr, OFFS
     else:
         z = tl.full(s.shape, 128.0, tl.float32)
     return s, z
+
+
+def supported_scaled(p: Packed, rows: int) -> bool:
+    """`mma_linear_scaled`: 4-bit codes without high bits (int4 any group of 32k elements, Q4_0,
+    Q4_K), row scales (no 128-row blocks), K a multiple of 64, 1..MAX_ROWS rows."""
+    f = p.fmt
+    return (1 <= rows <= MAX_ROWS and f.codes == NIB and f.hi_bits == 0 and f.sc_rows == 1 and p.K % CHUNK == 0
+            and (f.sub >= p.K or f.sub % 32 == 0))
+
+
+@triton.jit
+def _nib_scaled(h, SW, OW, NIB_I: tl.constexpr, USE_ASM: tl.constexpr):
+    """Nibble NIB_I of each 16-bit code word h as the dequantized weight SW c + OW in bf16 (SW, OW
+    bf16 per element): c exact in bf16 (128 + c from a lop3 after a shift, minus 128), then one
+    fma.rn.bf16x2 a pair. (Writing c as 1 + c/16 saves the subtraction but makes OW = o - 16 s,
+    whose rounding cost 3-7x the error: docs/benchmarks.md, session 6.)"""
+    if USE_ASM:
+        if NIB_I == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 t, $1, 0x000F000F, k, 0xea; "
+                "sub.rn.bf16x2 t, t, k; fma.rn.bf16x2 $0, t, $2, $3; }",
+                "=r,r,r,r", [h, SW, OW], dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif NIB_I == 1:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t, k; mov.b32 k, 0x43004300; shr.b32 t, $1, 4; lop3.b32 t, t, 0x000F000F, k, 0xea; "
+                "sub.rn.bf16x2 t, t, k; fma.rn.bf16x2 $0, t, $2, $3; }",
+                "=r,r,r,r", [h, SW, OW], dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif NIB_I == 2:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t, k; mov.b32 k, 0x43004300; shr.b32 t, $1, 8; lop3.b32 t, t, 0x000F000F, k, 0xea; "
+                "sub.rn.bf16x2 t, t, k; fma.rn.bf16x2 $0, t, $2, $3; }",
+                "=r,r,r,r", [h, SW, OW], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t, k; mov.b32 k, 0x43004300; shr.b32 t, $1, 12; lop3.b32 t, t, 0x000F000F, k, 0xea; "
+                "sub.rn.bf16x2 t, t, k; fma.rn.bf16x2 $0, t, $2, $3; }",
+                "=r,r,r,r", [h, SW, OW], dtype=tl.bfloat16, is_pure=True, pack=2)
+    c = ((h >> (4 * NIB_I)) & 15).to(tl.float32)  # one rounding, as the fma's
+    return _bf16(SW.to(tl.float32) * c + OW.to(tl.float32))
+
+
+@triton.jit
+def _mma_s(xp_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, ws_ptr, cnt_ptr, M, N, K, s_ym,
+           s_lo, s_sc, s_d, s_zp, s_mn, s_dmin, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
+           OFFSET: tl.constexpr, MINS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+           MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr = 1,
+           EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False):
+    """_mma_t with the scales applied to the codes before the MMA: each 32-element block's weights
+    W = s (c - z) - m are made in bf16 (one fma a pair of weights), so a tile (BK elements, any
+    number of scale groups, K-quants' two-level scales and mins included) needs no per-group
+    epilogue and no x sums. Weights rounded to bf16 (as _gemm's), products exact, sums float32."""
+    NB: tl.constexpr = BK // 32  # 32-element blocks a tile
+    pid_n = tl.program_id(0)
+    rn = pid_n * BN + tl.arange(0, BN)
+    nm = rn < N
+    rm = tl.arange(0, MP)
+    mm = rm < M
+    jh = tl.arange(0, BK // 4)
+    jx = (jh // 16) * 64 + jh % 16
+    jb = tl.arange(0, NB)
+    k_lo = 0
+    k_hi = K
+    if SPLIT > 1:
+        per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
+        k_lo = tl.program_id(1) * per
+        k_hi = tl.minimum(k_lo + per, K)
+    acc = tl.zeros((BN, MP), dtype=tl.float32)
+    for kg in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+        wm = nm[:, None]
+        xm = mm[None, :]
+        if not EVEN_K:
+            wm = wm & (kg + 4 * jh[None, :] < K)
+            xm = xm & (kg + jx[:, None] < K)
+        if EVEN_N and EVEN_K:
+            h = tl.load(lo_ptr + rn[:, None] * s_lo + kg // 4 + jh[None, :])
+        else:
+            h = tl.load(lo_ptr + rn[:, None] * s_lo + kg // 4 + jh[None, :], mask=wm, other=0)
+        e2 = kg + 32 * jb[None, :]  # each block's first element
+        s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn[:, None], e2, nm[:, None] & (e2 < K),
+                                s_sc, s_d, s_zp, s_mn, s_dmin, SUB, 1, TWO_LEVEL, ZERO, OFFSET, MINS)
+        # W = s c - (s z + m) per block, SW and OW broadcast to its 8 code words (in registers)
+        sb = _bf16(s)
+        ob = _bf16(-(s * z + m))
+        SW = tl.reshape(tl.broadcast_to(sb[:, :, None], (BN, NB, 8)), (BN, BK // 4))
+        OW = tl.reshape(tl.broadcast_to(ob[:, :, None], (BN, NB, 8)), (BN, BK // 4))
+        xq = xp_ptr + rm[None, :] * K + kg + jx[:, None]
+        for i in tl.static_range(4):
+            a = _nib_scaled(h, SW, OW, i, USE_ASM)
+            xt = tl.load(xq + 16 * i, mask=xm, other=0)
+            if USE_ASM:
+                acc = tl.dot(a, xt, acc)
+            else:  # the interpreter's bf16 dot is not exact: float32
+                acc = tl.dot(a.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    if SPLIT == 1:
+        _mma_store(acc, y_ptr, bias_ptr, y_ptr, y_ptr, y_ptr, rn, rm, nm, mm, s_ym, 0, 0, 0, 0, HAS_BIAS, False)
+    else:
+        last, tot = _split_sum(acc, ws_ptr, cnt_ptr, pid_n, rn, rm, nm, N, MP, SPLIT, USE_ASM)
+        if last:
+            _mma_store(tot, y_ptr, bias_ptr, y_ptr, y_ptr, y_ptr, rn, rm, nm, mm, s_ym, 0, 0, 0, 0, HAS_BIAS, False)
 
 
 # The winners of an H200 sweep (docs/benchmarks.md, session 6) on the four decode shapes at 4, 8 and
@@ -322,4 +438,49 @@ def mma_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out
         cfg.setdefault("EVEN_K", p.K % _step({**flags, **cfg}) == 0)
         cfg.setdefault("EVEN_N", p.N % cfg["BN"] == 0)
         _mma_t[(triton.cdiv(p.N, cfg["BN"]), cfg["SPLIT"])](*args, **flags, **cfg)
+    return y.reshape(*x.shape[:-1], p.N)
+
+
+_SCALED_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st, "SPLIT": sp}, num_warps=4)
+                   for bn, bk, st, sp in [(128, 128, 4, 1), (64, 128, 3, 1), (128, 256, 3, 1), (64, 256, 3, 1),
+                                          (64, 128, 3, 4), (64, 256, 3, 4), (128, 128, 3, 4)]]
+_mma_s_tuned = _autotune(_SCALED_CONFIGS, ["N", "K", "MP", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(
+    triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0, "EVEN_N": lambda a: a["N"] % a["BN"] == 0})(_mma_s))
+
+
+def mma_linear_scaled(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      config: dict | None = None) -> torch.Tensor:
+    """`mma_linear` for more formats (Q4_0, Q4_K, int4 with groups of 32): the weights are made in
+    bf16 per 32-element block before the MMA (`_mma_s`). Not yet timed on a GPU, so the
+    dispatcher does not call it; y in x's dtype."""
+    from dsq.kernels.triton_qlinear import _planes
+
+    x1 = x.reshape(-1, p.K)
+    if x1.stride(-1) != 1:
+        x1 = x1.contiguous()
+    M = x1.shape[0]
+    if not supported_scaled(p, M):
+        raise ValueError("mma_linear_scaled takes 1-64 rows and 4-bit codes without high bits (K % 64 == 0)")
+    f = p.fmt
+    xp = torch.empty(M, p.K, dtype=torch.bfloat16, device=x.device)
+    xs = torch.empty(M, p.K // CHUNK, dtype=torch.float32, device=x.device)  # written, not read here
+    _prep_x[(p.K // CHUNK, M)](x1, p.perm if p.perm is not None else x1, xp, xs, p.K, x1.stride(0), CHUNK,
+                               HAS_PERM=p.perm is not None)
+    y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
+    planes, strides = _planes(p, hi=False)
+    planes[0], strides[0] = p.lo.view(torch.int16), p.lo.view(torch.int16).stride(0)
+    MP = max(8, 1 << (M - 1).bit_length())
+    ws, cnt = _split_scratch(x.device, p.N, MP)
+    args = (xp, y, bias if bias is not None else y, *planes, ws, cnt, M, p.N, p.K, y.stride(0), *strides)
+    flags = {"SUB": f.sub, "TWO_LEVEL": f.two_level, "ZERO": f.zero, "OFFSET": f.offset, "MINS": f.mins,
+             "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET, "MP": MP}
+    if config is None and not INTERPRET:
+        _mma_s_tuned[lambda meta: (triton.cdiv(p.N, meta["BN"]), meta["SPLIT"])](*args, **flags)
+    else:
+        cfg = {"BN": 16, "BK": 128, "STAGES": 1, "SPLIT": 1, **(config or {})}
+        if not 1 <= cfg["SPLIT"] <= MAX_SPLIT:
+            raise ValueError(f"SPLIT is 1 to {MAX_SPLIT}")
+        cfg.setdefault("EVEN_K", p.K % cfg["BK"] == 0)
+        cfg.setdefault("EVEN_N", p.N % cfg["BN"] == 0)
+        _mma_s[(triton.cdiv(p.N, cfg["BN"]), cfg["SPLIT"])](*args, **flags, **cfg)
     return y.reshape(*x.shape[:-1], p.N)

@@ -151,3 +151,39 @@ def test_dispatch_runs_the_tensor_core_kernel(M):
     y = dispatch.packed_linear(x.cuda(), p.to("cuda")).double().cpu()
     err, err_q8 = rel(y, want(x, p)), rel(y, packed.linear_ref_q8(x.double(), p))
     assert err < 1e-3 < err_q8, (err, err_q8)
+
+
+def _fmt_case(fmt, N, K):
+    import numpy as np
+
+    if fmt.startswith("int4"):
+        g = int(fmt.split("-g")[1].split("-")[0])
+        return int4(N, K, g, act_order=fmt.endswith("-act"))
+    return packed.from_gguf(torch.from_numpy(random_blocks(fmt, N, K, np.random.default_rng())), fmt, K)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "int4-g32", "int4-g128-act"])
+@pytest.mark.parametrize("M", [1, 5, 16, 40])
+@pytest.mark.parametrize("cfg", [{"BN": 16, "BK": 128}, {"BN": 32, "BK": 256, "SPLIT": 2}])
+def test_scaled_operands(fmt, M, cfg):
+    """mma_linear_scaled: weights made in bf16 per 32-element block before the MMA (K-quants' two
+    levels and mins, Q4_0's offset, zero points per group), odd N, K = 768 (3 tiles of 256: a
+    masked tail), bias. Weights are rounded to bf16, so the error is bf16's (~2e-3), not float's."""
+    N, K = 40, 768
+    p = _fmt_case(fmt, N, K)
+    assert tm.supported_scaled(p, M)
+    x, bias = torch.randn(M, K), torch.randn(N)
+    out = torch.full((M, N), float("nan"), device=DEV)
+    y = tm.mma_linear_scaled(x.to(DEV), p.to(DEV), bias.to(DEV), out=out, config=cfg)
+    assert y.data_ptr() == out.data_ptr() and torch.isfinite(y).all()
+    assert rel(y.double().cpu(), want(x, p, bias)) < 1e-2
+
+
+def test_scaled_refuses_high_bit_formats():
+    import numpy as np
+
+    for qtype in ("Q5_0", "Q5_K", "Q6_K", "Q8_0"):
+        q = packed.from_gguf(torch.from_numpy(random_blocks(qtype, 8, 256, np.random.default_rng())), qtype, 256)
+        assert not tm.supported_scaled(q, 4)
+        with pytest.raises(ValueError):
+            tm.mma_linear_scaled(torch.randn(4, 256, device=DEV), q.to(DEV))

@@ -9,7 +9,7 @@
 # Usage (from the developer machine, through the device tool):
 #   bash dsq/bench/h200_session.sh 1     # <= 470 s
 #   bash dsq/bench/h200_session.sh 2     # <= 480 s
-#   bash dsq/bench/h200_session.sh 3     # <= 400 s
+#   bash dsq/bench/h200_session.sh 3     # <= 550 s
 # Results land in $OUT (the device tool's output folder) as JSON and text.
 set -u
 PART=${1:?usage: h200_session.sh 1|2|3}
@@ -33,6 +33,9 @@ elif [ "$PART" = 3 ]; then
   # tl.dot) beside int8 x (+q8, the default at 1-2) and the tl.dot GEMM (int4-g128, the default above 16)
   step kernels_m 400 python -m dsq.bench.kernels_gpu --m 2,4,16,32,64 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
     --formats int4-g128+tc,int4-g128+q8,int4-g128 --json "$OUT/kernels_m.json"
+  # Q4_K at 4-16 rows: the weight-scaling tensor-core variant (untimed) against the dispatcher's kernels
+  step kernels_q4k 150 python -m dsq.bench.kernels_gpu --m 4,16 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
+    --formats Q4_K+tcs,Q4_K+q8,Q4_K,int4-g128+tcs --json "$OUT/kernels_q4k.json"
 else
   step decode 470 python -m dsq.bench.decode_gpu --variants '' --transformers '' \
     --formats awq-int4,q4_k_m,fp8,gptq-int4-actorder --quant-variants compile+graph+fused \

@@ -10,7 +10,8 @@ and no launch overhead is counted (the runtime replays its decode step as a grap
 Achieved bandwidth = bytes that must be read (codes + scales + x) / time. A format named with
 "+q8" (int4-g128+q8, Q4_K+q8, ...) runs the int8-activation kernels (M <= 16: the dp4a GEMV/GEMM),
 "+mma" the int8 tensor-core kernel (M <= 16), x's rounding included in both; "+tc" the bf16
-tensor-core kernel for a few rows (kernels/triton_mma.py, int4 M <= 16), x's preparation included.
+tensor-core kernel for a few rows (kernels/triton_mma.py, int4 M <= 64), "+tcs" its variant with the
+weights scaled before the MMA (Q4_0, Q4_K, any int4 group), x's preparation included in both.
 """
 
 from __future__ import annotations
@@ -90,16 +91,16 @@ def bench_shape(fmt: str, N: int, K: int, M: int) -> dict:
     from dsq.kernels.packed import Packed, linear_ref, linear_ref_q8
 
     mma = fmt.endswith("+mma")  # the int8 tensor-core kernel (_gemm_q8mma)
-    tc = fmt.endswith("+tc")  # the bf16 tensor-core kernel for a few rows (triton_mma)
+    tc = fmt.endswith("+tc") or fmt.endswith("+tcs")  # the bf16 tensor-core kernels for a few rows (triton_mma)
     q8 = fmt.endswith("+q8") or mma
-    p0 = random_packed(fmt.removesuffix("+q8").removesuffix("+mma").removesuffix("+tc"), N, K)
+    p0 = random_packed(fmt.split("+")[0], N, K)
     kern = triton_qlinear.q8_linear if q8 else triton_qlinear.packed_linear
     if mma:
         kern = functools.partial(triton_qlinear.q8_linear, mma=True)
     if tc:
         from dsq.kernels import triton_mma
 
-        kern = triton_mma.mma_linear
+        kern = triton_mma.mma_linear_scaled if fmt.endswith("+tcs") else triton_mma.mma_linear
     # copies at other addresses (same data) so the graph's calls read HBM, not L2
     ps = [p0] + [Packed(p0.fmt, N, K, **{k: v.clone() for k, v in p0.tensors().items()})
                  for _ in range(copies_for(p0.nbytes()) - 1)]

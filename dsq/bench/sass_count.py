@@ -6,6 +6,7 @@
     python -m dsq.bench.sass_count gemv_rows fp8 --BN 8 --BK 1024 --warps 2 --stages 3 [--set FP8_HW=1]
     python -m dsq.bench.sass_count gemm_q8mma int4 --BN 64 --BK 128 --warps 4 --stages 3
     python -m dsq.bench.sass_count mma_t int4 --BN 128 --BK 128 --warps 4 --stages 4 --set GS=128 --set MP=16
+    python -m dsq.bench.sass_count mma_s q4k --BN 128 --BK 256 --warps 4 --stages 3 --set MP=16
 
 Prints the loop's instruction count, per weight element and thread, the shared memory, the
 copies' vector widths (Triton's `contiguity`), the most frequent opcodes and the registers a
@@ -46,7 +47,7 @@ def compile_sm90(kernel: str, fmt: str, warps: int, **const):
 
     from dsq.kernels import triton_mma, triton_qlinear
 
-    fn = getattr(triton_mma if kernel == "mma_t" else triton_qlinear, "_" + kernel)
+    fn = getattr(triton_mma if kernel in ("mma_t", "mma_s") else triton_qlinear, "_" + kernel)
     f = dict(FORMATS[fmt])
     sc = f.pop("sc")
     names = list(fn.arg_names)
@@ -55,7 +56,7 @@ def compile_sm90(kernel: str, fmt: str, warps: int, **const):
                     if p.default is not inspect.Parameter.empty}  # constexprs with defaults (PDL, ...)
     values = {**sig_defaults, **_DEFAULTS, **f, **const}
     consts = {n: values[n] for n in names if n in constexprs and n in values}
-    lo = {"gemm_q8mma": "*u8", "mma_t": "*i16"}.get(kernel, "*i32")  # the codes as bytes / 16-bit words
+    lo = {"gemm_q8mma": "*u8", "mma_t": "*i16", "mma_s": "*i16"}.get(kernel, "*i32")  # the codes as bytes / 16-bit words
     sig = {n: "constexpr" if n in consts else (lo if n == "lo_ptr" else
                                                sc if n == "sc_ptr" else _PTRS.get(n, "i32"))
            for n in names if n in consts or n not in constexprs}
@@ -84,7 +85,7 @@ def loop_opcodes(compiled, modifiers: bool = False) -> list[str]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["gemv_q8", "gemv_rows", "gemm_q8mma", "mma_t"])
+    ap.add_argument("kernel", choices=["gemv_q8", "gemv_rows", "gemm_q8mma", "mma_t", "mma_s"])
     ap.add_argument("fmt", choices=sorted(FORMATS))
     ap.add_argument("--BN", type=int, default=4)
     ap.add_argument("--BK", type=int, default=512)
