@@ -5,8 +5,8 @@ format dsq holds (int4/int8 from AWQ and GPTQ, FP8, GGUF Q4_0..Q6_K).
   to int8 per 32 elements by `_quant_x` (llama.cpp's Q8_1 scheme), codes and x meet in dp4a
   (four products per instruction, exact int32 per 32-element block), then block and group scales
   in float. Computes exactly packed.linear_ref_q8. Small programs (1-4 weight rows, one warp)
-  with the next tile's loads held in registers ran fastest on an H200. `_gemm_q8mma` does up to
-  16 rows on int8 tensor cores (exact, not faster than `_gemm` yet, so not the default).
+  with the next tile's loads held in registers ran fastest on an H200. (3-16 rows of int4 AWQ/GPTQ
+  run on tensor cores instead: triton_mma.py.)
 - `_gemv` (M = 1, float x): `_gemv_rows` holds BN rows as a tensor dimension, so each x element is
   loaded once for all of them, with the K loop software-pipelined (tl.range, cp.async);
   `_gemv4` (four row tensors, not pipelined) stays for GGUF formats with high-bit planes. Codes
@@ -570,75 +570,6 @@ def _q8_store(y_ptr, bias_ptr, rn, acc, M, N, s_ym, HAS_BIAS: tl.constexpr, EVEN
 
 
 @triton.jit
-def _gemm_q8mma(xq_ptr, sx_ptr, xsum_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, M, N, K,
-                s_ym, s_lo, s_sc, s_d, s_zp, s_mn, s_dmin,
-                CODES: tl.constexpr, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
-                OFFSET: tl.constexpr, MINS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr = False):
-    """Up to 16 rows of int8 x (quantize_x_q8's words, read as bytes) against integer codes on the
-    tensor cores: per 32-element block one int8 tl.dot (16 x 32 x BN, exact int32), then
-    y += s (sx dp - z xsum) - m xsum as in _gemv_q8. The order of the 32 products inside a block
-    is free, so 4-bit codes stay in x's nibble order: the block's 16 code bytes are read twice,
-    low nibbles (even elements) then high ones, four bytes per instruction, no byte shuffles.
-    Unsigned bytes become signed by flipping the top bit (the zero point moves by 128). Computes
-    exactly packed.linear_ref_q8."""
-    BM: tl.constexpr = 16
-    BPB: tl.constexpr = 16 if CODES == 0 else 32  # code bytes per 32-element block
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    rm = tl.arange(0, BM)
-    rn2 = rn[None, :]
-    j32 = tl.arange(0, 32)
-    jb = j32[None, :]
-    nsh = tl.where(jb >= 16, 4, 0).to(tl.uint8)  # nibble shift per position of a block
-    KB = K // 32
-    GB: tl.constexpr = (SUB if SUB < BK else BK) // 32  # blocks per scale group inside a tile
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    t = tl.zeros((BM, BN), dtype=tl.float32)
-    u = tl.zeros((BM, 1), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        for bb in tl.static_range(BK // 32):
-            b = k0 // 32 + bb
-            xm = rm < M
-            wm = rn2 < N
-            if not EVEN_K:  # the block exists (as tensors: the interpreter takes no scalar masks)
-                xm = xm & (rm * 0 + b < KB)
-                wm = wm & (rn2 * 0 + b < KB)
-            xt = tl.load(xq_ptr + rm[:, None] * K + b * 32 + j32[None, :], mask=xm[:, None], other=0)
-            cb = tl.load(lo_ptr + rn[:, None] * s_lo + b * BPB + jb % BPB, mask=tl.trans(wm), other=0)
-            if CODES == 0:  # cb: the block's 16 bytes twice; low nibbles, then high ones (x's nibble order)
-                if USE_ASM:  # four bytes per instruction, packed as the MMA operand wants them
-                    w8 = tl.inline_asm_elementwise(
-                        "{ .reg .b32 t, s; and.b32 s, $2, 0xFF; shr.b32 t, $1, s; and.b32 $0, t, 0x0F0F0F0F; }",
-                        "=r,r,r", [cb, nsh + cb * 0], dtype=tl.int8, is_pure=True, pack=4)
-                else:
-                    w8 = ((cb >> nsh) & 15).to(tl.int8)
-            elif CODES == 1:
-                w8 = (cb ^ 0x80).to(tl.int8, bitcast=True)
-            else:
-                w8 = cb.to(tl.int8, bitcast=True)
-            dp = tl.dot(xt, tl.trans(w8), out_dtype=tl.int32).to(tl.float32)  # (BM, BN), exact
-            sx = tl.load(sx_ptr + rm * KB + b, mask=xm, other=0)[:, None]
-            xs = tl.load(xsum_ptr + rm * KB + b, mask=xm, other=0)[:, None]
-            # within a scale group: t = sum sx dp, u = sum xsum; at its end y += s (t - z u) - m u
-            if bb % GB == 0:
-                t = sx * dp
-                u = xs
-            else:
-                t += sx * dp
-                u += xs
-            if bb % GB == GB - 1:
-                s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn2, b * 32, wm, s_sc, s_d,
-                                        s_zp, s_mn, s_dmin, SUB, 1, TWO_LEVEL, ZERO, OFFSET, MINS)
-                if CODES == 1:
-                    z -= 128.0
-                acc += s * (t - z * u) - m * u
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit
 def _quant_x(x_ptr, perm_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.constexpr, NBLK: tl.constexpr,
              HAS_PERM: tl.constexpr = False, PDL: tl.constexpr = False):
     """packed.quantize_x_q8 as one kernel: NBLK blocks of 32 elements per program, row
@@ -770,13 +701,6 @@ _Q8M_CONFIGS = ([triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
 _gemm_q8_tuned = _autotune(_Q8M_CONFIGS, _Q8_KEYS)(_even_kn(_gemv_q8))  # the same kernel with MR rows of x
 
 
-_MMA_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
-                for bn, bk, w, st in [(32, 128, 2, 3), (64, 128, 4, 3), (32, 256, 2, 3), (64, 256, 4, 2),
-                                      (16, 256, 1, 3), (128, 128, 4, 3)]]
-_gemm_q8mma_tuned = _autotune(_MMA_CONFIGS, ["N", "K", "CODES", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(
-    _even_k(_gemm_q8mma))
-
-
 def _m_bucket(m: int) -> int:
     return 16 if m <= 16 else 64 if m <= 64 else 256 if m <= 256 else 1024
 
@@ -811,7 +735,7 @@ def autotune_choices() -> dict[str, dict[str, str]]:
 
     out = {}
     for name, tuned in (("gemv_q8", _gemv_q8_tuned), ("gemv_q8 (2-4 rows)", _gemm_q8_tuned), ("gemv", _gemv_tuned),
-                        ("gemm", _gemm_tuned), ("gemm_q8mma", _gemm_q8mma_tuned), ("mma_t", triton_mma._mma_t_tuned)):
+                        ("gemm", _gemm_tuned), ("mma_t", triton_mma._mma_t_tuned)):
         picks = {", ".join(f"{n}={v}" for n, v in zip(tuned.keys, key)): str(cfg)
                  for key, cfg in getattr(tuned, "cache", {}).items()}
         if picks:
@@ -874,10 +798,10 @@ def _planes(p: Packed, hi: bool = True) -> tuple[list[torch.Tensor], list[int]]:
 
 
 def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              config: dict | None = None, mma: bool = False) -> torch.Tensor:
+              config: dict | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) for 1 to 16 rows of x, each rounded to int8 per 32 elements by _quant_x
-    (_gemv_q8, MR = 1 for one row, the next power of two above; or with `mma` the tensor-core
-    _gemm_q8mma; all compute packed.linear_ref_q8). Formats: packed.q8_ok."""
+    (_gemv_q8 with MR = 1 for one row, the next power of two above; computes
+    packed.linear_ref_q8). Formats: packed.q8_ok."""
     x1 = x.reshape(-1, p.K)  # act-order: _quant_x reads x through the permutation
     if x1.stride(-1) != 1:
         x1 = x1.contiguous()
@@ -889,44 +813,27 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     xw = torch.empty(M, p.K // 4, dtype=torch.int32, device=x.device)
     sx = torch.empty(M, p.K // 32, dtype=torch.float32, device=x.device)
     xs = torch.empty_like(sx)
-    pdl = not mma and _pdl(x.device)
+    pdl = _pdl(x.device)
     _quant_x[(triton.cdiv(p.K // 32, 4), M)](x1, p.perm if p.perm is not None else x1, xw, sx, xs, p.K, x1.stride(0),
                                              NIBBLES=p.fmt.codes == NIB, NBLK=4, HAS_PERM=p.perm is not None, PDL=pdl)
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     f = p.fmt
-    planes, strides = _planes(p, hi=not mma)  # the tensor-core kernel takes no high-bit plane
-    flags = {"CODES": f.codes, "SUB": f.sub, "TWO_LEVEL": f.two_level, "ZERO": f.zero, "OFFSET": f.offset,
-             "MINS": f.mins, "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET}
-    b = bias if bias is not None else y
-    tune = config is None and not INTERPRET
-    cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
-    if mma:
-        if f.hi_bits:
-            raise ValueError("the tensor-core int8 kernel reads no high-bit plane (Q5, Q6_K)")
-        cfg["BN"] = max(cfg["BN"], 16)  # the smallest int8 dot
-    cfg.setdefault("EVEN_K", p.K % cfg["BK"] == 0)
-    if not mma:
-        cfg.setdefault("EVEN_N", p.N % cfg["BN"] == 0)
-    sms = _sm_count(x.device)
-    grid = (lambda meta: (_rows_grid(p.N, meta["BN"], meta.get("PERSIST", 0), sms),)) if tune else \
-        (_rows_grid(p.N, cfg["BN"], 0 if mma else cfg.get("PERSIST", 0), sms),)
-    if mma:
-        planes[0], strides[0] = p.lo, p.lo.stride(0)  # codes as bytes
-        args = (xw.view(torch.int8), sx, xs, y, b, *planes, M, p.N, p.K, y.stride(0), *strides)
-        if tune:
-            _gemm_q8mma_tuned[grid](*args, **flags)
-        else:
-            _gemm_q8mma[grid](*args, **flags, **cfg)
-        return y.reshape(*x.shape[:-1], p.N)
-    flags["HI_BITS"] = f.hi_bits
+    planes, strides = _planes(p)
+    flags = {"CODES": f.codes, "HI_BITS": f.hi_bits, "SUB": f.sub, "TWO_LEVEL": f.two_level, "ZERO": f.zero,
+             "OFFSET": f.offset, "MINS": f.mins, "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET,
+             "MR": 1 << (M - 1).bit_length()}  # MR: 1 for one row; an autotune key
     if pdl:
         flags.update(PDL=True, launch_pdl=True)
-    args = (xw, sx, xs, y, b, *planes, M, p.N, p.K, y.stride(0), *strides)
-    flags["MR"] = 1 << (M - 1).bit_length()  # 1 for one row; an autotune key
-    if tune:
+    args = (xw, sx, xs, y, bias if bias is not None else y, *planes, M, p.N, p.K, y.stride(0), *strides)
+    sms = _sm_count(x.device)
+    if config is None and not INTERPRET:
+        grid = lambda meta: (_rows_grid(p.N, meta["BN"], meta.get("PERSIST", 0), sms),)  # noqa: E731
         (_gemv_q8_tuned if M == 1 else _gemm_q8_tuned)[grid](*args, **flags)
     else:
-        _gemv_q8[grid](*args, **flags, **cfg)
+        cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
+        cfg.setdefault("EVEN_K", p.K % cfg["BK"] == 0)
+        cfg.setdefault("EVEN_N", p.N % cfg["BN"] == 0)
+        _gemv_q8[(_rows_grid(p.N, cfg["BN"], cfg.get("PERSIST", 0), sms),)](*args, **flags, **cfg)
     return y.reshape(*x.shape[:-1], p.N)
 
 

@@ -178,9 +178,9 @@ def q8_case(fmt: str, N: int, K: int) -> packed.Packed:
     return packed.from_gguf(torch.from_numpy(random_blocks(fmt, N, K, rng)), fmt, K)
 
 
-def run_q8(x, p, bias=None, config=None, mma=False):
+def run_q8(x, p, bias=None, config=None):
     out = torch.full((x.shape[0], p.N), float("nan"), dtype=x.dtype, device=DEV)
-    y = tq.q8_linear(x.to(DEV), p.to(DEV), None if bias is None else bias.to(DEV), out=out, config=config, mma=mma)
+    y = tq.q8_linear(x.to(DEV), p.to(DEV), None if bias is None else bias.to(DEV), out=out, config=config)
     assert y.data_ptr() == out.data_ptr()
     return y
 
@@ -213,20 +213,6 @@ def test_q8_gemv_equals_its_reference(fmt, cfg, M):
     check(y, packed.linear_ref_q8(x.double(), p, bias.double()).float(), torch.float32)
     exact = packed.linear_ref(x.double(), p, bias.double())
     assert float((y.double().cpu() - exact).norm() / exact.norm()) < 2e-2
-
-
-@pytest.mark.parametrize("fmt", ["gptq-int4", "gptq-int4-act", "gptq-int4-g32", "gptq-int8", "Q4_0", "Q8_0", "Q4_K"])
-@pytest.mark.parametrize("cfg,M", [({"BN": 16, "BK": 64, "STAGES": 1}, 16), ({"BN": 32, "BK": 512, "STAGES": 2}, 5)])
-def test_q8_tensor_core_kernel_equals_its_reference(fmt, cfg, M):
-    """_gemm_q8mma: exactly W (xq sx) on odd N, with a bias, K a multiple of the tile (BK 64: scale
-    groups of 128 span tiles) or not (BK 512: masked tail, groups inside a tile)."""
-    N, K = (48 if fmt.startswith("gptq") else 37), 768
-    p = q8_case(fmt, N, K)
-    x = torch.randn(M, K) * 2
-    x[-1, 64:96] = 0
-    bias = torch.randn(N)
-    y = run_q8(x, p, bias, cfg, mma=True)
-    check(y, packed.linear_ref_q8(x.double(), p, bias.double()).float(), torch.float32)
 
 
 def test_q8_x_quantizer_kernel_equals_torch():
@@ -280,22 +266,19 @@ def test_q8_refuses_what_it_cannot_run():
     with pytest.raises(ValueError):
         tq.q8_linear(torch.randn(3, 256, device=DEV), q6.to(DEV))
     assert not packed.q8_ok(packed.from_fp8(torch.randn(4, 64).to(torch.float8_e4m3fn), torch.ones(1)))
-    q5 = packed.from_gguf(torch.from_numpy(random_blocks("Q5_K", 4, 256, rng)), "Q5_K", 256)
-    with pytest.raises(ValueError):  # the tensor-core kernel reads no high-bit plane
-        tq.q8_linear(torch.randn(1, 256, device=DEV), q5.to(DEV), mma=True)
     p = q8_case("Q4_0", 8, 256)
     with pytest.raises(ValueError):
         tq.q8_linear(torch.randn(17, 256, device=DEV), p.to(DEV))
 
 
 @pytest.mark.skipif(not CUDA, reason="real shapes and autotuning need a GPU")
-@pytest.mark.parametrize("fmt,M,mma", [(f, M, mma) for f in ["gptq-int4-act", "Q4_0", "Q8_0", "Q4_K", "gptq-int8"]
-                                       for M, mma in [(1, False), (3, False), (16, True), (7, True)]]
-                         + [("Q6_K", 1, False), ("Q5_K", 1, False), ("Q5_K", 3, False), ("Q5_0", 1, False)])
-def test_q8_real_shapes_autotuned(fmt, M, mma):
+@pytest.mark.parametrize("fmt,M", [(f, M) for f in ["gptq-int4-act", "Q4_0", "Q8_0", "Q4_K", "gptq-int8"]
+                                   for M in (1, 3, 7, 16)]
+                         + [("Q6_K", 1), ("Q5_K", 1), ("Q5_K", 3), ("Q5_0", 1)])
+def test_q8_real_shapes_autotuned(fmt, M):
     p = q8_case(fmt, 1024, 4096)
     x = torch.randn(M, 4096, dtype=torch.bfloat16)
-    check(tq.q8_linear(x.cuda(), p.to("cuda"), mma=mma), packed.linear_ref_q8(x.double(), p), torch.bfloat16)
+    check(tq.q8_linear(x.cuda(), p.to("cuda")), packed.linear_ref_q8(x.double(), p), torch.bfloat16)
 
 
 @pytest.mark.skipif(not CUDA, reason="the dispatcher sends only CUDA tensors to Triton")

@@ -8,8 +8,8 @@ Shapes are N x K (outputs x inputs, the weight's shape). Each timing replays a C
 calls cycling through enough copies of the weight to overflow L2, so every byte comes from HBM
 and no launch overhead is counted (the runtime replays its decode step as a graph too).
 Achieved bandwidth = bytes that must be read (codes + scales + x) / time. A format named with
-"+q8" (int4-g128+q8, Q4_K+q8, ...) runs the int8-activation kernels (M <= 16: the dp4a GEMV/GEMM),
-"+mma" the int8 tensor-core kernel (M <= 16), x's rounding included in both; "+tc" the bf16
+"+q8" (int4-g128+q8, Q4_K+q8, ...) runs the int8-activation kernel (dp4a, M <= 16), x's rounding
+included; "+tc" the bf16
 tensor-core kernel for a few rows (kernels/triton_mma.py, int4 M <= 64), "+tcs" its variant with the
 weights scaled before the MMA (Q4_0, Q4_K, any int4 group), x's preparation included in both.
 """
@@ -17,7 +17,6 @@ weights scaled before the MMA (Q4_0, Q4_K, any int4 group), x's preparation incl
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 
 import torch
@@ -90,13 +89,10 @@ def bench_shape(fmt: str, N: int, K: int, M: int) -> dict:
     from dsq.kernels import triton_qlinear
     from dsq.kernels.packed import Packed, linear_ref, linear_ref_q8
 
-    mma = fmt.endswith("+mma")  # the int8 tensor-core kernel (_gemm_q8mma)
     tc = fmt.endswith("+tc") or fmt.endswith("+tcs")  # the bf16 tensor-core kernels for a few rows (triton_mma)
-    q8 = fmt.endswith("+q8") or mma
+    q8 = fmt.endswith("+q8")
     p0 = random_packed(fmt.split("+")[0], N, K)
     kern = triton_qlinear.q8_linear if q8 else triton_qlinear.packed_linear
-    if mma:
-        kern = functools.partial(triton_qlinear.q8_linear, mma=True)
     if tc:
         from dsq.kernels import triton_mma
 

@@ -33,8 +33,9 @@ def main(argv=None) -> None:
                 ("int4-g128", T.packed_linear, dict(BN=8, BK=1024, STAGES=3, num_warps=2)),
                 ("fp8-channel", T.packed_linear, dict(BN=8, BK=1024, STAGES=3, num_warps=2))]
     else:
-        runs = [("int4-g128", lambda x, p, config: T.q8_linear(x, p, config=config, mma=True),
-                 dict(BN=64, BK=256, STAGES=2, num_warps=4)),
+        from dsq.kernels import triton_mma
+
+        runs = [("int4-g128", triton_mma.mma_linear, dict(BN=128, BK=128, STAGES=4, num_warps=4)),
                 ("int4-g128", T.packed_linear, dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4))]
     for fmt, fn, cfg in runs:
         p = random_packed(fmt, N, K)

@@ -1,9 +1,8 @@
 """The int8-activation kernels at fixed tile configs on a GPU, per format and shape, against torch
-bf16 F.linear in the same run: how their autotune candidates were chosen. Default: the GEMV
-(triton_qlinear._gemv_q8, M = 1); --mma --m 16: the tensor-core kernel (_gemm_q8mma).
+bf16 F.linear in the same run: how their autotune candidates were chosen (triton_qlinear._gemv_q8;
+--m 2..4: its MR rows of x).
 
     python -m dsq.bench.q8_sweep [--formats int4-g128,Q4_K,Q8_0] [--shapes 28672x8192,4096x4096,4096x14336]
-    python -m dsq.bench.q8_sweep --mma --m 16 [--formats ...] [--shapes ...]
 
 Same timing as kernels_gpu (CUDA graphs over weight copies that overflow L2; x's int8 rounding
 kernel included); GB/s counts the weight's bytes only.
@@ -24,21 +23,16 @@ CANDIDATES = [(4, 1024, 1, 3), (2, 1024, 1, 3), (4, 2048, 1, 3), (4, 512, 1, 3),
               (2, 2048, 1, 0), (4, 2048, 2, 0), (2, 2048, 2, 0), (8, 2048, 2, 0), (4, 4096, 4, 0),
               # a fifth field: PERSIST, programs per SM walking several row tiles each
               (1, 1024, 1, 0, 32), (2, 1024, 1, 0, 32), (1, 2048, 1, 0, 32), (1, 2048, 1, 0, 16), (1, 4096, 1, 0)]
-MMA_CANDIDATES = [(16, 256, 1, 3), (16, 512, 1, 2), (16, 512, 1, 3), (32, 256, 1, 3), (32, 512, 2, 2),
-                  (32, 256, 2, 3), (64, 256, 4, 2), (64, 128, 4, 4), (32, 1024, 2, 2), (16, 1024, 1, 2),
-                  (64, 512, 4, 2), (128, 256, 4, 2)]
-
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--formats", default="int4-g128,Q4_K,Q8_0")
     ap.add_argument("--shapes", default="28672x8192,4096x4096,4096x14336")
-    ap.add_argument("--mma", action="store_true", help="the tensor-core kernel (M <= 16)")
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--configs", help="BN:BK:warps:stages[:persist],... instead of the built-in candidates "
                                       "(stages 0: PREFETCH; persist: programs per SM)")
     a = ap.parse_args(argv)
-    cands = MMA_CANDIDATES if a.mma else CANDIDATES
+    cands = CANDIDATES
     if a.configs:
         cands = [tuple(int(v) for v in c.split(":")) for c in a.configs.split(",")]
     from dsq.bench.kernels_gpu import bench_bf16, copies_for, graph_time, random_packed
@@ -58,13 +52,13 @@ def main(argv=None) -> None:
             ys = [torch.empty(a.m, N, device="cuda", dtype=torch.bfloat16) for _ in ps]
             for bn, bk, w, st, *persist in cands:
                 cfg = {"BN": bn, "BK": bk, "STAGES": max(st, 1), "num_warps": w}
-                if st == 0 and not a.mma:
+                if st == 0:
                     cfg["PREFETCH"] = True
                 if persist and persist[0]:
                     cfg["PERSIST"] = persist[0]
-                y = T.q8_linear(x, p0, config=cfg, mma=a.mma)
+                y = T.q8_linear(x, p0, config=cfg)
                 rel = float((y.float() - ref).norm() / ref.norm())
-                t = graph_time([lambda p=p, yy=yy: T.q8_linear(x, p, out=yy, config=cfg, mma=a.mma)
+                t = graph_time([lambda p=p, yy=yy: T.q8_linear(x, p, out=yy, config=cfg)
                                 for p, yy in zip(ps, ys)])
                 print(f"  {fmt:10} {str(cfg):62} {t * 1e6:7.1f} us {p0.nbytes() / t / 1e9:6.0f} GB/s "
                       f"{base['us'] / (t * 1e6):5.2f}x rel {rel:.0e}", flush=True)

@@ -4,7 +4,6 @@
     python -m dsq.bench.sass_count gemv_q8 int4 --BN 4 --BK 512 --warps 1 --stages 3 [--set EVEN_K=0]
     python -m dsq.bench.sass_count gemv_q8 int4 --BN 4 --BK 1024 --warps 1 --stages 1 --set PREFETCH=1
     python -m dsq.bench.sass_count gemv_rows fp8 --BN 8 --BK 1024 --warps 2 --stages 3 [--set FP8_HW=1]
-    python -m dsq.bench.sass_count gemm_q8mma int4 --BN 64 --BK 128 --warps 4 --stages 3
     python -m dsq.bench.sass_count mma_t int4 --BN 128 --BK 128 --warps 4 --stages 4 --set GS=128 --set MP=16
     python -m dsq.bench.sass_count mma_s q4k --BN 128 --BK 256 --warps 4 --stages 3 --set MP=16
 
@@ -31,7 +30,7 @@ FORMATS = {
     "q8_0": dict(CODES=2, SUB=32, sc="*fp16"),
     "fp8": dict(CODES=3, SUB=1 << 20, sc="*fp32"),
 }
-_PTRS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "bias_ptr": "*bf16", "xw_ptr": "*i32", "xq_ptr": "*i8",
+_PTRS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "bias_ptr": "*bf16", "xw_ptr": "*i32",
          "sx_ptr": "*fp32", "xsum_ptr": "*fp32", "lo_ptr": "*i32", "hi_ptr": "*i32", "d_ptr": "*fp16",
          "zp_ptr": "*u8", "mn_ptr": "*u8", "dmin_ptr": "*fp16", "xp_ptr": "*bf16", "xs_ptr": "*fp32",
          "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
@@ -56,7 +55,7 @@ def compile_sm90(kernel: str, fmt: str, warps: int, **const):
                     if p.default is not inspect.Parameter.empty}  # constexprs with defaults (PDL, ...)
     values = {**sig_defaults, **_DEFAULTS, **f, **const}
     consts = {n: values[n] for n in names if n in constexprs and n in values}
-    lo = {"gemm_q8mma": "*u8", "mma_t": "*i16", "mma_s": "*i16"}.get(kernel, "*i32")  # the codes as bytes / 16-bit words
+    lo = "*i16" if kernel in ("mma_t", "mma_s") else "*i32"  # the codes as 16-bit or 32-bit words
     sig = {n: "constexpr" if n in consts else (lo if n == "lo_ptr" else
                                                sc if n == "sc_ptr" else _PTRS.get(n, "i32"))
            for n in names if n in consts or n not in constexprs}
@@ -85,7 +84,7 @@ def loop_opcodes(compiled, modifiers: bool = False) -> list[str]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["gemv_q8", "gemv_rows", "gemm_q8mma", "mma_t", "mma_s"])
+    ap.add_argument("kernel", choices=["gemv_q8", "gemv_rows", "mma_t", "mma_s"])
     ap.add_argument("fmt", choices=sorted(FORMATS))
     ap.add_argument("--BN", type=int, default=4)
     ap.add_argument("--BK", type=int, default=512)
