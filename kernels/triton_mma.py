@@ -112,19 +112,28 @@ def _nib_bf16(h, NIB_I: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot(lo_ptr, xp_ptr, rn, rm, nm, mm, jh, jx, kg, K, s_lo, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-              USE_ASM: tl.constexpr):
-    """The (BN, MP) products of one tile: its code words (BN, T/4) from elements kg on, four
-    independent sub-dots (none waits for another's result), summed."""
+def _code_tile(lo_ptr, rn, nm, mm, jh, jx, kg, K, s_lo, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """The code words (BN, T/4) of rows rn from element kg on, and the mask of x's operand rows
+    (x_p offsets jx) and columns (rows of x): elements past K are masked (K is a multiple of 64:
+    whole sub-dot rows)."""
     wm = nm[:, None]
     xm = mm[None, :]
-    if not EVEN_K:  # elements past K (K is a multiple of 64: whole sub-dot rows)
+    if not EVEN_K:
         wm = wm & (kg + 4 * jh[None, :] < K)
         xm = xm & (kg + jx[:, None] < K)
     if EVEN_N and EVEN_K:
         h = tl.load(lo_ptr + rn[:, None] * s_lo + kg // 4 + jh[None, :])
     else:
         h = tl.load(lo_ptr + rn[:, None] * s_lo + kg // 4 + jh[None, :], mask=wm, other=0)
+    return h, xm
+
+
+@triton.jit
+def _tile_dot(lo_ptr, xp_ptr, rn, rm, nm, mm, jh, jx, kg, K, s_lo, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+              USE_ASM: tl.constexpr):
+    """The (BN, MP) products of one tile: its code words (BN, T/4) from elements kg on, four
+    independent sub-dots (none waits for another's result), summed."""
+    h, xm = _code_tile(lo_ptr, rn, nm, mm, jh, jx, kg, K, s_lo, EVEN_N, EVEN_K)
     xq = xp_ptr + rm[None, :] * K + kg + jx[:, None]
     return ((_sub_dot(h, xq, xm, 0, USE_ASM) + _sub_dot(h, xq, xm, 1, USE_ASM))
             + (_sub_dot(h, xq, xm, 2, USE_ASM) + _sub_dot(h, xq, xm, 3, USE_ASM)))
@@ -332,15 +341,7 @@ def _mma_s(xp_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_
         k_hi = tl.minimum(k_lo + per, K)
     acc = tl.zeros((BN, MP), dtype=tl.float32)
     for kg in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
-        wm = nm[:, None]
-        xm = mm[None, :]
-        if not EVEN_K:
-            wm = wm & (kg + 4 * jh[None, :] < K)
-            xm = xm & (kg + jx[:, None] < K)
-        if EVEN_N and EVEN_K:
-            h = tl.load(lo_ptr + rn[:, None] * s_lo + kg // 4 + jh[None, :])
-        else:
-            h = tl.load(lo_ptr + rn[:, None] * s_lo + kg // 4 + jh[None, :], mask=wm, other=0)
+        h, xm = _code_tile(lo_ptr, rn, nm, mm, jh, jx, kg, K, s_lo, EVEN_N, EVEN_K)
         e2 = kg + 32 * jb[None, :]  # each block's first element
         s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn[:, None], e2, nm[:, None] & (e2 < K),
                                 s_sc, s_d, s_zp, s_mn, s_dmin, SUB, 1, TWO_LEVEL, ZERO, OFFSET, MINS)
@@ -404,40 +405,53 @@ def _split_scratch(device: torch.device, N: int, mp: int = 16) -> tuple[torch.Te
     return ws, cnt
 
 
-def mma_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               config: dict | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias) for 1 to 64 rows of x (formats: `supported`), y in x's dtype. `config`
-    (BN, BK, STAGES[, SPLIT, NG, num_warps]) fixes the tiles (no autotuning)."""
+def _prepare(x: torch.Tensor, p: Packed, group: int, ok: bool, what: str):
+    """x as rows (M, K) through _prep_x (permuted bf16 x_p, sums per `group` elements) and the
+    width of its MMA side; ValueError(what) if not `ok`."""
     x1 = x.reshape(-1, p.K)
     if x1.stride(-1) != 1:
         x1 = x1.contiguous()
     M = x1.shape[0]
-    if not supported(p, M):
-        raise ValueError("mma_linear takes 1-64 rows and 4-bit codes in groups of 64, 128 or 256 (K % 64 == 0)")
+    if not ok(p, M):
+        raise ValueError(what)
+    xp = torch.empty(M, p.K, dtype=torch.bfloat16, device=x.device)
+    xs = torch.empty(M, p.K // group, dtype=torch.float32, device=x.device)
+    _prep_x[(p.K // group, M)](x1, p.perm if p.perm is not None else x1, xp, xs, p.K, x1.stride(0), group,
+                               HAS_PERM=p.perm is not None)
+    return M, xp, xs, max(8, 1 << (M - 1).bit_length())  # MP: 8, 16, 32 or 64
+
+
+def _launch(kernel, tuned, p: Packed, args: tuple, flags: dict, config: dict | None, defaults: dict, step) -> None:
+    """The autotuned kernel, or with `config` (or under the interpreter) the plain one on fixed tiles;
+    programs (row tiles, SPLIT); step(cfg): elements of K an iteration (EVEN_K)."""
+    if config is None and not INTERPRET:
+        tuned[lambda meta: (triton.cdiv(p.N, meta["BN"]), meta["SPLIT"])](*args, **flags)
+        return
+    cfg = {"BN": 16, "STAGES": 1, "SPLIT": 1, **defaults, **(config or {})}
+    if not 1 <= cfg["SPLIT"] <= MAX_SPLIT:
+        raise ValueError(f"SPLIT is 1 to {MAX_SPLIT}")
+    cfg.setdefault("EVEN_K", p.K % step(cfg) == 0)
+    cfg.setdefault("EVEN_N", p.N % cfg["BN"] == 0)
+    kernel[(triton.cdiv(p.N, cfg["BN"]), cfg["SPLIT"])](*args, **flags, **cfg)
+
+
+def mma_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) for 1 to 64 rows of x (formats: `supported`), y in x's dtype. `config`
+    (BN, BK, STAGES[, SPLIT, NG, num_warps]) fixes the tiles (no autotuning)."""
     f = p.fmt
     GS = f.sub if f.sub < p.K else 0  # 0: one group a row
-    xp = torch.empty(M, p.K, dtype=torch.bfloat16, device=x.device)
-    xs = torch.empty(M, p.K // (GS or p.K), dtype=torch.float32, device=x.device)
-    _prep_x[(p.K // (GS or p.K), M)](x1, p.perm if p.perm is not None else x1, xp, xs, p.K, x1.stride(0), GS or p.K,
-                                     HAS_PERM=p.perm is not None)
+    M, xp, xs, MP = _prepare(x, p, GS or p.K, supported,
+                             "mma_linear takes 1-64 rows and 4-bit codes in groups of 64, 128 or 256 (K % 64 == 0)")
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     lo = p.lo.view(torch.int16)
     zp = p.zp if p.zp is not None else p.sc
-    MP = max(8, 1 << (M - 1).bit_length())  # 8, 16, 32 or 64: the MMA's narrow side
     ws, cnt = _split_scratch(x.device, p.N, MP)
     args = (xp, xs, y, bias if bias is not None else y, lo, p.sc, zp, ws, cnt, M, p.N, p.K, y.stride(0), lo.stride(0),
             p.sc.stride(0), zp.stride(0))
     flags = {"ZERO": f.zero if f.zero in (Z_CONST, Z_ARRAY) else 0, "OFFSET": f.offset, "HAS_BIAS": bias is not None,
              "USE_ASM": not INTERPRET, "GS": GS, "MP": MP}
-    if config is None and not INTERPRET:
-        _mma_t_tuned[lambda meta: (triton.cdiv(p.N, meta["BN"]), meta["SPLIT"])](*args, **flags)
-    else:
-        cfg = {"BN": 16, "BK": GS or 128, "STAGES": 1, "SPLIT": 1, "NG": 1, **(config or {})}
-        if not 1 <= cfg["SPLIT"] <= MAX_SPLIT:
-            raise ValueError(f"SPLIT is 1 to {MAX_SPLIT}")
-        cfg.setdefault("EVEN_K", p.K % _step({**flags, **cfg}) == 0)
-        cfg.setdefault("EVEN_N", p.N % cfg["BN"] == 0)
-        _mma_t[(triton.cdiv(p.N, cfg["BN"]), cfg["SPLIT"])](*args, **flags, **cfg)
+    _launch(_mma_t, _mma_t_tuned, p, args, flags, config, {"BK": GS or 128, "NG": 1}, lambda c: _step({**flags, **c}))
     return y.reshape(*x.shape[:-1], p.N)
 
 
@@ -455,32 +469,15 @@ def mma_linear_scaled(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = No
     dispatcher does not call it; y in x's dtype."""
     from dsq.kernels.triton_qlinear import _planes
 
-    x1 = x.reshape(-1, p.K)
-    if x1.stride(-1) != 1:
-        x1 = x1.contiguous()
-    M = x1.shape[0]
-    if not supported_scaled(p, M):
-        raise ValueError("mma_linear_scaled takes 1-64 rows and 4-bit codes without high bits (K % 64 == 0)")
     f = p.fmt
-    xp = torch.empty(M, p.K, dtype=torch.bfloat16, device=x.device)
-    xs = torch.empty(M, p.K // CHUNK, dtype=torch.float32, device=x.device)  # written, not read here
-    _prep_x[(p.K // CHUNK, M)](x1, p.perm if p.perm is not None else x1, xp, xs, p.K, x1.stride(0), CHUNK,
-                               HAS_PERM=p.perm is not None)
+    M, xp, _, MP = _prepare(x, p, CHUNK, supported_scaled,  # x's sums are not read here
+                            "mma_linear_scaled takes 1-64 rows and 4-bit codes without high bits (K % 64 == 0)")
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     planes, strides = _planes(p, hi=False)
     planes[0], strides[0] = p.lo.view(torch.int16), p.lo.view(torch.int16).stride(0)
-    MP = max(8, 1 << (M - 1).bit_length())
     ws, cnt = _split_scratch(x.device, p.N, MP)
     args = (xp, y, bias if bias is not None else y, *planes, ws, cnt, M, p.N, p.K, y.stride(0), *strides)
     flags = {"SUB": f.sub, "TWO_LEVEL": f.two_level, "ZERO": f.zero, "OFFSET": f.offset, "MINS": f.mins,
              "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET, "MP": MP}
-    if config is None and not INTERPRET:
-        _mma_s_tuned[lambda meta: (triton.cdiv(p.N, meta["BN"]), meta["SPLIT"])](*args, **flags)
-    else:
-        cfg = {"BN": 16, "BK": 128, "STAGES": 1, "SPLIT": 1, **(config or {})}
-        if not 1 <= cfg["SPLIT"] <= MAX_SPLIT:
-            raise ValueError(f"SPLIT is 1 to {MAX_SPLIT}")
-        cfg.setdefault("EVEN_K", p.K % cfg["BK"] == 0)
-        cfg.setdefault("EVEN_N", p.N % cfg["BN"] == 0)
-        _mma_s[(triton.cdiv(p.N, cfg["BN"]), cfg["SPLIT"])](*args, **flags, **cfg)
+    _launch(_mma_s, _mma_s_tuned, p, args, flags, config, {"BK": 128}, lambda c: c["BK"])
     return y.reshape(*x.shape[:-1], p.N)
