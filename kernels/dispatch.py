@@ -213,10 +213,11 @@ def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None =
 def gpu_kernel(p: packed.Packed, rows: int, dtype: torch.dtype) -> str:
     """Which Triton kernel family takes `rows` rows of x on a GPU: "mma" (bf16 tensor cores, a few
     rows, int4 grouped codes), "q8" (int8 x, up to Q8_MAX_ROWS rows) or "float" (the others)."""
-    from dsq.kernels import triton_mma
+    if MMA and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and dtype in (torch.bfloat16, torch.float16):
+        from dsq.kernels import triton_mma  # only here: one row (decode) never needs it
 
-    if MMA and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and dtype in (torch.bfloat16, torch.float16) and triton_mma.supported(p, rows):
-        return "mma"
+        if triton_mma.supported(p, rows):
+            return "mma"
     if ACT_Q8 and rows <= Q8_MAX_ROWS and packed.q8_ok(p, rows):
         return "q8"
     return "float"

@@ -66,7 +66,7 @@ def _bf16(v):
 
 
 @triton.jit
-def _prep_x(x_ptr, perm_ptr, xp_ptr, xs_ptr, K, s_x, GS, HAS_PERM: tl.constexpr):
+def _prep_x(x_ptr, perm_ptr, xp_ptr, xs_ptr, K, s_x, GS, HAS_PERM: tl.constexpr, SUMS: tl.constexpr = True):
     """Row program_id(1) of x (stride s_x), group program_id(0) (GS elements): x_p (bf16, row
     stride K) permuted within each 64 (x_p[64c + 16i + j] = x[64c + 4j + i]), read through perm
     (act-order), and the group's sum of the rounded values into xs (float32, K / GS a row)."""
@@ -84,7 +84,8 @@ def _prep_x(x_ptr, perm_ptr, xp_ptr, xs_ptr, K, s_x, GS, HAS_PERM: tl.constexpr)
         v = _bf16(tl.load(x_ptr + e))
         tl.store(xp_ptr + c0 + o, v)
         tot += v.to(tl.float32)
-    tl.store(xs_ptr + row * (K // GS) + g, tl.sum(tot, axis=0))
+    if SUMS:  # the scaled variant (_mma_s) reads none
+        tl.store(xs_ptr + row * (K // GS) + g, tl.sum(tot, axis=0))
 
 
 @triton.jit
@@ -288,7 +289,7 @@ def _nib_scaled(h, SW, OW, NIB_I: tl.constexpr, USE_ASM: tl.constexpr):
     """Nibble NIB_I of each 16-bit code word h as the dequantized weight SW c + OW in bf16 (SW, OW
     bf16 per element): c exact in bf16 (128 + c from a lop3 after a shift, minus 128), then one
     fma.rn.bf16x2 a pair. (Writing c as 1 + c/16 saves the subtraction but makes OW = o - 16 s,
-    whose rounding cost 3-7x the error: docs/benchmarks.md, session 6.)"""
+    whose rounding cost 2.4-6x the error: tests/test_mma_triton.py, encoding.)"""
     if USE_ASM:
         if NIB_I == 0:
             return tl.inline_asm_elementwise(
@@ -405,9 +406,9 @@ def _split_scratch(device: torch.device, N: int, mp: int = 16) -> tuple[torch.Te
     return ws, cnt
 
 
-def _prepare(x: torch.Tensor, p: Packed, group: int, ok: bool, what: str):
-    """x as rows (M, K) through _prep_x (permuted bf16 x_p, sums per `group` elements) and the
-    width of its MMA side; ValueError(what) if not `ok`."""
+def _prepare(x: torch.Tensor, p: Packed, group: int, ok, what: str, sums: bool = True):
+    """x as rows (M, K) through _prep_x (permuted bf16 x_p; with `sums` its sums per `group`
+    elements, else None) and the width of its MMA side; ValueError(what) if not ok(p, M)."""
     x1 = x.reshape(-1, p.K)
     if x1.stride(-1) != 1:
         x1 = x1.contiguous()
@@ -415,9 +416,9 @@ def _prepare(x: torch.Tensor, p: Packed, group: int, ok: bool, what: str):
     if not ok(p, M):
         raise ValueError(what)
     xp = torch.empty(M, p.K, dtype=torch.bfloat16, device=x.device)
-    xs = torch.empty(M, p.K // group, dtype=torch.float32, device=x.device)
-    _prep_x[(p.K // group, M)](x1, p.perm if p.perm is not None else x1, xp, xs, p.K, x1.stride(0), group,
-                               HAS_PERM=p.perm is not None)
+    xs = torch.empty(M, p.K // group, dtype=torch.float32, device=x.device) if sums else None
+    _prep_x[(p.K // group, M)](x1, p.perm if p.perm is not None else x1, xp, xs if sums else xp, p.K, x1.stride(0),
+                               group, HAS_PERM=p.perm is not None, SUMS=sums)
     return M, xp, xs, max(8, 1 << (M - 1).bit_length())  # MP: 8, 16, 32 or 64
 
 
@@ -470,8 +471,9 @@ def mma_linear_scaled(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = No
     from dsq.kernels.triton_qlinear import _planes
 
     f = p.fmt
-    M, xp, _, MP = _prepare(x, p, CHUNK, supported_scaled,  # x's sums are not read here
-                            "mma_linear_scaled takes 1-64 rows and 4-bit codes without high bits (K % 64 == 0)")
+    M, xp, _, MP = _prepare(x, p, CHUNK, supported_scaled,
+                            "mma_linear_scaled takes 1-64 rows and 4-bit codes without high bits (K % 64 == 0)",
+                            sums=False)
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     planes, strides = _planes(p, hi=False)
     planes[0], strides[0] = p.lo.view(torch.int16), p.lo.view(torch.int16).stride(0)

@@ -187,3 +187,36 @@ def test_scaled_refuses_high_bit_formats():
         assert not tm.supported_scaled(q, 4)
         with pytest.raises(ValueError):
             tm.mma_linear_scaled(torch.randn(4, 256, device=DEV), q.to(DEV))
+
+
+def test_scaled_encoding_error_is_bf16s():
+    """Why _mma_s makes c exact and then one bf16 fma per pair of weights: emulated in float64 on
+    Q4_0 and Q4_K (N 256, K 1024, 8 rows), its error is within 1.6x of rounding float weights once
+    to bf16 (what _gemm does); writing the code as 1 + c/16 (one instruction fewer) rounds
+    o - 16 s instead and is over 2x worse again. (`pytest -s -k encoding` prints the errors.)"""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    gen = torch.Generator().manual_seed(0)
+    N, K, M = 256, 1024, 8
+
+    def bf(t):
+        return t.to(torch.bfloat16).double()
+
+    def ex(t, sub):
+        return t.double().repeat_interleave(sub, 1)[:, :K]
+
+    for fmt in ("Q4_0", "Q4_K"):
+        p = packed.from_gguf(torch.from_numpy(random_blocks(fmt, N, K, rng)), fmt, K)
+        f, c, W = p.fmt, packed.codes(p).double(), packed.dequantize(p).double()
+        s = ex(p.sc, f.sub) * (ex(p.d, 256) if f.two_level else 1)
+        o = -(s * f.offset) - (ex(p.dmin, 256) * ex(p.mn, 32) if f.mins else 0)  # W = s c + o
+        assert torch.allclose(s * c + o, W)
+        x = bf(torch.randn(M, K, generator=gen))
+        y = x @ W.t()
+        err = {name: rel(x @ w.t(), y) for name, w in
+               [("one rounding", bf(W)), ("c exact, fma", bf(bf(s) * c + bf(o))),
+                ("1 + c/16", bf(bf(16 * s) * (1 + c / 16) + bf(o - 16 * s)))]}
+        print(fmt, {k: f"{v:.2e}" for k, v in err.items()})
+        assert err["c exact, fma"] < 1.6 * err["one rounding"]
+        assert err["1 + c/16"] > 2 * err["c exact, fma"]

@@ -85,9 +85,18 @@ def copies_for(nbytes: int) -> int:
     return max(2, min(64, -(-L2_FLUSH_BYTES // max(nbytes, 1))))
 
 
+def weight_copies(p0) -> list:
+    """p0 and clones of it at other addresses (same data), enough to overflow L2, so a graph of
+    calls cycling through them reads HBM."""
+    from dsq.kernels.packed import Packed
+
+    return [p0] + [Packed(p0.fmt, p0.N, p0.K, **{k: v.clone() for k, v in p0.tensors().items()})
+                   for _ in range(copies_for(p0.nbytes()) - 1)]
+
+
 def bench_shape(fmt: str, N: int, K: int, M: int) -> dict:
     from dsq.kernels import triton_qlinear
-    from dsq.kernels.packed import Packed, linear_ref, linear_ref_q8
+    from dsq.kernels.packed import linear_ref, linear_ref_q8
 
     tc = fmt.endswith("+tc") or fmt.endswith("+tcs")  # the bf16 tensor-core kernels for a few rows (triton_mma)
     q8 = fmt.endswith("+q8")
@@ -97,9 +106,7 @@ def bench_shape(fmt: str, N: int, K: int, M: int) -> dict:
         from dsq.kernels import triton_mma
 
         kern = triton_mma.mma_linear_scaled if fmt.endswith("+tcs") else triton_mma.mma_linear
-    # copies at other addresses (same data) so the graph's calls read HBM, not L2
-    ps = [p0] + [Packed(p0.fmt, N, K, **{k: v.clone() for k, v in p0.tensors().items()})
-                 for _ in range(copies_for(p0.nbytes()) - 1)]
+    ps = weight_copies(p0)  # copies at other addresses, so the graph's calls read HBM, not L2
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     ys = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in ps]
     y = kern(x, p0)  # correctness on this shape first (and autotuning)

@@ -23,17 +23,16 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     import torch
 
-    from dsq.bench.kernels_gpu import bench_bf16, copies_for, graph_time, random_packed
+    from dsq.bench.kernels_gpu import bench_bf16, graph_time, random_packed, weight_copies
     from dsq.kernels import triton_mma
-    from dsq.kernels.packed import Packed, linear_ref
+    from dsq.kernels.packed import linear_ref
 
     keys = ["BN", "BK", "num_warps", "STAGES", "SPLIT", "NG", "maxnreg"]
     cfgs = [dict(zip(keys, (int(v) for v in c.split(":")))) for c in a.configs.split(",")]
     for shape in a.shapes.split(","):
         N, K = (int(v) for v in shape.split("x"))
         p0 = random_packed(a.format, N, K)
-        ps = [p0] + [Packed(p0.fmt, N, K, **{k: v.clone() for k, v in p0.tensors().items()})
-                     for _ in range(copies_for(p0.nbytes()) - 1)]
+        ps = weight_copies(p0)
         for M in (int(m) for m in a.m.split(",")):
             bf = bench_bf16(N, K, M)["us"]
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)

@@ -2,11 +2,11 @@
 (the readings in docs/benchmarks.md: DRAM and L1 throughput, occupancy, stall reasons):
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        --section MemoryWorkloadAnalysis -k regex:"_gemv|_gemm|_quant_x" python -m dsq.bench.ncu_launch [--m 16]
+        --section MemoryWorkloadAnalysis -k regex:"_gemv|_gemm|_quant_x|_mma_t" python -m dsq.bench.ncu_launch [--m 16]
 
 M = 1: the int8-x GEMV (int4 with register prefetch on a persistent grid, session 5's winner, and
 pipelined through shared memory; Q8_0), the float-x GEMV (int4, FP8) and cuBLAS bf16 beside them;
-M = 16: the tensor-core int8 kernel and the tl.dot GEMM (int4). Shape: --shape N x K (28672x8192).
+M = 16: the tensor-core kernel (triton_mma, 4 and 8 warps) and the tl.dot GEMM (int4). Shape: --shape N x K (28672x8192).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def main(argv=None) -> None:
         from dsq.kernels import triton_mma
 
         runs = [("int4-g128", triton_mma.mma_linear, dict(BN=128, BK=128, STAGES=4, num_warps=4)),
+                ("int4-g128", triton_mma.mma_linear, dict(BN=128, BK=128, STAGES=3, num_warps=8)),  # session 6's ncu
                 ("int4-g128", T.packed_linear, dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4))]
     for fmt, fn, cfg in runs:
         p = random_packed(fmt, N, K)

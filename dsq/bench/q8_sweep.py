@@ -35,9 +35,9 @@ def main(argv=None) -> None:
     cands = CANDIDATES
     if a.configs:
         cands = [tuple(int(v) for v in c.split(":")) for c in a.configs.split(",")]
-    from dsq.bench.kernels_gpu import bench_bf16, copies_for, graph_time, random_packed
+    from dsq.bench.kernels_gpu import bench_bf16, graph_time, random_packed, weight_copies
     from dsq.kernels import triton_qlinear as T
-    from dsq.kernels.packed import Packed, linear_ref_q8
+    from dsq.kernels.packed import linear_ref_q8
 
     for shape in a.shapes.split(","):
         N, K = (int(v) for v in shape.split("x"))
@@ -45,8 +45,7 @@ def main(argv=None) -> None:
         print(f"== {shape} bf16 {base['us']:.1f} us", flush=True)
         for fmt in a.formats.split(","):
             p0 = random_packed(fmt, N, K)
-            ps = [p0] + [Packed(p0.fmt, N, K, **{k: v.clone() for k, v in p0.tensors().items()})
-                         for _ in range(copies_for(p0.nbytes()) - 1)]
+            ps = weight_copies(p0)
             x = torch.randn(a.m, K, device="cuda", dtype=torch.bfloat16)
             ref = linear_ref_q8(x.float(), p0)
             ys = [torch.empty(a.m, N, device="cuda", dtype=torch.bfloat16) for _ in ps]
