@@ -149,6 +149,18 @@ def test_fused_rows_equal_separate():
         packed.Packed.cat([parts[0], packed.from_gguf(torch.from_numpy(random_blocks("Q6_K", 4, K, rng)), "Q6_K", K)])
 
 
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_gguf_conversion_in_row_chunks_equals_one_piece(qtype):
+    """from_gguf converts a few rows at a time into outputs allocated once (a big output head
+    otherwise took 26x its size in temporaries): same tensors, a partial last chunk included."""
+    K = 512
+    raw = torch.from_numpy(random_blocks(qtype, 37, K, np.random.default_rng()))
+    whole, parts = packed.from_gguf(raw, qtype, K), packed.from_gguf(raw, qtype, K, chunk=5 * K)
+    assert whole.fmt == parts.fmt and whole.tensors().keys() == parts.tensors().keys()
+    for k, v in whole.tensors().items():
+        assert torch.equal(v, parts.tensors()[k]), k
+
+
 @pytest.mark.skipif(not CUDA, reason="real shapes and autotuning need a GPU")
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0", "int4", "fp8"])
 @pytest.mark.parametrize("M", [1, 16, 300])
