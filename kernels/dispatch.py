@@ -1,10 +1,13 @@
 """Choose the implementation for a quantized op by device, format and shape.
 
 - CUDA: the Triton kernels over the packed layout (kernels/triton_qlinear.py) when Triton imports.
-  `gpu_kernel` decides: MMA_MIN_ROWS..16 rows of bf16/fp16 x against int4 grouped codes (AWQ/GPTQ)
-  take the tensor-core kernel (kernels/triton_mma.py) unless DSQ_MMA=0; up to Q8_MAX_ROWS rows of
-  x (decode) with integer codes take the int8-activation kernels (x rounded to int8 per 32
-  elements as llama.cpp does, packed.linear_ref_q8) unless DSQ_ACT_Q8=0; the rest the float-x ones.
+  `gpu_kernel` decides: MMA_MIN_ROWS..MMA_MAX_ROWS rows of bf16/fp16 x against int4 grouped codes
+  (AWQ/GPTQ) take the tensor-core kernel (kernels/triton_mma.py) unless DSQ_MMA=0; up to
+  Q8_MAX_ROWS rows of x (decode) with integer codes take the int8-activation kernels (x rounded to
+  int8 per 32 elements as llama.cpp does, packed.linear_ref_q8) unless DSQ_ACT_Q8=0; above that,
+  up to MMA_MAX_ROWS, other 4-bit codes (Q4_K, Q4_0, int4 in groups of 32) take the tensor-core
+  kernel that scales the weights before the MMA (triton_mma.mma_linear_scaled); the rest the
+  float-x ones.
 - CPU: the C kernels (kernels/csrc) when they were built.
 - Anything else, or DSQ_KERNELS=reference: the torch reference with the same signature.
 Shape is decided inside each kernel family (GEMV at M=1, tiles and tl.dot / blocked rows above).
@@ -30,7 +33,11 @@ MMA = os.environ.get("DSQ_MMA", "1") != "0"
 # it beat the int8-x kernel at 4 rows on the four decode shapes (11.5-57.4 us against 23.8-92.8 in the
 # same run) and lost to it at 2 on three of them (docs/benchmarks.md, session 6)
 MMA_MIN_ROWS = 3
-MMA_MAX_ROWS = 16  # triton_mma takes up to 64; above 16 it is not yet timed against _gemm
+# Up to this many rows the tensor-core kernels take x. Session 7 on an H200 (int4 g128, the four
+# decode shapes): at 32 rows 0.70-1.02x bf16 against the tl.dot GEMM's 0.23-0.50x, at 64 rows
+# 0.41-0.65x against 0.24-0.54x (a tie at 28672x8192: 219.7 vs 214.5 us); Q4_K at 16 rows with the
+# weight-scaling variant 0.56-0.65x against 0.33-0.47x (docs/benchmarks.md, session 7)
+MMA_MAX_ROWS = 64
 
 
 # _reference() runs ~200 times a CPU decode step: read os.environ's own dict (what os.environ.get
@@ -199,10 +206,12 @@ def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None =
         from dsq.kernels import triton_qlinear
 
         kind = gpu_kernel(p, x.numel() // p.K, x.dtype)
-        if kind == "mma":
+        if kind in ("mma", "mma_scaled"):
             from dsq.kernels import triton_mma
 
-            return triton_mma.mma_linear(x, p, bias)
+            if kind == "mma":
+                return triton_mma.mma_linear(x, p, bias)
+            return triton_mma.mma_linear_scaled(x, p, bias)
         if kind == "q8":
             return triton_qlinear.q8_linear(x, p, bias)
         if triton_qlinear.supported(p, x):
@@ -212,14 +221,18 @@ def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None =
 
 def gpu_kernel(p: packed.Packed, rows: int, dtype: torch.dtype) -> str:
     """Which Triton kernel family takes `rows` rows of x on a GPU: "mma" (bf16 tensor cores, a few
-    rows, int4 grouped codes), "q8" (int8 x, up to Q8_MAX_ROWS rows) or "float" (the others)."""
-    if MMA and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and dtype in (torch.bfloat16, torch.float16):
+    rows, int4 grouped codes), "q8" (int8 x, up to Q8_MAX_ROWS rows), "mma_scaled" (tensor cores
+    with the weights scaled first: other 4-bit codes, Q8_MAX_ROWS..MMA_MAX_ROWS rows) or "float"."""
+    mma_rows = MMA and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and dtype in (torch.bfloat16, torch.float16)
+    if mma_rows:
         from dsq.kernels import triton_mma  # only here: one row (decode) never needs it
 
         if triton_mma.supported(p, rows):
             return "mma"
     if ACT_Q8 and rows <= Q8_MAX_ROWS and packed.q8_ok(p, rows):
         return "q8"
+    if mma_rows and triton_mma.supported_scaled(p, rows):  # int8 x won at 4 rows (0.93-1.06x vs 0.72-0.83x)
+        return "mma_scaled"
     return "float"
 
 

@@ -466,8 +466,8 @@ _mma_s_tuned = _autotune(_SCALED_CONFIGS, ["N", "K", "MP", "SUB", "TWO_LEVEL", "
 def mma_linear_scaled(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                       config: dict | None = None) -> torch.Tensor:
     """`mma_linear` for more formats (Q4_0, Q4_K, int4 with groups of 32): the weights are made in
-    bf16 per 32-element block before the MMA (`_mma_s`). Not yet timed on a GPU, so the
-    dispatcher does not call it; y in x's dtype."""
+    bf16 per 32-element block before the MMA (`_mma_s`). The dispatcher sends it the rows int8 x
+    does not take (Q8_MAX_ROWS < rows <= MMA_MAX_ROWS); y in x's dtype."""
     from dsq.kernels.triton_qlinear import _planes
 
     f = p.fmt

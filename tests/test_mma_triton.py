@@ -124,21 +124,31 @@ def test_real_shapes_autotuned(M, N, K, group, act_order):
 
 
 def test_dispatch_picks_the_kernel_by_rows_format_and_dtype(monkeypatch):
-    """int4 grouped codes: int8 x at 1-2 rows, tensor cores at 3-16 rows of bf16/fp16 x; float32 x
-    and other formats keep their kernels (int8 x up to Q8_MAX_ROWS, float x above); DSQ_MMA=0 off."""
+    """int4 grouped codes: int8 x at 1-2 rows, tensor cores at 3-64 rows of bf16/fp16 x; other
+    4-bit codes (Q4_K, Q4_0, int4 g32): int8 x up to Q8_MAX_ROWS rows, then the weight-scaling
+    tensor-core kernel up to 64; float32 x, 6-bit codes and more rows keep their kernels; DSQ_MMA=0 off."""
     import numpy as np
 
     from dsq.kernels import dispatch
 
     p = int4(64, 256, 128)
     bf = torch.bfloat16
-    assert [dispatch.gpu_kernel(p, m, bf) for m in (1, 2, 3, 16, 17)] == ["q8", "q8", "mma", "mma", "float"]
+    assert [dispatch.gpu_kernel(p, m, bf) for m in (1, 2, 3, 16, 17, 64, 65)] == [
+        "q8", "q8", "mma", "mma", "mma", "mma", "float"]
     assert dispatch.gpu_kernel(p, 8, torch.float16) == "mma"
     assert [dispatch.gpu_kernel(p, m, torch.float32) for m in (3, 5)] == ["q8", "float"]
-    q4k = packed.from_gguf(torch.from_numpy(random_blocks("Q4_K", 8, 256, np.random.default_rng())), "Q4_K", 256)
-    assert [dispatch.gpu_kernel(q4k, m, bf) for m in (3, 8)] == ["q8", "float"]
+    rng = np.random.default_rng()
+    q4k = packed.from_gguf(torch.from_numpy(random_blocks("Q4_K", 8, 256, rng)), "Q4_K", 256)
+    q4_0 = packed.from_gguf(torch.from_numpy(random_blocks("Q4_0", 8, 256, rng)), "Q4_0", 256)
+    q6k = packed.from_gguf(torch.from_numpy(random_blocks("Q6_K", 8, 256, rng)), "Q6_K", 256)
+    for q in (q4k, q4_0, int4(64, 256, 32)):
+        assert [dispatch.gpu_kernel(q, m, bf) for m in (3, 4, 5, 64, 65)] == [
+            "q8", "q8", "mma_scaled", "mma_scaled", "float"]
+        assert dispatch.gpu_kernel(q, 8, torch.float32) == "float"
+    assert [dispatch.gpu_kernel(q6k, m, bf) for m in (1, 8)] == ["q8", "float"]
     monkeypatch.setattr(dispatch, "MMA", False)
     assert dispatch.gpu_kernel(p, 3, bf) == "q8"
+    assert dispatch.gpu_kernel(q4k, 8, bf) == "float"
 
 
 @pytest.mark.skipif(not CUDA, reason="the dispatcher sends only CUDA tensors to Triton")
@@ -151,6 +161,20 @@ def test_dispatch_runs_the_tensor_core_kernel(M):
     y = dispatch.packed_linear(x.cuda(), p.to("cuda")).double().cpu()
     err, err_q8 = rel(y, want(x, p)), rel(y, packed.linear_ref_q8(x.double(), p))
     assert err < 1e-3 < err_q8, (err, err_q8)
+
+
+@pytest.mark.skipif(not CUDA, reason="the dispatcher sends only CUDA tensors to Triton")
+@pytest.mark.parametrize("M", [8, 40])
+def test_dispatch_runs_the_scaled_kernel(M):
+    import numpy as np
+
+    from dsq.kernels import dispatch
+
+    p = packed.from_gguf(torch.from_numpy(random_blocks("Q4_K", 1024, 4096, np.random.default_rng())), "Q4_K", 4096)
+    x = torch.randn(M, 4096).to(torch.bfloat16)
+    assert dispatch.gpu_kernel(p, M, x.dtype) == "mma_scaled"
+    y = dispatch.packed_linear(x.cuda(), p.to("cuda")).double().cpu()
+    assert rel(y, packed.linear_ref(x.double(), p)) < 1e-2
 
 
 def _fmt_case(fmt, N, K):
