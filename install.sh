@@ -10,7 +10,9 @@
 #   build). Set DSQ_TORCH_INDEX to a wheel index (e.g. https://download.pytorch.org/whl/cpu) to
 #   choose where it comes from.
 # - llama-cpp-python is compiled here: with CUDA when nvcc is present, otherwise for the CPU with
-#   explicit SIMD flags and no AMX (llama.cpp's CPU AMX path crashes on some machines).
+#   explicit SIMD flags and no AMX (llama.cpp's CPU AMX path crashes on some machines). The CUDA
+#   build links with --exclude-libs,ALL: otherwise its CUDA library exports a copy of the C++
+#   runtime, and loading a model in a process that has loaded PyTorch segfaults.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY="${PYTHON:-python3}"
@@ -35,7 +37,7 @@ fi
 if ! "$PY" -c "import llama_cpp" >/dev/null 2>&1; then
   if [ -z "${CMAKE_ARGS:-}" ]; then
     if have_gpu && command -v nvcc >/dev/null 2>&1; then
-      export CMAKE_ARGS="-DGGML_CUDA=on"
+      export CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL"
     elif [ "$(uname -m)" = "x86_64" ]; then
       avx512=OFF
       grep -qw avx512f /proc/cpuinfo 2>/dev/null && avx512=ON

@@ -3,6 +3,10 @@
 Safety: llama.cpp's CPU AMX path crashes on some machines (SIGSEGV in ggml_backend_amx_mul_mat).
 When the installed build has AMX compiled in, models load with `use_extra_bufts = False`, which
 keeps weights out of the AMX buffer type; install.sh builds without AMX in the first place.
+
+Flash attention: llama-cpp-python turns it off unless asked, where llama.cpp's own tools default to
+"auto" (on where the KV cache sits on a GPU that has it). Models with layers on a GPU load with it
+on, as llama.cpp's users get it; DSQ_LLAMA_FLASH_ATTN=0 or 1 overrides.
 """
 
 from __future__ import annotations
@@ -79,6 +83,48 @@ def import_llama_cpp():
     return llama_cpp
 
 
+# std::ostream::_M_insert<long>: libstdc++ code a shared library should take from libstdc++ itself
+_CXX_PROBE = "_ZNSo9_M_insertIlEERSoT_"
+REBUILD_HINT = ("rebuild llama-cpp-python: CMAKE_ARGS='-DGGML_CUDA=on -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL' "
+                "pip install --force-reinstall --no-cache-dir llama-cpp-python (./install.sh builds it so)")
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def defines_symbol(path: str | Path, symbol: str) -> bool:
+    """Whether the shared library at `path` itself defines and exports `symbol` (not one of the
+    libraries it needs): dlsym through its handle, then dladdr names the object holding it."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        addr = ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
+        dladdr = ctypes.CDLL(None).dladdr
+    except (OSError, AttributeError):
+        return False
+    info = _DlInfo()
+    if not addr or not dladdr(ctypes.c_void_p(addr), ctypes.byref(info)) or not info.dli_fname:
+        return False
+    return os.path.realpath(info.dli_fname.decode()) == os.path.realpath(str(path))
+
+
+_cxx_clash: bool | None = None
+
+
+def exports_cxx_runtime(llama_cpp) -> bool:
+    """Whether this llama.cpp build's CUDA library exports its own copy of libstdc++'s stream code.
+    Seen on an H200 machine (llama-cpp-python 0.3.36 built against CUDA 13.0): with PyTorch
+    loaded first, every model load segfaulted in llama_model::print_info (an ostream call bound
+    to that copy), and torch aborted (free(): invalid pointer) after a model had loaded first.
+    Linking with -Wl,--exclude-libs,ALL keeps the copy private and both then work in one process."""
+    global _cxx_clash
+    if _cxx_clash is None:
+        lib = Path(llama_cpp.__file__).parent / "lib"
+        _cxx_clash = any(defines_symbol(p, _CXX_PROBE) for p in sorted(lib.glob("libggml-cuda.so*"))[:1])
+    return _cxx_clash
+
+
 def system_info() -> str:
     return import_llama_cpp().llama_print_system_info().decode("utf-8", "replace")
 
@@ -127,6 +173,15 @@ def _model_params(**fields):
         C.llama_model_default_params = orig
 
 
+def flash_attn_for(gpu_layers: int) -> bool:
+    """Flash attention for a model with `gpu_layers` layers offloaded (-1: all): on with a GPU
+    build and layers on the GPU, unless DSQ_LLAMA_FLASH_ATTN says 0 or 1."""
+    env = os.environ.get("DSQ_LLAMA_FLASH_ATTN", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    return gpu_layers != 0 and supports_gpu_offload()
+
+
 class LlamaCppModel:
     """One loaded GGUF in llama.cpp with one context (sequence)."""
 
@@ -155,6 +210,10 @@ class LlamaCppModel:
             if kv_dtype.lower() not in ggml:
                 raise DsqError(f"unknown --kv-dtype {kv_dtype!r}", "use bf16, fp16 or fp32")
             kwargs["type_k"] = kwargs["type_v"] = ggml[kv_dtype.lower()]
+        if not vocab_only and "torch" in sys.modules and exports_cxx_runtime(llama_cpp):
+            raise BackendError("this llama-cpp-python build crashes loading a model in a process that has "
+                               "loaded PyTorch (its CUDA library exports its own C++ runtime)", REBUILD_HINT)
+        kwargs["flash_attn"] = flash_attn_for(gpu_layers)
         safe = {"use_extra_bufts": False} if amx_compiled() else {}
         try:
             with _model_params(**safe):

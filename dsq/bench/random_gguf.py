@@ -1,0 +1,184 @@
+"""A random-weight GGUF of a named model shape in a llama.cpp type mix, written block by block.
+
+    python -m dsq.bench.random_gguf llama3-8b.Q4_K_M.gguf --shape llama3-8b --mix Q4_K_M
+
+For side-by-side speed runs of the native runtime and llama.cpp on one file
+(`dsq bench FILE --backend native,llama.cpp`) where no real checkpoint can be had: the quantized
+blocks are random bytes with their scales set so weights stay in a trained model's range
+(|w| <~ 0.02), so neither engine meets NaNs, and no float model is ever built (an 8B file takes
+seconds and ~1 GB of memory). The vocabulary is a small SentencePiece one (bytes, printable
+characters, and "▁"+character pieces) padded with unused tokens to the shape's size, so real
+text tokenizes and both engines agree on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from dsq.bench.decode_gpu import SHAPES, _more_bits
+
+SHAPES = {**SHAPES, "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                                 max_position_embeddings=2048, rope={"rope_type": "default", "rope_theta": 10000.0})}
+
+# GGUF block: (weights per block, bytes per block, offsets of its f16 scales)
+_BLOCKS = {"Q4_0": (32, 18, (0,)), "Q8_0": (32, 34, (0,)), "Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,))}
+_ALL_SAME = {"Q4_0", "Q8_0", "Q6_K"}  # file types whose tensors are all one type
+MIXES = ("Q4_K_M", *sorted(_ALL_SAME))
+
+
+def tensor_type(mix: str, name: str, n_layers: int) -> str:
+    """The block type llama.cpp's quantizer gives tensor `name` (GGUF naming) in file type `mix`."""
+    if name.endswith("norm.weight") or name == "rope_freqs.weight":
+        return "F32"
+    if mix in _ALL_SAME:
+        return mix
+    if mix != "Q4_K_M":
+        raise ValueError(f"unknown mix {mix!r}; choose from {', '.join(MIXES)}")
+    if name == "output.weight":
+        return "Q6_K"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        return "Q6_K" if _more_bits(int(name.split(".")[1]), n_layers) else "Q4_K"
+    return "Q4_K"
+
+
+def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """(rows, bytes per row) uint8: random codes, scales chosen so |w| stays under ~0.02 and each
+    block's mean is near zero (Q4_K: dmin = 7.5 d against the codes' mean of 7.5)."""
+    per, nbytes, f16_at = _BLOCKS[qtype]
+    if cols % per:
+        raise ValueError(f"{qtype} needs rows of a multiple of {per} weights, not {cols}")
+    b = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
+    d = {"Q4_0": 2.5e-3, "Q8_0": 1.5e-4, "Q4_K": 2e-5, "Q6_K": 5e-6}[qtype]
+    scale = (d * rng.uniform(0.5, 1.5, size=(rows, cols // per))).astype(np.float16)
+    b[..., f16_at[0]:f16_at[0] + 2] = scale.view(np.uint8).reshape(rows, cols // per, 2)
+    if qtype == "Q4_K":  # dmin
+        b[..., 2:4] = (scale.astype(np.float32) * 7.5).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    return b.reshape(rows, -1)
+
+
+def synthetic_vocab(n: int):
+    """A SentencePiece vocabulary of n tokens: <unk> <s> </s>, the 256 byte tokens, printable
+    ASCII and "▁"+character pieces (scored so longer pieces win), the rest unused."""
+    from dsq.formats.tokenizer_gguf import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, Vocab
+
+    tokens, types, scores = ["<unk>", "<s>", "</s>"], [UNKNOWN, CONTROL, CONTROL], [0.0, 0.0, 0.0]
+    tokens += [f"<0x{i:02X}>" for i in range(256)]
+    types += [BYTE] * 256
+    scores += [0.0] * 256
+    chars = [chr(c) for c in range(33, 127)]
+    for piece in ["\u2581"] + chars + ["\u2581" + c for c in chars]:
+        tokens.append(piece)
+        types.append(NORMAL)
+        scores.append(-float(len(tokens)) if len(piece) == 1 else 1.0 - len(tokens) / 1e4)
+    if n < len(tokens):
+        raise ValueError(f"a vocabulary needs at least {len(tokens)} tokens, not {n}")
+    while len(tokens) < n:
+        tokens.append(f"<unused{len(tokens)}>")
+        types.append(UNUSED)
+        scores.append(-1e9)
+    return Vocab(model="llama", tokens=tokens, token_types=types, scores=scores,
+                 special={"unk": 0, "bos": 1, "eos": 2}, add_bos=True, add_space_prefix=True)
+
+
+def _plan(cfg: dict, mix: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """[(GGUF name, (rows, cols) or (n,), type)] in llama.cpp's file order."""
+    h, f, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hd = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = [("token_embd.weight", (cfg["vocab_size"], h))]
+    for i in range(L):
+        shapes += [(f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.attn_q.weight", (q, h)),
+                   (f"blk.{i}.attn_k.weight", (kv, h)), (f"blk.{i}.attn_v.weight", (kv, h)),
+                   (f"blk.{i}.attn_output.weight", (h, q)), (f"blk.{i}.ffn_norm.weight", (h,)),
+                   (f"blk.{i}.ffn_gate.weight", (f, h)), (f"blk.{i}.ffn_up.weight", (f, h)),
+                   (f"blk.{i}.ffn_down.weight", (h, f))]
+    shapes += [("output_norm.weight", (h,)), ("output.weight", (cfg["vocab_size"], h))]
+    return [(n, s, tensor_type(mix, n, L)) for n, s in shapes]
+
+
+def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_K_M", seed: int = 0,
+                      force: bool = False, progress: Callable[[str, int, int], None] | None = None,
+                      layers: int | None = None) -> Path:
+    """Write a random GGUF of `shape` (a decode_gpu shape name; `layers` overrides its depth) in
+    `mix` to `out` (temp file + rename)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from dsq.formats.arch import arch_for_model_type, llama3_rope_factors
+    from dsq.formats.gguf_types import FTYPES
+    from dsq.formats.hf import atomic_output_file
+    from dsq.formats.hf_to_gguf import _write_hparams
+    from dsq.formats.tokenizer_gguf import write_vocab_gguf
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+    cfg = dict(SHAPES[shape])
+    if cfg.get("attention_bias") or cfg.get("tie_word_embeddings"):
+        raise ValueError(f"shape {shape!r} is not a plain Llama layout")
+    cfg["rope_parameters"] = cfg.pop("rope")
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    plan = _plan(cfg, mix)
+    rng = np.random.default_rng(seed)
+    extra = []
+    if cfg["rope_parameters"].get("rope_type") == "llama3":
+        extra.append(("rope_freqs.weight", llama3_rope_factors(cfg["rope_parameters"], cfg["head_dim"]).numpy()))
+
+    with atomic_output_file(Path(out), force=force) as tmp:
+        w = GGUFWriter(str(tmp), "llama")
+        w.add_name(f"random {shape} {mix}")
+        w.add_file_type(FTYPES[mix])
+        _write_hparams(w, arch_for_model_type("llama"), cfg, cfg["vocab_size"])
+        write_vocab_gguf(w, synthetic_vocab(cfg["vocab_size"]))
+        for name, shp, t in plan:
+            if t == "F32":
+                w.add_tensor_info(name, shp, np.dtype(np.float32), 4 * int(np.prod(shp)),
+                                  raw_dtype=GGMLQuantizationType.F32)
+            else:
+                per, nbytes, _ = _BLOCKS[t]
+                byte_shape = (shp[0], shp[1] // per * nbytes)
+                w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
+                                  raw_dtype=GGMLQuantizationType[t])
+        for name, data in extra:
+            w.add_tensor_info(name, data.shape, np.dtype(np.float32), data.nbytes, raw_dtype=GGMLQuantizationType.F32)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        total = len(plan) + len(extra)
+        for i, (name, shp, t) in enumerate(plan):
+            if t == "F32":
+                w.write_tensor_data(np.ones(shp, dtype=np.float32))
+            else:
+                w.write_tensor_data(random_blocks(t, shp[0], shp[1], rng))
+            if progress:
+                progress(name, i + 1, total)
+        for name, data in extra:
+            w.write_tensor_data(data)
+        w.close()
+    return Path(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--mix", default="Q4_K_M", choices=MIXES)
+    ap.add_argument("--layers", type=int, help="override the shape's number of layers")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="replace an existing file")
+    a = ap.parse_args(argv)
+    from rich.progress import Progress
+
+    with Progress() as bar:
+        task = bar.add_task(f"writing {a.out.name}", total=None)
+        path = write_random_gguf(a.out, a.shape, a.mix, a.seed, a.force,
+                                 progress=lambda n, i, t: bar.update(task, completed=i, total=t), layers=a.layers)
+    print(f"{path}: {path.stat().st_size / 1e9:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()
