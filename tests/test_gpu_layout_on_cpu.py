@@ -50,3 +50,31 @@ def test_checkpoints_packed_for_the_gpu(method, tiny_dir, tmp_path, monkeypatch)
     assert np.abs(got - ref).max() < 1e-3 * np.abs(ref).max()
     if method != "gptq":  # act-order weights keep their own column order, so they stay unfused
         assert fused > 0
+
+
+def test_each_source_module_is_freed_before_the_next_converts():
+    """prepare_kernels keeps no module past its turn: a GGUF's blocks and the kernels' layout never
+    both fill GPU memory (an 8B model peaked at 10.9 GB of VRAM when the loop held them all)."""
+    import weakref
+
+    import torch
+    from torch import nn
+
+    from dsq.runtime.qmodules import prepare_kernels
+
+    seen = []
+
+    class Source(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("raw", torch.zeros(8, dtype=torch.uint8))
+
+        def kernel_module(self):
+            seen.append(sum(r() is not None for r in refs))  # sources still alive as this one converts
+            return nn.Identity()
+
+    model = nn.Sequential(nn.Sequential(Source(), Source()), Source(), nn.Linear(2, 2))
+    refs = [weakref.ref(m) for m in model.modules() if isinstance(m, Source)]
+    assert prepare_kernels(model) == 3
+    assert seen == [3, 2, 1] and all(r() is None for r in refs)
+    assert all(not isinstance(m, Source) for m in model.modules())

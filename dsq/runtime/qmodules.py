@@ -224,14 +224,17 @@ def _unpermute(w: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
 
 def prepare_kernels(model: nn.Module) -> int:
     """Replace each quantized module by the one its device's kernels read (after placement).
-    Returns how many were replaced."""
+    Returns how many were replaced. Holds no module beyond its turn, so each one's source weights
+    are freed as soon as it is replaced: on a GPU the file's blocks and the kernels' layout then
+    never both fill memory (an 8B Q4_K_M GGUF peaked at 10.9 GB of VRAM holding both, 4.9 each)."""
     n = 0
-    for name, m in list(model.named_modules()):
-        if hasattr(m, "kernel_module"):
-            new = m.kernel_module()
-            if new is not m:
-                set_module(model, name, new)
-                n += 1
+    for name in [name for name, m in model.named_modules() if hasattr(m, "kernel_module")]:
+        m = model.get_submodule(name)
+        new = m.kernel_module()
+        if new is not m:
+            set_module(model, name, new)
+            n += 1
+        del m, new
     return n
 
 
