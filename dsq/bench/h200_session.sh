@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# A GPU session's first runs, in three device calls (each must finish inside the device tool's 600 s
+# A GPU session's first runs, in device calls (each must finish inside the device tool's 600 s
 # limit; the machine has no dsq install): part 1, the GPU tests and the issue's kernel table (every
 # format at M=1 on its four shapes, autotuned); part 2, compiled decode end to end for the four
-# formats with a kernel-time profile; part 3, int4 at 2-64 rows through the three kernel families.
+# formats with a kernel-time profile; part 3, int4 at 2-64 rows through the three kernel families;
+# part 4, llama.cpp (CUDA) beside the native runtime on one random Llama-3-8B Q4_K_M GGUF.
 # (Machines differ by up to ~10% between calls: compare a change against its baseline inside one
 # call, e.g. with DSQ_PDL=0 or DSQ_TRITON_ATTN=0.)
 # Each step has its own time limit so one overrun cannot eat the others.
@@ -10,9 +11,12 @@
 #   bash dsq/bench/h200_session.sh 1     # <= 470 s
 #   bash dsq/bench/h200_session.sh 2     # <= 480 s
 #   bash dsq/bench/h200_session.sh 3     # <= 550 s
+#   LLSRC=.llsrc/llama_cpp_python.tar.gz bash dsq/bench/h200_session.sh 4   # <= 560 s on the x2 kind
+#     (carry the sdist, trimmed of vendor/llama.cpp/{models,docs,benches,media}, and a gguf wheel in
+#     .whl: the image has no gguf; the build takes ~3 min on 32 cores, ~9 on 16)
 # Results land in $OUT (the device tool's output folder) as JSON and text.
 set -u
-PART=${1:?usage: h200_session.sh 1|2|3}
+PART=${1:?usage: h200_session.sh 1|2|3|4}
 ln -sfn ../kernels dsq/kernels; ln -sfn ../recipes dsq/recipes
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
@@ -29,13 +33,31 @@ if [ "$PART" = 1 ]; then
     --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
     --formats int4-g128+q8,Q4_K+q8,Q5_K+q8,Q5_K,Q6_K+q8,Q8_0+q8,fp8-channel,fp8-block --json "$OUT/kernels.json"
 elif [ "$PART" = 3 ]; then
-  # a few rows: int4 on tensor cores (+tc, the default at 3-16 rows; 32 and 64 not yet timed against
-  # tl.dot) beside int8 x (+q8, the default at 1-2) and the tl.dot GEMM (int4-g128, the default above 16)
+  # a few rows: int4 on tensor cores (+tc, the default at 3-64 rows) beside int8 x (+q8, the
+  # default at 1-2) and the tl.dot GEMM (int4-g128, the default above 64)
   step kernels_m 400 python -m dsq.bench.kernels_gpu --m 2,4,16,32,64 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
     --formats int4-g128+tc,int4-g128+q8,int4-g128 --json "$OUT/kernels_m.json"
-  # Q4_K at 4-16 rows: the weight-scaling tensor-core variant (untimed) against the dispatcher's kernels
+  # Q4_K at 4-16 rows: the weight-scaling tensor-core variant (the default at 5-64) against the others
   step kernels_q4k 150 python -m dsq.bench.kernels_gpu --m 4,16 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
     --formats Q4_K+tcs,Q4_K+q8,Q4_K,int4-g128+tcs --json "$OUT/kernels_q4k.json"
+elif [ "$PART" = 4 ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  echo "class Cache: pass" > /tmp/site/diskcache.py  # llama_cpp imports diskcache for a cache dsq does not use
+  mkdir -p /tmp/ll && tar xzf "${LLSRC:?LLSRC: the llama-cpp-python sdist}" -C /tmp/ll
+  # in the background while the GGUF is written
+  (cd /tmp/ll/llama_cpp_python-* && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF \
+    -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) setsid nohup nice -n 10 \
+    python3 -m pip install --no-build-isolation --no-deps --target /tmp/llpy . > /tmp/llbuild.log 2>&1 < /dev/null &)
+  export PYTHONPATH=$PWD:/tmp/site
+  step gguf 120 python -m dsq.bench.random_gguf /tmp/r8b.gguf --shape llama3-8b --mix Q4_K_M --force
+  B="python -m dsq bench /tmp/r8b.gguf -g all --prompt-tokens 512 --gen-tokens 128 --repeat 3"
+  # the native GGUF tokenizer reads the vocabulary through llama.cpp too: both wait for the build
+  for _ in $(seq 80); do grep -q -E "Successfully installed|^ERROR" /tmp/llbuild.log && break; sleep 5; done
+  tail -c 300 /tmp/llbuild.log
+  export PYTHONPATH=$PWD:/tmp/llpy:/tmp/site
+  step native 200 $B --backend native --compile --json "$OUT/peer_native.json"
+  step llama_cpp 90 $B --backend llama.cpp --json "$OUT/peer_llama_cpp.json"
 else
   step decode 470 python -m dsq.bench.decode_gpu --variants '' --transformers '' \
     --formats awq-int4,q4_k_m,fp8,gptq-int4-actorder --quant-variants compile+graph+fused \
