@@ -38,6 +38,10 @@ MMA_MIN_ROWS = 3
 # 0.41-0.65x against 0.24-0.54x (a tie at 28672x8192: 219.7 vs 214.5 us); Q4_K at 16 rows with the
 # weight-scaling variant 0.56-0.65x against 0.33-0.47x (docs/benchmarks.md, session 7)
 MMA_MAX_ROWS = 64
+# From this many rows of x (prefill) a weight is written out in x's dtype and multiplied by cuBLAS
+# (triton_qlinear.dequant_linear) instead of the tl.dot GEMM; 0 = never. Off until timed on a GPU:
+# DSQ_DEQUANT_ROWS=256 turns it on from 256 rows (h200_session.sh 3 and 4 time it).
+DEQUANT_MIN_ROWS = int(os.environ.get("DSQ_DEQUANT_ROWS", "0") or 0)
 
 
 # _reference() runs ~200 times a CPU decode step: read os.environ's own dict (what os.environ.get
@@ -215,6 +219,8 @@ def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None =
         if kind == "q8":
             return triton_qlinear.q8_linear(x, p, bias)
         if triton_qlinear.supported(p, x):
+            if kind == "dequant":
+                return triton_qlinear.dequant_linear(x, p, bias)
             return triton_qlinear.packed_linear(x, p, bias)
     return packed.linear_ref(x, p, bias)
 
@@ -222,7 +228,10 @@ def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None =
 def gpu_kernel(p: packed.Packed, rows: int, dtype: torch.dtype) -> str:
     """Which Triton kernel family takes `rows` rows of x on a GPU: "mma" (bf16 tensor cores, a few
     rows, int4 grouped codes), "q8" (int8 x, up to Q8_MAX_ROWS rows), "mma_scaled" (tensor cores
-    with the weights scaled first: other 4-bit codes, Q8_MAX_ROWS..MMA_MAX_ROWS rows) or "float"."""
+    with the weights scaled first: other 4-bit codes, Q8_MAX_ROWS..MMA_MAX_ROWS rows), "dequant"
+    (the weight written out for cuBLAS, from DEQUANT_MIN_ROWS rows when set) or "float"."""
+    if DEQUANT_MIN_ROWS and rows >= DEQUANT_MIN_ROWS:
+        return "dequant"
     mma_rows = MMA and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and dtype in (torch.bfloat16, torch.float16)
     if mma_rows:
         from dsq.kernels import triton_mma  # only here: one row (decode) never needs it

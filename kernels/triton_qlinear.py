@@ -624,33 +624,42 @@ def _quant_x(x_ptr, perm_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.cons
 
 
 @triton.jit
-def _gemm(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, M, N, K, s_xm, s_ym,
-          s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
-          CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
+def _tile(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn, k0, N, K, s_lo, s_hi, s_sc, s_d, s_zp, s_mn,
+          s_dmin, CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
           TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
-          HAS_BIAS: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """M > 1: tiles dequantized in registers (group parameters broadcast, not gathered) into tl.dot."""
+          BN: tl.constexpr, BK: tl.constexpr):
+    """Weights (BN, BK) in float32 for rows rn from column k0: group parameters broadcast, not gathered."""
     EPW: tl.constexpr = 8 if CODES == 0 else 4
     GS: tl.constexpr = SUB if SUB < BK else BK
     GT: tl.constexpr = BK // GS
     GW: tl.constexpr = GS // EPW
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rn4 = rn[:, None, None, None]
     rn2 = rn[:, None]
     g2 = tl.arange(0, GT)[None, :]
     wt = (tl.arange(0, GT) * GW)[None, :, None, None] + tl.arange(0, GW)[None, None, :, None]
     i4 = tl.arange(0, EPW)[None, None, None, :]
+    w = k0 // EPW + wt
+    v = _codes(lo_ptr, hi_ptr, rn4, w, i4, (rn4 < N) & (w < K // EPW), s_lo, s_hi, CODES, HI_BITS)
+    e2 = k0 + g2 * GS
+    s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn2, e2, (rn2 < N) & (e2 < K),
+                            s_sc, s_d, s_zp, s_mn, s_dmin, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
+    return tl.reshape((v - z[:, :, None, None]) * s[:, :, None, None] - m[:, :, None, None], (BN, BK))
+
+
+@triton.jit
+def _gemm(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, M, N, K, s_xm, s_ym,
+          s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+          CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
+          TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
+          HAS_BIAS: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """M > 1: tiles dequantized in registers (_tile) into tl.dot."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
     kt = tl.arange(0, BK)
-    KW = K // EPW
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        w = k0 // EPW + wt
-        v = _codes(lo_ptr, hi_ptr, rn4, w, i4, (rn4 < N) & (w < KW), s_lo, s_hi, CODES, HI_BITS)
-        e2 = k0 + g2 * GS
-        s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn2, e2, (rn2 < N) & (e2 < K),
-                                s_sc, s_d, s_zp, s_mn, s_dmin, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
-        wf = tl.reshape((v - z[:, :, None, None]) * s[:, :, None, None] - m[:, :, None, None], (BN, BK))
+        wf = _tile(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn, k0, N, K, s_lo, s_hi, s_sc, s_d, s_zp,
+                   s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS, BN, BK)
         kk = k0 + kt
         xt = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0)
         if F32:
@@ -661,6 +670,22 @@ def _gemm(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr,
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0).to(tl.float32)[None, :]
     ym = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ym)
+
+
+@triton.jit
+def _dequant(w_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K, s_w,
+             s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+             CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
+             TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
+             BN: tl.constexpr, BK: tl.constexpr):
+    """W (N, K) in w's dtype, tile (program_id(0), program_id(1)): for a cuBLAS GEMM at many rows."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * BK
+    wf = _tile(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn, k0, N, K, s_lo, s_hi, s_sc, s_d, s_zp,
+               s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS, BN, BK)
+    kk = k0 + tl.arange(0, BK)
+    tl.store(w_ptr + rn[:, None] * s_w + kk[None, :], wf.to(w_ptr.dtype.element_ty),
+             mask=(rn[:, None] < N) & (kk[None, :] < K))
 
 
 _FMT_KEYS = ["CODES", "HI_BITS", "SUB", "SC_ROWS", "TWO_LEVEL", "ZERO", "MINS"]
@@ -772,12 +797,16 @@ def _rows_grid(N: int, BN: int, persist: int, sms: int) -> int:
     return min(tiles, persist * sms) if persist else tiles
 
 
-def supported(p: Packed, x: torch.Tensor) -> bool:
-    """Tiles hold whole scale groups or lie inside one: a group is a power of two >= 16, or a row."""
+def _tiles_ok(p: Packed) -> bool:
+    """Tiles hold whole scale groups or lie inside one: a group is a power of two >= 16, or a row;
+    codes are read as 32-bit words."""
     sub = p.fmt.sub
     group_ok = sub >= p.K or (sub >= 16 and sub & (sub - 1) == 0)
-    words_ok = p.K % (8 if p.fmt.codes == NIB else 4) == 0  # codes are read as 32-bit words
-    return words_ok and group_ok and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return group_ok and p.K % (8 if p.fmt.codes == NIB else 4) == 0
+
+
+def supported(p: Packed, x: torch.Tensor) -> bool:
+    return _tiles_ok(p) and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _x_rows(x: torch.Tensor, p: Packed) -> torch.Tensor:
@@ -872,3 +901,38 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
             grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(p.N, cfg["BN"]))
             _gemm[grid](x2, y, b, *planes, M, p.N, p.K, x2.stride(0), y.stride(0), *strides, **flags, **cfg)
     return y.reshape(*shape[:-1], p.N)
+
+
+def dequantize(p: Packed, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """The weight (N, K) in `dtype` on p's device, in its stored column order (act-order permuted,
+    as _x_rows permutes x): the same tile dequantization as the tl.dot GEMM, written out."""
+    f = p.fmt
+    planes, strides = _planes(p)
+    w = out if out is not None else torch.empty(p.N, p.K, dtype=dtype, device=p.lo.device)
+    cfg = {"BN": 32, "BK": 128, **(config or {})}
+    if not _tiles_ok(p):
+        raise ValueError(f"dequantize: groups of {f.sub} do not fit power-of-two tiles")
+    flags = {"CODES": f.codes, "HI_BITS": f.hi_bits, "SUB": f.sub, "SC_ROWS": f.sc_rows, "TWO_LEVEL": f.two_level,
+             "ZERO": f.zero, "OFFSET": f.offset, "MINS": f.mins}
+    grid = (triton.cdiv(p.N, cfg["BN"]), triton.cdiv(p.K, cfg["BK"]))
+    _dequant[grid](w, *planes, p.N, p.K, w.stride(0), *strides, **flags, **cfg, num_warps=4)
+    return w
+
+
+def dequant_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) by writing W out in x's dtype (`dequantize`) and one cuBLAS GEMM: for
+    many rows of x (prefill), where the GEMM's arithmetic outweighs writing W once. `out` (M, N)
+    may be given."""
+    x2 = _x_rows(x, p)
+    w = dequantize(p, x.dtype)
+    if bias is not None:
+        bias = bias.to(x.dtype)
+    if out is None:
+        y = torch.nn.functional.linear(x2, w, bias)
+    elif bias is not None:
+        y = torch.addmm(bias, x2, w.t(), out=out)
+    else:
+        y = torch.mm(x2, w.t(), out=out)
+    return y.reshape(*x.shape[:-1], p.N)

@@ -149,6 +149,72 @@ def test_fused_rows_equal_separate():
         packed.Packed.cat([parts[0], packed.from_gguf(torch.from_numpy(random_blocks("Q6_K", 4, K, rng)), "Q6_K", K)])
 
 
+def _dequant_case(fmt: str):
+    rng = np.random.default_rng()
+    if fmt.startswith("int"):  # int4-g32 (K not a multiple of the 128-column tile), int4-g128 act-order, int8
+        bits, g = (8, 672) if fmt == "int8-row" else (4, 32 if fmt == "int4-g32" else 128)
+        K = 672 if g in (32, 672) else 640
+        d = gptq_case(40, K, g, bits, fmt.endswith("-act"), True)
+        return packed.from_int(d["qweight"], d["scales"], d["zeros"], bits, d.get("perm"))
+    if fmt.startswith("fp8"):
+        N, K = 200, 300  # not multiples of the 128 block
+        scale = {"fp8-tensor": torch.rand(1), "fp8-channel": torch.rand(N, 1), "fp8-block": torch.rand(2, 3)}[fmt]
+        return packed.from_fp8((torch.randn(N, K) * 3).to(torch.float8_e4m3fn), scale + 0.01)
+    return packed.from_gguf(torch.from_numpy(random_blocks(fmt, 37, 768, rng)), fmt, 768)
+
+
+@pytest.mark.parametrize("fmt", FORMATS + ["int4-g32", "int4-g128-act", "int8-row", "fp8-tensor", "fp8-channel",
+                                           "fp8-block"])
+def test_dequantize_writes_every_weight_exactly(fmt):
+    """dequantize (the weight written out for a cuBLAS GEMM at many rows): every element of a
+    NaN-poisoned output, equal to the reference dequantization in float32, in the stored column
+    order; odd N, masked K tails (K 672 against 128-column tiles, FP8's 300)."""
+    p = _dequant_case(fmt)
+    out = torch.full((p.N, p.K), float("nan"), device=DEV)
+    w = tq.dequantize(p.to(DEV), torch.float32, out=out)
+    assert w.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(w.cpu(), packed.dequantize(p).float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "int4-g128-act", "fp8-block"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequant_linear_matches_the_reference(fmt, dtype):
+    p = _dequant_case(fmt)
+    x, bias = torch.randn(2, 3, p.K).to(dtype), torch.randn(p.N)
+    ref = packed.linear_ref(x.double(), p, bias.double())
+    y = tq.dequant_linear(x.to(DEV), p.to(DEV), bias.to(DEV))
+    assert y.shape == (2, 3, p.N)
+    check(y.reshape(-1, p.N), ref.reshape(-1, p.N), dtype)
+    out = torch.full((6, p.N), float("nan"), dtype=dtype, device=DEV)
+    check(tq.dequant_linear(x.reshape(6, -1).to(DEV), p.to(DEV), bias.to(DEV), out=out), ref.reshape(-1, p.N), dtype)
+
+
+@pytest.mark.skipif(not CUDA, reason="real shapes need a GPU")
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "int4", "fp8"])
+def test_dequant_linear_real_shapes(fmt):
+    rng = np.random.default_rng()
+    N, K, M = 4096, 4096, 512
+    if fmt == "int4":
+        d = gptq_case(N, K, 128, 4, True, True)
+        p = packed.from_int(d["qweight"], d["scales"], d["zeros"], 4, d.get("perm"))
+    elif fmt == "fp8":
+        p = packed.from_fp8(torch.randn(N, K).to(torch.float8_e4m3fn), torch.rand(N // 128, K // 128) + 0.01)
+    else:
+        p = packed.from_gguf(torch.from_numpy(random_blocks(fmt, N, K, rng)), fmt, K)
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    check(tq.dequant_linear(x.cuda(), p.to("cuda")), packed.linear_ref(x.double(), p), torch.bfloat16)
+
+
+def test_dispatcher_writes_weights_out_from_the_set_row_count(monkeypatch):
+    from dsq.kernels import dispatch
+
+    p = _dequant_case("Q4_K")
+    assert dispatch.DEQUANT_MIN_ROWS == 0 and dispatch.gpu_kernel(p, 512, torch.bfloat16) == "float"  # off by default
+    monkeypatch.setattr(dispatch, "DEQUANT_MIN_ROWS", 256)
+    assert [dispatch.gpu_kernel(p, m, torch.bfloat16) for m in (64, 255, 256, 4096)] == [
+        "mma_scaled", "float", "dequant", "dequant"]
+
+
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_gguf_conversion_in_row_chunks_equals_one_piece(qtype):
     """from_gguf converts a few rows at a time into outputs allocated once (a big output head

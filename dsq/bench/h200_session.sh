@@ -10,7 +10,7 @@
 # Usage (from the developer machine, through the device tool):
 #   bash dsq/bench/h200_session.sh 1     # <= 470 s
 #   bash dsq/bench/h200_session.sh 2     # <= 480 s
-#   bash dsq/bench/h200_session.sh 3     # <= 550 s
+#   bash dsq/bench/h200_session.sh 3     # <= 590 s
 #   LLSRC=.llsrc/llama_cpp_python.tar.gz bash dsq/bench/h200_session.sh 4   # <= 560 s on the x2 kind
 #     (carry the sdist, trimmed of vendor/llama.cpp/{models,docs,benches,media}, and a gguf wheel in
 #     .whl: the image has no gguf; the build takes ~3 min on 32 cores, ~9 on 16)
@@ -35,11 +35,15 @@ if [ "$PART" = 1 ]; then
 elif [ "$PART" = 3 ]; then
   # a few rows: int4 on tensor cores (+tc, the default at 3-64 rows) beside int8 x (+q8, the
   # default at 1-2) and the tl.dot GEMM (int4-g128, the default above 64)
-  step kernels_m 400 python -m dsq.bench.kernels_gpu --m 2,4,16,32,64 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
+  step kernels_m 300 python -m dsq.bench.kernels_gpu --m 2,4,16,32,64 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
     --formats int4-g128+tc,int4-g128+q8,int4-g128 --json "$OUT/kernels_m.json"
   # Q4_K at 4-16 rows: the weight-scaling tensor-core variant (the default at 5-64) against the others
-  step kernels_q4k 150 python -m dsq.bench.kernels_gpu --m 4,16 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
+  step kernels_q4k 120 python -m dsq.bench.kernels_gpu --m 4,16 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
     --formats Q4_K+tcs,Q4_K+q8,Q4_K,int4-g128+tcs --json "$OUT/kernels_q4k.json"
+  # prefill: the weight written out in bf16 for cuBLAS (+dq, off by default: dispatch.DEQUANT_MIN_ROWS)
+  # against the tl.dot GEMM, at the row counts where the threshold would go
+  step kernels_dq 170 python -m dsq.bench.kernels_gpu --m 128,256,512,2048 --shapes 4096x4096,14336x4096,4096x14336 \
+    --formats int4-g128+dq,int4-g128,Q4_K+dq,Q4_K --json "$OUT/kernels_dq.json"
 elif [ "$PART" = 4 ]; then
   export CUDA_VISIBLE_DEVICES=0
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -57,6 +61,7 @@ elif [ "$PART" = 4 ]; then
   tail -c 300 /tmp/llbuild.log
   export PYTHONPATH=$PWD:/tmp/llpy:/tmp/site
   step native 200 $B --backend native --compile --json "$OUT/peer_native.json"
+  step native_dq 200 env DSQ_DEQUANT_ROWS=256 $B --backend native --compile --json "$OUT/peer_native_dq.json"
   step llama_cpp 90 $B --backend llama.cpp --json "$OUT/peer_llama_cpp.json"
 else
   step decode 470 python -m dsq.bench.decode_gpu --variants '' --transformers '' \

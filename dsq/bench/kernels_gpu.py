@@ -11,7 +11,8 @@ Achieved bandwidth = bytes that must be read (codes + scales + x) / time. A form
 "+q8" (int4-g128+q8, Q4_K+q8, ...) runs the int8-activation kernel (dp4a, M <= 16), x's rounding
 included; "+tc" the bf16
 tensor-core kernel for a few rows (kernels/triton_mma.py, int4 M <= 64), "+tcs" its variant with the
-weights scaled before the MMA (Q4_0, Q4_K, any int4 group), x's preparation included in both.
+weights scaled before the MMA (Q4_0, Q4_K, any int4 group), x's preparation included in both;
+"+dq" writes the weight out in bf16 and multiplies with cuBLAS (prefill), the writing included.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ def bench_shape(fmt: str, N: int, K: int, M: int) -> dict:
         from dsq.kernels import triton_mma
 
         kern = triton_mma.mma_linear_scaled if fmt.endswith("+tcs") else triton_mma.mma_linear
+    if fmt.endswith("+dq"):
+        kern = triton_qlinear.dequant_linear
     ps = weight_copies(p0)  # copies at other addresses, so the graph's calls read HBM, not L2
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     ys = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in ps]

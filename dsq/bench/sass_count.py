@@ -33,7 +33,7 @@ FORMATS = {
 _PTRS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "bias_ptr": "*bf16", "xw_ptr": "*i32",
          "sx_ptr": "*fp32", "xsum_ptr": "*fp32", "lo_ptr": "*i32", "hi_ptr": "*i32", "d_ptr": "*fp16",
          "zp_ptr": "*u8", "mn_ptr": "*u8", "dmin_ptr": "*fp16", "xp_ptr": "*bf16", "xs_ptr": "*fp32",
-         "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+         "ws_ptr": "*fp32", "cnt_ptr": "*i32", "w_ptr": "*bf16"}
 _DEFAULTS = dict(CODES=0, HI_BITS=0, SUB=128, SC_ROWS=1, TWO_LEVEL=False, ZERO=0, OFFSET=0, MINS=False,
                  HAS_BIAS=False, USE_ASM=True, EVEN_K=True, EVEN_N=True, FP8_HW=True)  # the others: the signature's
 
