@@ -116,3 +116,17 @@ def test_a_build_that_would_crash_beside_torch_is_refused(files, monkeypatch):
         lcb.LlamaCppModel(files["Q4_0"], n_ctx=64)
     assert "exclude-libs" in e.value.hint
     assert lcb.LlamaCppModel(files["Q4_0"], n_ctx=64, vocab_only=True).tokenize(TEXT)  # vocab-only loads stay
+
+
+def test_command_line_errors_are_one_line(files, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        rg.main([str(files["Q4_0"]), "--shape", "tiny"])
+    assert e.value.code == 1 and "already exists" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        rg.main([str(tmp_path / "q.gguf"), "--shape", "qwen2-1.5b"])
+    assert e.value.code == 1 and "not a plain Llama layout" in capsys.readouterr().err
+    assert not (tmp_path / "q.gguf").exists()
+    rg.main([str(tmp_path / "t.gguf"), "--shape", "tiny", "--layers", "1", "--mix", "Q8_0"])
+    from dsq.formats.gguf_file import GGUFFile
+
+    assert GGUFFile(tmp_path / "t.gguf").n_layers == 1

@@ -173,10 +173,17 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     from rich.progress import Progress
 
-    with Progress() as bar:
-        task = bar.add_task(f"writing {a.out.name}", total=None)
-        path = write_random_gguf(a.out, a.shape, a.mix, a.seed, a.force,
-                                 progress=lambda n, i, t: bar.update(task, completed=i, total=t), layers=a.layers)
+    from dsq.errors import DsqError
+
+    try:
+        with Progress() as bar:
+            task = bar.add_task(f"writing {a.out.name}", total=None)
+            path = write_random_gguf(a.out, a.shape, a.mix, a.seed, a.force, layers=a.layers,
+                                     progress=lambda n, i, t: bar.update(task, completed=i, total=t))
+    except DsqError as e:
+        ap.exit(1, f"error: {e.message}" + (f" ({e.hint})" if e.hint else "") + "\n")
+    except ValueError as e:
+        ap.exit(1, f"error: {e}\n")
     print(f"{path}: {path.stat().st_size / 1e9:.2f} GB")
 
 
