@@ -107,6 +107,33 @@ def test_bench_json_and_plot(runner, tmp_path, tiny_gguf):
     assert "decode tok/s" in r.stdout
 
 
+def test_bench_batch_sweep(runner, tmp_path, tiny_gguf):
+    """--batch: the native backend decodes B different prompts together; tok/s count all of them."""
+    from dsq.bench.runner import bench_prompts
+    from dsq.runtime.native import NativeModel
+
+    path = tiny_gguf("llama", "Q8_0")
+    jp, pp = tmp_path / "b.json", tmp_path / "b.png"
+    r = runner.invoke(app, ["bench", str(path), "--backend", "native", "--batch", "1,3", "--prompt-tokens", "20",
+                            "--gen-tokens", "5", "--repeat", "1", "--json", str(jp), "--plot", str(pp)])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(jp.read_text())
+    assert [(x["batch"], x["prompt_tokens"], x["gen_tokens"]) for x in rep["runs"]] == [(1, 20, 5), (3, 60, 15)]
+    assert rep["settings"]["batch"] == [1, 3] and [s["batch"] for s in rep["summary"]] == [1, 3]
+    assert all(x["decode_tok_s"] > 0 and x["tpot_ms"] > 0 for x in rep["runs"])
+    assert "batch" in r.stdout and pp.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    m = NativeModel(path, "gguf", n_ctx=64)
+    ps = bench_prompts(m, 20, 3)
+    assert [len(p) for p in ps] == [20] * 3 and len({tuple(p) for p in ps}) == 3
+    if m.add_bos:  # each its own BOS first
+        bos = m.tokenize("", add_bos=True)
+        assert len(bos) == 1 and all(p[0] == bos[0] and bos[0] not in p[1:] for p in ps)
+    r = runner.invoke(app, ["bench", str(path), "--batch", "2", "--prompt-tokens", "20", "--gen-tokens", "5"])
+    assert r.exit_code == 1 and "native backend only" in r.output
+    r = runner.invoke(app, ["bench", str(path), "--backend", "native", "--batch", "two"])
+    assert r.exit_code == 1 and "whole numbers" in r.output
+
+
 def test_offload_json(runner, tiny_gguf):
     from dsq.formats.gguf_file import GGUFFile
 

@@ -127,7 +127,11 @@ def test_batch_generation_equals_single(native):
     m = native("gemma3")
     prompts = [IDS[:30], IDS[5:12], IDS[20:61]]
     greedy = SamplingParams(temperature=0)
-    batch = m.generate_batch(prompts, greedy, 10, ignore_eos=True)
+    st = GenStats()
+    batch = m.generate_batch(prompts, greedy, 10, ignore_eos=True, stats=st)
+    # rates count every sequence: 10 steps of 3 tokens, the first step's with the prefill
+    assert (st.steps, st.sampled_tokens, st.generated_tokens, st.prompt_tokens) == (10, 30, 30, 30 + 7 + 41)
+    assert st.decode_tok_s == pytest.approx(27 / st.decode_s) and st.tpot_ms == pytest.approx(1000 * st.decode_s / 9)
     for p, got in zip(prompts, batch):
         m.reset()
         st = GenStats()

@@ -57,6 +57,24 @@ def test_graph_decode_equals_eager(gpu_layers, tiny_dir):
     assert outs[0] == outs[1]
 
 
+def test_captured_batch_decode_equals_eager(tiny_dir):
+    """generate_batch through the step captured per batch size (reused by the next call of that
+    size, a smaller one in between) gives the eager batch's tokens."""
+    from dsq.runtime.native import NativeModel
+    from dsq.runtime.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0)
+    prompts = [IDS[:30], IDS[5:12], IDS[20:61], IDS[3:9]]
+    eager = NativeModel(tiny_dir("gemma3"), "hf", n_ctx=128, gpu_layers=-1, dtype="fp32", cuda_graph=False)
+    m = NativeModel(tiny_dir("gemma3"), "hf", n_ctx=128, gpu_layers=-1, dtype="fp32")
+    want = eager.generate_batch(prompts, greedy, 20, ignore_eos=True)
+    assert m.generate_batch(prompts, greedy, 20, ignore_eos=True) == want
+    assert m._batch is not None and m._batch[0] == 4
+    assert m.generate_batch(prompts[:2], greedy, 20, ignore_eos=True) == eager.generate_batch(
+        prompts[:2], greedy, 20, ignore_eos=True)
+    assert m.generate_batch(prompts, greedy, 20, ignore_eos=True) == want
+
+
 def test_compiled_step_equals_eager(tiny_dir):
     from dsq.runtime.generate import GenStats
     from dsq.runtime.native import NativeModel

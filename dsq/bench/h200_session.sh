@@ -11,7 +11,7 @@
 #   bash dsq/bench/h200_session.sh 1     # <= 470 s
 #   bash dsq/bench/h200_session.sh 2     # <= 480 s
 #   bash dsq/bench/h200_session.sh 3     # <= 590 s
-#   LLSRC=.llsrc/llama_cpp_python.tar.gz bash dsq/bench/h200_session.sh 4   # <= 560 s on the x2 kind
+#   LLSRC=.llsrc/llama_cpp_python.tar.gz bash dsq/bench/h200_session.sh 4   # <= 600 s on the x2 kind
 #     (carry the sdist, trimmed of vendor/llama.cpp/{models,docs,benches,media}, and a gguf wheel in
 #     .whl: the image has no gguf; the build takes ~3 min on 32 cores, ~9 on 16)
 # Results land in $OUT (the device tool's output folder) as JSON and text.
@@ -63,6 +63,9 @@ elif [ "$PART" = 4 ]; then
   step native 200 $B --backend native --compile --json "$OUT/peer_native.json"
   step native_dq 200 env DSQ_DEQUANT_ROWS=256 $B --backend native --compile --json "$OUT/peer_native_dq.json"
   step llama_cpp 90 $B --backend llama.cpp --json "$OUT/peer_llama_cpp.json"
+  # batched decode (3-64 rows through the tensor-core kernels; each size compiles and captures once)
+  step native_batch 150 python -m dsq bench /tmp/r8b.gguf -g all --prompt-tokens 128 --gen-tokens 64 --repeat 2 \
+    --backend native --compile --batch 1,4,16,64 --json "$OUT/peer_native_batch.json"
 else
   step decode 470 python -m dsq.bench.decode_gpu --variants '' --transformers '' \
     --formats awq-int4,q4_k_m,fp8,gptq-int4-actorder --quant-variants compile+graph+fused \

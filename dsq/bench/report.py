@@ -18,11 +18,12 @@ def summarize(records: list[dict]) -> list[dict]:
     """One row per (backend, gpu_layers): median and p99 of each metric, peak memory."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((r["backend"], str(r["gpu_layers"])), []).append(r)
+        groups.setdefault((r["backend"], str(r["gpu_layers"]), r.get("batch", 1)), []).append(r)
     rows = []
-    for (backend, gl), rs in groups.items():
+    for (backend, gl, batch), rs in groups.items():
         row = {"backend": backend, "gpu_layers": gl, "gpu_layers_effective": rs[0]["gpu_layers_effective"],
-               "runs": len(rs), "prompt_tokens": rs[0]["prompt_tokens"], "gen_tokens": rs[0]["gen_tokens"]}
+               "batch": batch, "runs": len(rs), "prompt_tokens": rs[0]["prompt_tokens"],
+               "gen_tokens": rs[0]["gen_tokens"]}
         for m in METRICS:
             vals = [r[m] for r in rs]
             row[f"{m}_median"] = round(_pct(vals, 50), 3)
@@ -41,16 +42,22 @@ def _fmt(x: float) -> str:
 def table(rows: list[dict], title: str):
     from rich.table import Table
 
-    t = Table(title=title, title_justify="left", caption="median / p99 over the runs (p99: the slow tail)")
-    for col in ("backend", "gpu layers", "prefill tok/s", "decode tok/s", "TTFT ms", "TPOT ms",
-                "peak RSS MiB", "peak VRAM MiB"):
+    batched = any(r.get("batch", 1) > 1 for r in rows)
+    caption = "median / p99 over the runs (p99: the slow tail)"
+    if batched:
+        caption += "; with a batch, tok/s count every sequence and TPOT is one step"
+    t = Table(title=title, title_justify="left", caption=caption)
+    cols = ["backend", "gpu layers"] + (["batch"] if batched else []) + [
+        "prefill tok/s", "decode tok/s", "TTFT ms", "TPOT ms", "peak RSS MiB", "peak VRAM MiB"]
+    for col in cols:
         t.add_column(col, justify="left" if col == "backend" else "right")
     for r in rows:
         gl = str(r["gpu_layers"])
         if gl != str(r["gpu_layers_effective"]) and r["gpu_layers_effective"] >= 0:
             gl += f" ({r['gpu_layers_effective']})"
         cells = [f"{_fmt(r[m + '_median'])} / {_fmt(r[m + '_p99'])}" for m in METRICS]
-        t.add_row(r["backend"], gl, *cells, f"{r['peak_rss_mb']:.0f}", f"{r['peak_vram_mb']:.0f}")
+        t.add_row(r["backend"], gl, *([str(r.get("batch", 1))] if batched else []), *cells,
+                  f"{r['peak_rss_mb']:.0f}", f"{r['peak_vram_mb']:.0f}")
     return t
 
 
@@ -62,7 +69,8 @@ def write_json(path: Path, report: dict) -> None:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    """Decode and prefill tok/s against --gpu-layers, one line per backend."""
+    """Decode and prefill tok/s against --gpu-layers (or against --batch, when only it varies),
+    one line per backend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,16 +78,18 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     from dsq.formats.hf import atomic_output_file
 
+    by_batch = len({r.get("batch", 1) for r in rows}) > 1 and len({str(r["gpu_layers"]) for r in rows}) == 1
+    key, label = ("batch", "--batch") if by_batch else ("gpu_layers", "--gpu-layers")
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for metric, ax in zip(("decode_tok_s", "prefill_tok_s"), axes):
         for backend in dict.fromkeys(r["backend"] for r in rows):
             rs = [r for r in rows if r["backend"] == backend]
-            xs = [str(r["gpu_layers"]) for r in rs]
+            xs = [str(r.get(key, 1)) for r in rs]
             ys = [r[f"{metric}_median"] for r in rs]
             ax.plot(xs, ys, marker="o", label=backend)
             for x, y in zip(xs, ys):
                 ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
-        ax.set_xlabel("--gpu-layers")
+        ax.set_xlabel(label)
         ax.set_ylabel(metric.replace("_tok_s", " tok/s"))
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)

@@ -27,6 +27,7 @@ class BenchRecord:
     peak_vram_mb: float
     load_s: float
     threads: int
+    batch: int = 1  # sequences decoded together; token counts and rates cover all of them
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -48,11 +49,27 @@ def bench_prompt(model, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
+def bench_prompts(model, n_tokens: int, batch: int) -> list[list[int]]:
+    """`batch` different prompts of exactly n_tokens each: consecutive pieces of the benchmark
+    text (each with BOS first if the model wants it)."""
+    if batch == 1:
+        return [bench_prompt(model, n_tokens)]
+    bos = 1 if model.add_bos else 0
+    if n_tokens <= bos:
+        raise DsqError(f"--prompt-tokens {n_tokens} leaves no text in a prompt", "ask for more")
+    ids = bench_prompt(model, bos + batch * (n_tokens - bos))
+    head, body = ids[:bos], ids[bos:]
+    per = n_tokens - bos
+    return [head + body[i * per:(i + 1) * per] for i in range(batch)]
+
+
 def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_tokens: int = 512,
               gen_tokens: int = 128, repeat: int = 3, threads: int | None = None, ctx: int | None = None,
               warmup: bool = True, on_record: Callable[[BenchRecord], None] | None = None,
-              on_status: Callable[[str], None] | None = None, model_opts: dict | None = None) -> list[BenchRecord]:
-    """Benchmark one model (a path, or None for the built-in) across backends x gpu_layers."""
+              on_status: Callable[[str], None] | None = None, model_opts: dict | None = None,
+              batch: tuple[int, ...] = (1,)) -> list[BenchRecord]:
+    """Benchmark one model (a path, or None for the built-in) across backends x gpu_layers x
+    batch sizes (above 1: the native backend's batched decode, prompts of the same length)."""
     from dsq.bench.metrics import PeakMemory, gpu_used_bytes
     from dsq.runtime.engine import BACKENDS, load
     from dsq.runtime.generate import GenStats
@@ -60,6 +77,10 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
 
     if prompt_tokens < 1 or gen_tokens < 2 or repeat < 1:
         raise DsqError("--prompt-tokens >= 1, --gen-tokens >= 2 and --repeat >= 1 are needed")
+    if any(b < 1 for b in batch):
+        raise DsqError("--batch sizes must be at least 1")
+    if any(b > 1 for b in batch) and any(be != "native" for be in backends):
+        raise DsqError("--batch above 1 runs on the native backend only", "pass --backend native")
     for b in backends:
         if b not in BACKENDS:
             raise DsqError(f"unknown backend {b!r}", f"choose from: {', '.join(BACKENDS)}")
@@ -77,30 +98,39 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
                     model_opts.get(backend, {}) if model_opts else {}))
             load_s = time.perf_counter() - t0
             ngl = m.gpu_layers
-            prompt = bench_prompt(m, prompt_tokens)
-            if warmup:
-                m.reset()
-                for _ in m.stream(prompt[: min(32, len(prompt))], greedy, 4, ignore_eos=True):
-                    pass
-            for r in range(repeat):
-                if on_status:
-                    on_status(f"{backend} --gpu-layers {gl}: run {r + 1}/{repeat}")
-                st = GenStats()
-                m.reset()  # no prefix reuse between repeats: every run prefills the whole prompt
-                with PeakMemory(baseline_gpu=base_gpu) as mem:
-                    for _ in m.stream(prompt, greedy, gen_tokens, st, ignore_eos=True):
-                        pass
-                rec = BenchRecord(
-                    backend=backend, gpu_layers=gl, gpu_layers_effective=ngl, repeat=r,
-                    prompt_tokens=st.prompt_tokens, gen_tokens=st.generated_tokens,
-                    prefill_tok_s=round(st.prefill_tok_s, 2), decode_tok_s=round(st.decode_tok_s, 2),
-                    ttft_ms=round(st.ttft_s * 1000, 3), tpot_ms=round(st.tpot_ms, 3),
-                    peak_rss_mb=round(max(mem.peak_rss, load_mem.peak_rss) / 2**20, 1),
-                    peak_vram_mb=round(max(mem.peak_gpu, load_mem.peak_gpu) / 2**20, 1),
-                    load_s=round(load_s, 3), threads=m.n_threads)
-                records.append(rec)
-                if on_record:
-                    on_record(rec)
+            for B in batch:
+                prompts = bench_prompts(m, prompt_tokens, B)
+                if warmup:  # also captures (and compiles) the decode step for this batch size
+                    m.reset()
+                    short = [p[: min(32, len(p))] for p in prompts]
+                    if B == 1:
+                        for _ in m.stream(short[0], greedy, 4, ignore_eos=True):
+                            pass
+                    else:
+                        m.generate_batch(short, greedy, 4, ignore_eos=True)
+                for r in range(repeat):
+                    if on_status:
+                        on_status(f"{backend} --gpu-layers {gl}" + (f" --batch {B}" if B > 1 else "")
+                                  + f": run {r + 1}/{repeat}")
+                    st = GenStats()
+                    m.reset()  # no prefix reuse between repeats: every run prefills the whole prompt
+                    with PeakMemory(baseline_gpu=base_gpu) as mem:
+                        if B == 1:
+                            for _ in m.stream(prompts[0], greedy, gen_tokens, st, ignore_eos=True):
+                                pass
+                        else:
+                            m.generate_batch(prompts, greedy, gen_tokens, ignore_eos=True, stats=st)
+                    rec = BenchRecord(
+                        backend=backend, gpu_layers=gl, gpu_layers_effective=ngl, repeat=r,
+                        prompt_tokens=st.prompt_tokens, gen_tokens=st.generated_tokens,
+                        prefill_tok_s=round(st.prefill_tok_s, 2), decode_tok_s=round(st.decode_tok_s, 2),
+                        ttft_ms=round(st.ttft_s * 1000, 3), tpot_ms=round(st.tpot_ms, 3),
+                        peak_rss_mb=round(max(mem.peak_rss, load_mem.peak_rss) / 2**20, 1),
+                        peak_vram_mb=round(max(mem.peak_gpu, load_mem.peak_gpu) / 2**20, 1),
+                        load_s=round(load_s, 3), threads=m.n_threads, batch=B)
+                    records.append(rec)
+                    if on_record:
+                        on_record(rec)
             del m
     return records
 

@@ -15,6 +15,7 @@ from dsq.cli.common import Compile, Dtype, KvDtype, ModelArg, Threads, backend_o
     "dsq bench model.gguf --gpu-layers 0,8,16,all --json sweep.json --plot sweep.png",
     "dsq bench --prompt-tokens 128 --gen-tokens 64 --repeat 5",
     "dsq bench --backend native,llama.cpp --gen-tokens 64",
+    "dsq bench model.gguf --backend native --gpu-layers all --batch 1,4,16 --plot batch.png",
 ])
 def bench(
     model: ModelArg = None,
@@ -24,6 +25,8 @@ def bench(
     repeat: Annotated[int, typer.Option("--repeat", "-r", help="Timed runs per configuration.")] = 3,
     gpu_layers: Annotated[str, typer.Option("--gpu-layers", "-g",
                                             help="Comma-separated sweep, e.g. 0,8,all (or auto).")] = "0",
+    batch: Annotated[str, typer.Option("--batch", help="Sequences decoded together, comma-separated sweep "
+                                                        "(native backend; tok/s then count all of them).")] = "1",
     threads: Threads = None,
     ctx: Annotated[Optional[int], typer.Option("--ctx", help="Context size (default: prompt + gen).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the records to this JSON file.")] = None,
@@ -56,6 +59,10 @@ def bench(
         if b not in BACKENDS:
             raise DsqError(f"unknown backend {b!r}", f"choose from: {', '.join(BACKENDS)}")
     sweep = [g.strip() for g in gpu_layers.split(",") if g.strip()]
+    try:
+        batches = tuple(int(b) for b in batch.split(",") if b.strip())
+    except ValueError:
+        raise DsqError(f"--batch {batch!r} is not a list of whole numbers", "e.g. --batch 1,4,16") from None
     ref = resolve_model(model, con)
     if "llama.cpp" in backends and any(g != "0" for g in sweep) and not supports_gpu_offload():
         con.print("[yellow]note:[/yellow] this llama.cpp build has no GPU support; --gpu-layers has no effect")
@@ -66,7 +73,7 @@ def bench(
     with con.status("benchmarking") as status:
         records = run_bench(str(ref.path), backends=backends, gpu_layers=sweep, prompt_tokens=prompt_tokens,
                             gen_tokens=gen_tokens, repeat=repeat, threads=threads, ctx=ctx, warmup=warmup,
-                            on_status=lambda s: status.update(s), model_opts=opts)
+                            on_status=lambda s: status.update(s), model_opts=opts, batch=batches or (1,))
     recs = [r.as_dict() for r in records]
     rows = summarize(recs)
     title = f"{ref.label}: {prompt_tokens} prompt + {gen_tokens} generated tokens, {repeat} runs"
@@ -75,7 +82,8 @@ def bench(
         report = {"model": str(ref.path), "label": ref.label, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                   "machine": machine_info(),
                   "settings": {"prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeat": repeat,
-                               "backends": backends, "gpu_layers": sweep, "threads": records[0].threads},
+                               "backends": backends, "gpu_layers": sweep, "batch": list(batches or (1,)),
+                               "threads": records[0].threads},
                   "runs": recs, "summary": rows}
         write_json(json_path, report)
         con.print(f"wrote {json_path}")

@@ -17,12 +17,14 @@ class GenStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0  # tokens returned (an end-of-generation token is not counted)
     sampled_tokens: int = 0  # tokens the model produced, end-of-generation included (for rates)
+    steps: int = 0  # forward passes that produced them (one a token; one a batch of tokens)
     ttft_s: float = 0.0  # prompt in -> first token out (prefill + first sample)
     decode_s: float = 0.0  # first token -> last token
     finish_reason: str = "length"
     token_ids: list[int] = field(default_factory=list)
     _t0: float = field(default=0.0, repr=False)
     _first: float | None = field(default=None, repr=False)
+    _first_n: int = field(default=0, repr=False)  # tokens of the first step (they come with the prefill)
     _last: float = field(default=0.0, repr=False)
 
     def start(self, prompt_tokens: int) -> None:
@@ -31,16 +33,22 @@ class GenStats:
 
     def take(self, token: int, ends: bool) -> bool:
         """A token came out now. Returns False when it ends generation (it is then not kept)."""
-        self._last = time.perf_counter()
-        if self._first is None:
-            self._first = self._last
-        self.sampled_tokens += 1
+        self.take_step(1, 0)
         if ends:
             self.finish_reason = "stop"
             return False
         self.token_ids.append(token)
         self.generated_tokens += 1
         return True
+
+    def take_step(self, sampled: int, kept: int) -> None:
+        """A step of a batch produced `sampled` tokens now (one a sequence), `kept` of them returned."""
+        self._last = time.perf_counter()
+        if self._first is None:
+            self._first, self._first_n = self._last, sampled
+        self.sampled_tokens += sampled
+        self.generated_tokens += kept
+        self.steps += 1
 
     def finish(self) -> None:
         if self._first is not None:
@@ -52,12 +60,14 @@ class GenStats:
 
     @property
     def tpot_ms(self) -> float:
-        n = self.sampled_tokens - 1
+        """Time a step after the first (a token of each sequence)."""
+        n = self.steps - 1
         return 1000.0 * self.decode_s / n if n > 0 else 0.0
 
     @property
     def decode_tok_s(self) -> float:
-        n = self.sampled_tokens - 1
+        """Tokens after the first step, over their time: all sequences of a batch together."""
+        n = self.sampled_tokens - self._first_n
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
     def as_dict(self) -> dict:

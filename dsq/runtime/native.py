@@ -164,6 +164,7 @@ class NativeModel:
         if compile and not on_cpu:  # True, or an inductor mode such as "max-autotune-no-cudagraphs"
             self._step = torch.compile(model, dynamic=False, mode=mode)
         self._graph = None
+        self._batch = None  # (B, cache, captured step) of the last batch size (generate_batch)
         if cuda_graph and devs == {"cuda:0"} and str(self.head_device) == "cuda:0":
             try:
                 self._graph = _GraphedStep(self._step, self.cache, 1)
@@ -313,10 +314,23 @@ class NativeModel:
         if tail:
             yield TokenEvent(-1, tail)
 
+    def _batch_step(self, B: int):
+        """(cache, captured decode step) for batches of B over the whole context, kept for the next
+        batch of the same size; None where steps are not captured (CPU, layers split)."""
+        if self._graph is None:
+            return None
+        if self._batch is None or self._batch[0] != B:
+            self._batch = None  # free the last one first
+            cache = self.model.make_cache(B, self.n_ctx, self.kv_dtype)
+            self._batch = (B, cache, _GraphedStep(self._step, cache, B))
+        return self._batch[1], self._batch[2]
+
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, max_tokens: int,
-                       ignore_eos: bool = False) -> list[list[int]]:
-        """Several prompts at once (left-padded into one batch). Returns the generated ids per prompt."""
+                       ignore_eos: bool = False, stats: GenStats | None = None) -> list[list[int]]:
+        """Several prompts at once (left-padded into one batch). Returns the generated ids per
+        prompt; `stats` gets the timings (rates count every sequence's tokens). On one GPU the decode
+        step of each batch size is captured as a CUDA graph once, as the single-sequence one is."""
         if not prompts or any(not p for p in prompts):
             raise DsqError("every prompt of a batch needs at least one token")
         B, longest = len(prompts), max(len(p) for p in prompts)
@@ -324,27 +338,52 @@ class NativeModel:
         if length > self.n_ctx:
             raise DsqError(f"the longest prompt plus --max-tokens is {length} tokens, the context holds {self.n_ctx}",
                            "pass a larger --ctx")
-        cache = self.model.make_cache(B, length, self.kv_dtype)
+        stats = stats if stats is not None else GenStats()
+        captured = self._batch_step(B)
+        cache = captured[0] if captured else self.model.make_cache(B, length, self.kv_dtype)
         pad = torch.tensor([longest - len(p) for p in prompts])
         ids = torch.zeros(B, longest, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, longest - len(p):] = torch.tensor(p)
         sampler = Sampler(sampling, self.head_device)
+        stats.start(sum(len(p) for p in prompts))
         logits = self._prefill(ids, 0, cache, pad)
         recent = ids[:, -64:].to(self.head_device)
+        if captured:
+            pad = pad.cuda()
         out: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
-        for step in range(max_tokens):
-            tok = sampler(logits, recent)
-            for i, t in enumerate(tok.tolist()):
-                if done[i]:
-                    continue
-                if not ignore_eos and self.is_eog(t):
-                    done[i] = True
+        # captured: step k+1 is launched before step k's tokens reach the host (as in `stream`)
+        host = torch.empty(B, dtype=torch.long, pin_memory=bool(captured))
+        ready = torch.cuda.Event() if captured else None
+        try:
+            for step in range(max_tokens):
+                tok = sampler(logits, recent)
+                ahead = None
+                if captured:
+                    host.copy_(tok, non_blocking=True)
+                    ready.record()
+                    if step < max_tokens - 1:
+                        ahead = captured[1](tok[:, None], longest + step, pad)[:, -1]
+                    ready.synchronize()
                 else:
-                    out[i].append(t)
-            if all(done) or step == max_tokens - 1:
-                break
-            logits = self._decode(tok, longest + step, cache, pad)
-            recent = torch.cat((recent[:, 1:], tok[:, None]), dim=1)
+                    host = tok
+                kept = 0
+                for i, t in enumerate(host.tolist()):
+                    if done[i]:
+                        continue
+                    if not ignore_eos and self.is_eog(t):
+                        done[i] = True
+                    else:
+                        out[i].append(t)
+                        kept += 1
+                stats.take_step(B, kept)
+                if all(done) or step == max_tokens - 1:
+                    break
+                logits = ahead if ahead is not None else self._decode(tok, longest + step, cache, pad)
+                recent = torch.cat((recent[:, 1:], tok[:, None]), dim=1)
+        finally:
+            stats.finish()
+        if all(done):
+            stats.finish_reason = "stop"
         return out
