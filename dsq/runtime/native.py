@@ -322,7 +322,15 @@ class NativeModel:
         if self._batch is None or self._batch[0] != B:
             self._batch = None  # free the last one first
             cache = self.model.make_cache(B, self.n_ctx, self.kv_dtype)
-            self._batch = (B, cache, _GraphedStep(self._step, cache, B))
+            try:
+                step = _GraphedStep(self._step, cache, B)
+            except Exception as e:  # noqa: BLE001 - the compiled step failed at this size: capture the eager one
+                if self._step is self.model:
+                    raise
+                warnings.warn(f"torch.compile of the batch-{B} decode step failed, decoding it without: "
+                              f"{type(e).__name__}", stacklevel=3)
+                step = _GraphedStep(self.model, cache, B)
+            self._batch = (B, cache, step)
         return self._batch[1], self._batch[2]
 
     @torch.inference_mode()
