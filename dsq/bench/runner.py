@@ -100,14 +100,15 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
             ngl = m.gpu_layers
             for B in batch:
                 prompts = bench_prompts(m, prompt_tokens, B)
-                if warmup:  # also captures (and compiles) the decode step for this batch size
+                # warm-up on the real prompts: one-time work (kernel autotuning for the prefill's
+                # shapes, compiling and capturing this batch size's step) stays out of the timed runs
+                if warmup:
                     m.reset()
-                    short = [p[: min(32, len(p))] for p in prompts]
                     if B == 1:
-                        for _ in m.stream(short[0], greedy, 4, ignore_eos=True):
+                        for _ in m.stream(prompts[0], greedy, 4, ignore_eos=True):
                             pass
                     else:
-                        m.generate_batch(short, greedy, 4, ignore_eos=True)
+                        m.generate_batch(prompts, greedy, 4, ignore_eos=True)
                 for r in range(repeat):
                     if on_status:
                         on_status(f"{backend} --gpu-layers {gl}" + (f" --batch {B}" if B > 1 else "")

@@ -31,7 +31,7 @@ def bench(
     ctx: Annotated[Optional[int], typer.Option("--ctx", help="Context size (default: prompt + gen).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the records to this JSON file.")] = None,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Plot tok/s against --gpu-layers (PNG).")] = None,
-    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One short untimed run first.")] = True,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One untimed run of the prompt first (autotuning, compiling).")] = True,
     dtype: Dtype = None,
     kv_dtype: KvDtype = None,
     compile: Compile = False,
