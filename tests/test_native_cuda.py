@@ -69,7 +69,7 @@ def test_captured_batch_decode_equals_eager(tiny_dir):
     m = NativeModel(tiny_dir("gemma3"), "hf", n_ctx=128, gpu_layers=-1, dtype="fp32")
     want = eager.generate_batch(prompts, greedy, 20, ignore_eos=True)
     assert m.generate_batch(prompts, greedy, 20, ignore_eos=True) == want
-    assert m._batch is not None and m._batch[0] == 4
+    assert m._batch is not None and m._batch[:2] == (4, 128)  # 61 + 20 tokens, rounded up, capped at the context
     assert m.generate_batch(prompts[:2], greedy, 20, ignore_eos=True) == eager.generate_batch(
         prompts[:2], greedy, 20, ignore_eos=True)
     assert m.generate_batch(prompts, greedy, 20, ignore_eos=True) == want

@@ -164,7 +164,7 @@ class NativeModel:
         if compile and not on_cpu:  # True, or an inductor mode such as "max-autotune-no-cudagraphs"
             self._step = torch.compile(model, dynamic=False, mode=mode)
         self._graph = None
-        self._batch = None  # (B, cache, captured step) of the last batch size (generate_batch)
+        self._batch = None  # (B, cache length, cache, captured step) of the last batch (generate_batch)
         if cuda_graph and devs == {"cuda:0"} and str(self.head_device) == "cuda:0":
             try:
                 self._graph = _GraphedStep(self._step, self.cache, 1)
@@ -314,24 +314,34 @@ class NativeModel:
         if tail:
             yield TokenEvent(-1, tail)
 
-    def _batch_step(self, B: int):
-        """(cache, captured decode step) for batches of B over the whole context, kept for the next
-        batch of the same size; None where steps are not captured (CPU, layers split)."""
+    def _batch_step(self, B: int, length: int):
+        """(cache, captured decode step) for a batch of B sequences of up to `length` tokens, kept
+        for the next batch of that size that fits (the cache is `length` rounded up to a power of
+        two, at most the context: a step attends over all of it); None where steps are not
+        captured (CPU, layers split) or the GPU has no room for it (the eager step then runs)."""
         if self._graph is None:
             return None
-        if self._batch is None or self._batch[0] != B:
+        if self._batch is None or self._batch[0] != B or self._batch[1] < length:
             self._batch = None  # free the last one first
-            cache = self.model.make_cache(B, self.n_ctx, self.kv_dtype)
+            cap = min(self.n_ctx, max(256, 1 << (length - 1).bit_length()))
             try:
-                step = _GraphedStep(self._step, cache, B)
-            except Exception as e:  # noqa: BLE001 - the compiled step failed at this size: capture the eager one
-                if self._step is self.model:
+                cache = self.model.make_cache(B, cap, self.kv_dtype)
+                try:
+                    step = _GraphedStep(self._step, cache, B)
+                except torch.cuda.OutOfMemoryError:
                     raise
-                warnings.warn(f"torch.compile of the batch-{B} decode step failed, decoding it without: "
-                              f"{type(e).__name__}", stacklevel=3)
-                step = _GraphedStep(self.model, cache, B)
-            self._batch = (B, cache, step)
-        return self._batch[1], self._batch[2]
+                except Exception as e:  # noqa: BLE001 - the compiled step failed at this size: capture the eager one
+                    if self._step is self.model:
+                        raise
+                    warnings.warn(f"torch.compile of the batch-{B} decode step failed, decoding it without: "
+                                  f"{type(e).__name__}", stacklevel=3)
+                    step = _GraphedStep(self.model, cache, B)
+            except torch.cuda.OutOfMemoryError:
+                cache = step = None
+                torch.cuda.empty_cache()
+                return None
+            self._batch = (B, cap, cache, step)
+        return self._batch[2], self._batch[3]
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, max_tokens: int,
@@ -347,7 +357,7 @@ class NativeModel:
             raise DsqError(f"the longest prompt plus --max-tokens is {length} tokens, the context holds {self.n_ctx}",
                            "pass a larger --ctx")
         stats = stats if stats is not None else GenStats()
-        captured = self._batch_step(B)
+        captured = self._batch_step(B, length)
         cache = captured[0] if captured else self.model.make_cache(B, length, self.kv_dtype)
         pad = torch.tensor([longest - len(p) for p in prompts])
         ids = torch.zeros(B, longest, dtype=torch.long)
