@@ -817,6 +817,12 @@ def _x_rows(x: torch.Tensor, p: Packed) -> torch.Tensor:
     return x2.contiguous()
 
 
+def _fmt_flags(f) -> dict:
+    """A Fmt's compile-time flags, as _gemv and _gemm / _dequant (through _tile) take them."""
+    return {"CODES": f.codes, "HI_BITS": f.hi_bits, "SUB": f.sub, "SC_ROWS": f.sc_rows, "TWO_LEVEL": f.two_level,
+            "ZERO": f.zero, "OFFSET": f.offset, "MINS": f.mins}
+
+
 def _planes(p: Packed, hi: bool = True) -> tuple[list[torch.Tensor], list[int]]:
     """The kernels' plane arguments (lo as int32 words, [hi,] sc, d, zp, mn, dmin) and their row
     strides; an absent plane is stood in for by sc (never read: its constexpr flag is off)."""
@@ -876,8 +882,7 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     f = p.fmt
     planes, strides = _planes(p)
-    flags = {"CODES": f.codes, "HI_BITS": f.hi_bits, "SUB": f.sub, "SC_ROWS": f.sc_rows, "TWO_LEVEL": f.two_level,
-                 "ZERO": f.zero, "OFFSET": f.offset, "MINS": f.mins, "HAS_BIAS": bias is not None}
+    flags = {**_fmt_flags(f), "HAS_BIAS": bias is not None}
     b = bias if bias is not None else y
     tune = config is None and not INTERPRET
     if M == 1:
@@ -907,16 +912,13 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor
                config: dict | None = None) -> torch.Tensor:
     """The weight (N, K) in `dtype` on p's device, in its stored column order (act-order permuted,
     as _x_rows permutes x): the same tile dequantization as the tl.dot GEMM, written out."""
-    f = p.fmt
+    if not _tiles_ok(p):
+        raise ValueError(f"dequantize: groups of {p.fmt.sub} do not fit power-of-two tiles")
     planes, strides = _planes(p)
     w = out if out is not None else torch.empty(p.N, p.K, dtype=dtype, device=p.lo.device)
     cfg = {"BN": 32, "BK": 128, **(config or {})}
-    if not _tiles_ok(p):
-        raise ValueError(f"dequantize: groups of {f.sub} do not fit power-of-two tiles")
-    flags = {"CODES": f.codes, "HI_BITS": f.hi_bits, "SUB": f.sub, "SC_ROWS": f.sc_rows, "TWO_LEVEL": f.two_level,
-             "ZERO": f.zero, "OFFSET": f.offset, "MINS": f.mins}
     grid = (triton.cdiv(p.N, cfg["BN"]), triton.cdiv(p.K, cfg["BK"]))
-    _dequant[grid](w, *planes, p.N, p.K, w.stride(0), *strides, **flags, **cfg, num_warps=4)
+    _dequant[grid](w, *planes, p.N, p.K, w.stride(0), *strides, **_fmt_flags(p.fmt), **cfg, num_warps=4)
     return w
 
 
@@ -926,13 +928,6 @@ def dequant_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
     many rows of x (prefill), where the GEMM's arithmetic outweighs writing W once. `out` (M, N)
     may be given."""
     x2 = _x_rows(x, p)
-    w = dequantize(p, x.dtype)
-    if bias is not None:
-        bias = bias.to(x.dtype)
-    if out is None:
-        y = torch.nn.functional.linear(x2, w, bias)
-    elif bias is not None:
-        y = torch.addmm(bias, x2, w.t(), out=out)
-    else:
-        y = torch.mm(x2, w.t(), out=out)
+    wt = dequantize(p, x.dtype).t()
+    y = torch.mm(x2, wt, out=out) if bias is None else torch.addmm(bias.to(x.dtype), x2, wt, out=out)
     return y.reshape(*x.shape[:-1], p.N)

@@ -25,8 +25,8 @@ SHAPES = {**SHAPES, "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
                                  max_position_embeddings=2048, rope={"rope_type": "default", "rope_theta": 10000.0})}
 
-# GGUF block: (weights per block, bytes per block, offsets of its f16 scales)
-_BLOCKS = {"Q4_0": (32, 18, (0,)), "Q8_0": (32, 34, (0,)), "Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,))}
+# where each block type's f16 scale d sits (Q4_K's dmin follows it); block sizes: gguf_ref.BLOCKS
+_D_AT = {"Q4_0": 0, "Q8_0": 0, "Q4_K": 0, "Q6_K": 208}
 _ALL_SAME = {"Q4_0", "Q8_0", "Q6_K"}  # file types whose tensors are all one type
 MIXES = ("Q4_K_M", *sorted(_ALL_SAME))
 
@@ -49,13 +49,16 @@ def tensor_type(mix: str, name: str, n_layers: int) -> str:
 def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """(rows, bytes per row) uint8: random codes, scales chosen so |w| stays under ~0.02 and each
     block's mean is near zero (Q4_K: dmin = 7.5 d against the codes' mean of 7.5)."""
-    per, nbytes, f16_at = _BLOCKS[qtype]
+    from dsq.kernels.gguf_ref import BLOCKS
+
+    per, nbytes = BLOCKS[qtype]
     if cols % per:
         raise ValueError(f"{qtype} needs rows of a multiple of {per} weights, not {cols}")
     b = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
     d = {"Q4_0": 2.5e-3, "Q8_0": 1.5e-4, "Q4_K": 2e-5, "Q6_K": 5e-6}[qtype]
     scale = (d * rng.uniform(0.5, 1.5, size=(rows, cols // per))).astype(np.float16)
-    b[..., f16_at[0]:f16_at[0] + 2] = scale.view(np.uint8).reshape(rows, cols // per, 2)
+    at = _D_AT[qtype]
+    b[..., at:at + 2] = scale.view(np.uint8).reshape(rows, cols // per, 2)
     if qtype == "Q4_K":  # dmin
         b[..., 2:4] = (scale.astype(np.float32) * 7.5).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
     return b.reshape(rows, -1)
@@ -113,6 +116,7 @@ def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_
     from dsq.formats.hf import atomic_output_file
     from dsq.formats.hf_to_gguf import _write_hparams
     from dsq.formats.tokenizer_gguf import write_vocab_gguf
+    from dsq.kernels.gguf_ref import row_bytes
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
@@ -139,8 +143,7 @@ def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_
                 w.add_tensor_info(name, shp, np.dtype(np.float32), 4 * int(np.prod(shp)),
                                   raw_dtype=GGMLQuantizationType.F32)
             else:
-                per, nbytes, _ = _BLOCKS[t]
-                byte_shape = (shp[0], shp[1] // per * nbytes)
+                byte_shape = (shp[0], row_bytes(t, shp[1]))
                 w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
                                   raw_dtype=GGMLQuantizationType[t])
         for name, data in extra:

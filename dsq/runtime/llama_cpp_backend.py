@@ -120,8 +120,8 @@ def exports_cxx_runtime(llama_cpp) -> bool:
     Linking with -Wl,--exclude-libs,ALL keeps the copy private and both then work in one process."""
     global _cxx_clash
     if _cxx_clash is None:
-        lib = Path(llama_cpp.__file__).parent / "lib"
-        _cxx_clash = any(defines_symbol(p, _CXX_PROBE) for p in sorted(lib.glob("libggml-cuda.so*"))[:1])
+        cuda_lib = next(iter(sorted((Path(llama_cpp.__file__).parent / "lib").glob("libggml-cuda.so*"))), None)
+        _cxx_clash = cuda_lib is not None and defines_symbol(cuda_lib, _CXX_PROBE)
     return _cxx_clash
 
 

@@ -166,15 +166,7 @@ class NativeModel:
         self._graph = None
         self._batch = None  # (B, cache length, cache, captured step) of the last batch (generate_batch)
         if cuda_graph and devs == {"cuda:0"} and str(self.head_device) == "cuda:0":
-            try:
-                self._graph = _GraphedStep(self._step, self.cache, 1)
-            except Exception as e:  # noqa: BLE001 - the compiled step failed: capture the eager one
-                if self._step is model:
-                    raise
-                warnings.warn(f"torch.compile of the decode step failed, decoding without it: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
-                self._step = model
-                self._graph = _GraphedStep(model, self.cache, 1)
+            self._graph = self._capture(self.cache, 1)
         self._compiled = None  # the CPU decode step under torch.compile
         if compile and on_cpu:
             try:
@@ -314,6 +306,19 @@ class NativeModel:
         if tail:
             yield TokenEvent(-1, tail)
 
+    def _capture(self, cache, B: int) -> _GraphedStep:
+        """The decode step for B sequences over `cache`, captured as a CUDA graph. A compiled step
+        that fails to capture is dropped for the eager one (with a warning), for good."""
+        try:
+            return _GraphedStep(self._step, cache, B)
+        except Exception as e:  # noqa: BLE001 - the compiled step failed: capture the eager one
+            if self._step is self.model:
+                raise
+            warnings.warn(f"torch.compile of the decode step failed, decoding without it: "
+                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=3)
+            self._step = self.model
+            return _GraphedStep(self.model, cache, B)
+
     def _batch_step(self, B: int, length: int):
         """(cache, captured decode step) for a batch of B sequences of up to `length` tokens, kept
         for the next batch of that size that fits (the cache is `length` rounded up to a power of
@@ -326,21 +331,11 @@ class NativeModel:
             cap = min(self.n_ctx, max(256, 1 << (length - 1).bit_length()))
             try:
                 cache = self.model.make_cache(B, cap, self.kv_dtype)
-                try:
-                    step = _GraphedStep(self._step, cache, B)
-                except torch.cuda.OutOfMemoryError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - the compiled step failed at this size: capture the eager one
-                    if self._step is self.model:
-                        raise
-                    warnings.warn(f"torch.compile of the batch-{B} decode step failed, decoding it without: "
-                                  f"{type(e).__name__}", stacklevel=3)
-                    step = _GraphedStep(self.model, cache, B)
+                self._batch = (B, cap, cache, self._capture(cache, B))
             except torch.cuda.OutOfMemoryError:
-                cache = step = None
+                cache = None  # release it before handing the memory back
                 torch.cuda.empty_cache()
                 return None
-            self._batch = (B, cap, cache, step)
         return self._batch[2], self._batch[3]
 
     @torch.inference_mode()
@@ -372,7 +367,7 @@ class NativeModel:
         out: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
         # captured: step k+1 is launched before step k's tokens reach the host (as in `stream`)
-        host = torch.empty(B, dtype=torch.long, pin_memory=bool(captured))
+        host = torch.empty(B, dtype=torch.long, pin_memory=True) if captured else None
         ready = torch.cuda.Event() if captured else None
         try:
             for step in range(max_tokens):
@@ -384,10 +379,8 @@ class NativeModel:
                     if step < max_tokens - 1:
                         ahead = captured[1](tok[:, None], longest + step, pad)[:, -1]
                     ready.synchronize()
-                else:
-                    host = tok
                 kept = 0
-                for i, t in enumerate(host.tolist()):
+                for i, t in enumerate((host if captured else tok).tolist()):
                     if done[i]:
                         continue
                     if not ignore_eos and self.is_eog(t):

@@ -234,7 +234,6 @@ def prepare_kernels(model: nn.Module) -> int:
         if new is not m:
             set_module(model, name, new)
             n += 1
-        del m, new
     return n
 
 
