@@ -6,8 +6,9 @@
   Q8_MAX_ROWS rows of x (decode) with integer codes take the int8-activation kernels (x rounded to
   int8 per 32 elements as llama.cpp does, packed.linear_ref_q8) unless DSQ_ACT_Q8=0; above that,
   up to MMA_MAX_ROWS, other 4-bit codes (Q4_K, Q4_0, int4 in groups of 32) take the tensor-core
-  kernel that scales the weights before the MMA (triton_mma.mma_linear_scaled); the rest the
-  float-x ones.
+  kernel that scales the weights before the MMA (triton_mma.mma_linear_scaled); from
+  DEQUANT_MIN_ROWS rows (prefill) the weight is written out in bf16 for one cuBLAS GEMM; the rest
+  the float-x ones.
 - CPU: the C kernels (kernels/csrc) when they were built.
 - Anything else, or DSQ_KERNELS=reference: the torch reference with the same signature.
 Shape is decided inside each kernel family (GEMV at M=1, tiles and tl.dot / blocked rows above).
@@ -39,9 +40,15 @@ MMA_MIN_ROWS = 3
 # weight-scaling variant 0.56-0.65x against 0.33-0.47x (docs/benchmarks.md, session 7)
 MMA_MAX_ROWS = 64
 # From this many rows of x (prefill) a weight is written out in x's dtype and multiplied by cuBLAS
-# (triton_qlinear.dequant_linear) instead of the tl.dot GEMM; 0 = never. Off until timed on a GPU:
-# DSQ_DEQUANT_ROWS=256 turns it on from 256 rows (h200_session.sh 3 and 4 time it).
-DEQUANT_MIN_ROWS = int(os.environ.get("DSQ_DEQUANT_ROWS", "0") or 0)
+# (triton_qlinear.dequant_linear) instead of the tl.dot GEMM. On an H200 (session 8, the four decode
+# shapes) at 128 rows: Q4_K 0.34-0.47x bf16 against the GEMM's 0.16-0.28x, Q6_K 0.27-0.35x against
+# 0.11-0.18x, int4 g128 0.38-0.53x against 0.24-0.56x (the GEMM won at 28672x8192 only); at 2048 rows
+# 0.77-0.92x against 0.11-0.48x; end to end a 512-token prompt of an 8B Q4_K_M GGUF prefilled at 14011
+# tok/s against 7654 (docs/benchmarks.md, session 8). DSQ_DEQUANT_ROWS=N moves it (0: never); FP8
+# (untimed against its own GEMM) takes it only when DSQ_DEQUANT_ROWS is set.
+_DQ_ENV = os.environ.get("DSQ_DEQUANT_ROWS", "").strip()
+DEQUANT_MIN_ROWS = int(_DQ_ENV) if _DQ_ENV.isdigit() else 128
+DEQUANT_FP8 = _DQ_ENV.isdigit()
 
 
 # _reference() runs ~200 times a CPU decode step: read os.environ's own dict (what os.environ.get
@@ -229,8 +236,8 @@ def gpu_kernel(p: packed.Packed, rows: int, dtype: torch.dtype) -> str:
     """Which Triton kernel family takes `rows` rows of x on a GPU: "mma" (bf16 tensor cores, a few
     rows, int4 grouped codes), "q8" (int8 x, up to Q8_MAX_ROWS rows), "mma_scaled" (tensor cores
     with the weights scaled first: other 4-bit codes, Q8_MAX_ROWS..MMA_MAX_ROWS rows), "dequant"
-    (the weight written out for cuBLAS, from DEQUANT_MIN_ROWS rows when set) or "float"."""
-    if DEQUANT_MIN_ROWS and rows >= DEQUANT_MIN_ROWS:
+    (the weight written out for cuBLAS, from DEQUANT_MIN_ROWS rows) or "float"."""
+    if DEQUANT_MIN_ROWS and rows >= DEQUANT_MIN_ROWS and (DEQUANT_FP8 or p.fmt.codes != packed.FP8):
         return "dequant"
     mma_rows = MMA and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and dtype in (torch.bfloat16, torch.float16)
     if mma_rows:

@@ -209,7 +209,15 @@ def test_dispatcher_writes_weights_out_from_the_set_row_count(monkeypatch):
     from dsq.kernels import dispatch
 
     p = _dequant_case("Q4_K")
-    assert dispatch.DEQUANT_MIN_ROWS == 0 and dispatch.gpu_kernel(p, 512, torch.bfloat16) == "float"  # off by default
+    assert dispatch.DEQUANT_MIN_ROWS == 128 and not dispatch.DEQUANT_FP8  # the defaults (DSQ_DEQUANT_ROWS unset)
+    assert [dispatch.gpu_kernel(p, m, torch.bfloat16) for m in (64, 127, 128, 512)] == [
+        "mma_scaled", "float", "dequant", "dequant"]
+    fp8 = _dequant_case("fp8-channel")
+    assert dispatch.gpu_kernel(fp8, 512, torch.bfloat16) == "float"  # FP8 only when asked
+    monkeypatch.setattr(dispatch, "DEQUANT_FP8", True)
+    assert dispatch.gpu_kernel(fp8, 512, torch.bfloat16) == "dequant"
+    monkeypatch.setattr(dispatch, "DEQUANT_MIN_ROWS", 0)
+    assert dispatch.gpu_kernel(p, 4096, torch.bfloat16) == "float"  # DSQ_DEQUANT_ROWS=0: never
     monkeypatch.setattr(dispatch, "DEQUANT_MIN_ROWS", 256)
     assert [dispatch.gpu_kernel(p, m, torch.bfloat16) for m in (64, 255, 256, 4096)] == [
         "mma_scaled", "float", "dequant", "dequant"]

@@ -40,7 +40,7 @@ elif [ "$PART" = 3 ]; then
   # Q4_K at 4-16 rows: the weight-scaling tensor-core variant (the default at 5-64) against the others
   step kernels_q4k 120 python -m dsq.bench.kernels_gpu --m 4,16 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
     --formats Q4_K+tcs,Q4_K+q8,Q4_K,int4-g128+tcs --json "$OUT/kernels_q4k.json"
-  # prefill: the weight written out in bf16 for cuBLAS (+dq, off by default: dispatch.DEQUANT_MIN_ROWS)
+  # prefill: the weight written out in bf16 for cuBLAS (+dq, the default from dispatch.DEQUANT_MIN_ROWS rows)
   # against the tl.dot GEMM, at the row counts where the threshold would go
   step kernels_dq 170 python -m dsq.bench.kernels_gpu --m 128,256,512,2048 --shapes 4096x4096,14336x4096,4096x14336 \
     --formats int4-g128+dq,int4-g128,Q4_K+dq,Q4_K --json "$OUT/kernels_dq.json"
@@ -61,7 +61,7 @@ elif [ "$PART" = 4 ]; then
   tail -c 300 /tmp/llbuild.log
   export PYTHONPATH=$PWD:/tmp/llpy:/tmp/site
   step native 200 $B --backend native --compile --json "$OUT/peer_native.json"
-  step native_dq 200 env DSQ_DEQUANT_ROWS=256 $B --backend native --compile --json "$OUT/peer_native_dq.json"
+  step native_gemm 200 env DSQ_DEQUANT_ROWS=0 $B --backend native --compile --json "$OUT/peer_native_gemm.json"
   step llama_cpp 90 $B --backend llama.cpp --json "$OUT/peer_llama_cpp.json"
   # batched decode (3-64 rows through the tensor-core kernels; each size compiles and captures once)
   step native_batch 150 python -m dsq bench /tmp/r8b.gguf -g all --prompt-tokens 128 --gen-tokens 64 --repeat 2 \
