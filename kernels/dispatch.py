@@ -4,11 +4,12 @@
   `gpu_kernel` decides: MMA_MIN_ROWS..MMA_MAX_ROWS rows of bf16/fp16 x against int4 grouped codes
   (AWQ/GPTQ) take the tensor-core kernel (kernels/triton_mma.py) unless DSQ_MMA=0; up to
   Q8_MAX_ROWS rows of x (decode) with integer codes take the int8-activation kernels (x rounded to
-  int8 per 32 elements as llama.cpp does, packed.linear_ref_q8) unless DSQ_ACT_Q8=0; above that,
+  int8 per 32 elements as llama.cpp does, packed.linear_ref_q8) unless DSQ_ACT_Q8=0 (Q6_K, which
+  that kernel takes at one row only, one row at a time); above that,
   up to MMA_MAX_ROWS, other 4-bit codes (Q4_K, Q4_0, int4 in groups of 32) take the tensor-core
   kernel that scales the weights before the MMA (triton_mma.mma_linear_scaled); from
-  DEQUANT_MIN_ROWS rows (prefill) the weight is written out in bf16 for one cuBLAS GEMM; the rest
-  the float-x ones.
+  DEQUANT_MIN_ROWS rows (prefill; Q6_K from 5) the weight is written out in bf16 for one cuBLAS
+  GEMM; the rest the float-x ones.
 - CPU: the C kernels (kernels/csrc) when they were built.
 - Anything else, or DSQ_KERNELS=reference: the torch reference with the same signature.
 Shape is decided inside each kernel family (GEMV at M=1, tiles and tl.dot / blocked rows above).
@@ -49,6 +50,10 @@ MMA_MAX_ROWS = 64
 _DQ_ENV = os.environ.get("DSQ_DEQUANT_ROWS", "").strip()
 DEQUANT_MIN_ROWS = int(_DQ_ENV) if _DQ_ENV.isdigit() else 128
 DEQUANT_FP8 = _DQ_ENV.isdigit()
+# Q6_K's tl.dot GEMM is slow at any row count: at 2-64 rows 0.10-0.27x bf16 on an H200 against
+# 0.24-0.37x for the bf16 weight and cuBLAS (session 8); 2..Q8_MAX_ROWS rows take one int8-x GEMV a
+# row first (0.37-1.0x)
+DEQUANT_Q6K_ROWS = 2
 
 
 # _reference() runs ~200 times a CPU decode step: read os.environ's own dict (what os.environ.get
@@ -225,6 +230,8 @@ def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None =
             return triton_mma.mma_linear_scaled(x, p, bias)
         if kind == "q8":
             return triton_qlinear.q8_linear(x, p, bias)
+        if kind == "q8_rows":
+            return triton_qlinear.q8_rows_linear(x, p, bias)
         if triton_qlinear.supported(p, x):
             if kind == "dequant":
                 return triton_qlinear.dequant_linear(x, p, bias)
@@ -234,10 +241,12 @@ def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None =
 
 def gpu_kernel(p: packed.Packed, rows: int, dtype: torch.dtype) -> str:
     """Which Triton kernel family takes `rows` rows of x on a GPU: "mma" (bf16 tensor cores, a few
-    rows, int4 grouped codes), "q8" (int8 x, up to Q8_MAX_ROWS rows), "mma_scaled" (tensor cores
-    with the weights scaled first: other 4-bit codes, Q8_MAX_ROWS..MMA_MAX_ROWS rows), "dequant"
-    (the weight written out for cuBLAS, from DEQUANT_MIN_ROWS rows) or "float"."""
-    if DEQUANT_MIN_ROWS and rows >= DEQUANT_MIN_ROWS and (DEQUANT_FP8 or p.fmt.codes != packed.FP8):
+    rows, int4 grouped codes), "q8" (int8 x, up to Q8_MAX_ROWS rows), "q8_rows" (the one-row int8-x
+    GEMV a row: Q6_K at 2..Q8_MAX_ROWS rows), "mma_scaled" (tensor cores with the weights scaled
+    first: other 4-bit codes, Q8_MAX_ROWS..MMA_MAX_ROWS rows), "dequant" (the weight written out for
+    cuBLAS, from DEQUANT_MIN_ROWS rows, Q6_K from DEQUANT_Q6K_ROWS) or "float"."""
+    dq = DEQUANT_MIN_ROWS and (DEQUANT_FP8 or p.fmt.codes != packed.FP8)
+    if dq and rows >= DEQUANT_MIN_ROWS:
         return "dequant"
     mma_rows = MMA and MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and dtype in (torch.bfloat16, torch.float16)
     if mma_rows:
@@ -247,8 +256,12 @@ def gpu_kernel(p: packed.Packed, rows: int, dtype: torch.dtype) -> str:
             return "mma"
     if ACT_Q8 and rows <= Q8_MAX_ROWS and packed.q8_ok(p, rows):
         return "q8"
+    if ACT_Q8 and rows <= Q8_MAX_ROWS and packed.q8_ok(p, 1):
+        return "q8_rows"
     if mma_rows and triton_mma.supported_scaled(p, rows):  # int8 x won at 4 rows (0.93-1.06x vs 0.72-0.83x)
         return "mma_scaled"
+    if dq and p.fmt.hi_bits == 2 and rows >= DEQUANT_Q6K_ROWS:
+        return "dequant"
     return "float"
 
 

@@ -345,6 +345,19 @@ def test_q8_gemv_q6k(cfg):
     check(y, packed.linear_ref_q8(x.double(), p, bias.double()).float(), torch.float32)
 
 
+@pytest.mark.parametrize("M", [1, 3])
+def test_q8_rows_q6k_one_row_at_a_time(M):
+    """q8_rows_linear: Q6_K's one-row int8-x GEMV per row of x, into one poisoned output: exactly
+    each row's int8-x product (the GPU's route at 2-4 rows)."""
+    N, K = 21, 512
+    p = q8_case("Q6_K", N, K)
+    x, bias = torch.randn(M, K) * 2, torch.randn(N)
+    out = torch.full((M, N), float("nan"), device=DEV)
+    y = tq.q8_rows_linear(x.to(DEV), p.to(DEV), bias.to(DEV), out=out)
+    assert y.data_ptr() == out.data_ptr()
+    check(y, packed.linear_ref_q8(x.double(), p, bias.double()).float(), torch.float32)
+
+
 def test_q8_refuses_what_it_cannot_run():
     rng = np.random.default_rng()
     q6 = packed.from_gguf(torch.from_numpy(random_blocks("Q6_K", 4, 256, rng)), "Q6_K", 256)
@@ -365,6 +378,25 @@ def test_q8_real_shapes_autotuned(fmt, M):
     p = q8_case(fmt, 1024, 4096)
     x = torch.randn(M, 4096, dtype=torch.bfloat16)
     check(tq.q8_linear(x.cuda(), p.to("cuda")), packed.linear_ref_q8(x.double(), p), torch.bfloat16)
+
+
+@pytest.mark.skipif(not CUDA, reason="the dispatcher sends only CUDA tensors to Triton")
+@pytest.mark.parametrize("M", [2, 4, 5, 9])
+def test_dispatch_q6k_rows_then_cublas(M):
+    """Q6_K at 2-4 rows: exactly the int8-x product (one GEMV a row); from 5 rows the weight
+    written out (float32 here) for cuBLAS: exactly the float product."""
+    from dsq.kernels import dispatch
+
+    p = q8_case("Q6_K", 1024, 4096)
+    x = torch.randn(M, 4096)
+    kind = dispatch.gpu_kernel(p, M, x.dtype)
+    y = dispatch.packed_linear(x.cuda(), p.to("cuda")).double().cpu()
+    q8, fl = packed.linear_ref_q8(x.double(), p).double(), packed.linear_ref(x.double(), p).double()
+    err_q8, err_fl = float((y - q8).norm() / q8.norm()), float((y - fl).norm() / fl.norm())
+    if M <= dispatch.Q8_MAX_ROWS:
+        assert kind == "q8_rows" and err_q8 < 1e-5 < err_fl, (err_q8, err_fl)
+    else:
+        assert kind == "dequant" and err_fl < 1e-5 < err_q8, (err_q8, err_fl)
 
 
 @pytest.mark.skipif(not CUDA, reason="the dispatcher sends only CUDA tensors to Triton")

@@ -145,7 +145,13 @@ def test_dispatch_picks_the_kernel_by_rows_format_and_dtype(monkeypatch):
         assert [dispatch.gpu_kernel(q, m, bf) for m in (3, 4, 5, 64, 65)] == [
             "q8", "q8", "mma_scaled", "mma_scaled", "float"]
         assert dispatch.gpu_kernel(q, 8, torch.float32) == "float"
-    assert [dispatch.gpu_kernel(q6k, m, bf) for m in (1, 8)] == ["q8", "float"]
+    assert [dispatch.gpu_kernel(q6k, m, bf) for m in (1, 2, 4, 5, 8, 64)] == [
+        "q8", "q8_rows", "q8_rows", "dequant", "dequant", "dequant"]  # one row at a time, then cuBLAS
+    monkeypatch.setattr(dispatch, "DEQUANT_MIN_ROWS", 0)  # DSQ_DEQUANT_ROWS=0: never written out
+    assert dispatch.gpu_kernel(q6k, 8, bf) == "float"
+    monkeypatch.setattr(dispatch, "ACT_Q8", False)
+    assert dispatch.gpu_kernel(q6k, 2, bf) == "float"
+    monkeypatch.undo()
     monkeypatch.setattr(dispatch, "MMA", False)
     assert dispatch.gpu_kernel(p, 3, bf) == "q8"
     assert dispatch.gpu_kernel(q4k, 8, bf) == "float"

@@ -12,7 +12,8 @@ Achieved bandwidth = bytes that must be read (codes + scales + x) / time. A form
 included; "+tc" the bf16
 tensor-core kernel for a few rows (kernels/triton_mma.py, int4 M <= 64), "+tcs" its variant with the
 weights scaled before the MMA (Q4_0, Q4_K, any int4 group), x's preparation included in both;
-"+dq" writes the weight out in bf16 and multiplies with cuBLAS (prefill), the writing included.
+"+dq" writes the weight out in bf16 and multiplies with cuBLAS (prefill), the writing included;
+"+rows" runs the one-row int8-x GEMV once a row (Q6_K at 2-4 rows).
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ def bench_shape(fmt: str, N: int, K: int, M: int) -> dict:
         kern = triton_mma.mma_linear_scaled if fmt.endswith("+tcs") else triton_mma.mma_linear
     if fmt.endswith("+dq"):
         kern = triton_qlinear.dequant_linear
+    if fmt.endswith("+rows"):
+        kern, q8 = triton_qlinear.q8_rows_linear, True
     ps = weight_copies(p0)  # copies at other addresses, so the graph's calls read HBM, not L2
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     ys = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in ps]
