@@ -8,8 +8,8 @@
   that kernel takes at one row only, one row at a time); above that,
   up to MMA_MAX_ROWS, other 4-bit codes (Q4_K, Q4_0, int4 in groups of 32) take the tensor-core
   kernel that scales the weights before the MMA (triton_mma.mma_linear_scaled); from
-  DEQUANT_MIN_ROWS rows (prefill; Q6_K from 5) the weight is written out in bf16 for one cuBLAS
-  GEMM; the rest the float-x ones.
+  DEQUANT_MIN_ROWS rows (prefill; Q5/Q6_K formats from the rows int8 x leaves them) the weight is
+  written out in bf16 for one cuBLAS GEMM; the rest the float-x ones.
 - CPU: the C kernels (kernels/csrc) when they were built.
 - Anything else, or DSQ_KERNELS=reference: the torch reference with the same signature.
 Shape is decided inside each kernel family (GEMV at M=1, tiles and tl.dot / blocked rows above).
@@ -50,10 +50,12 @@ MMA_MAX_ROWS = 64
 _DQ_ENV = os.environ.get("DSQ_DEQUANT_ROWS", "").strip()
 DEQUANT_MIN_ROWS = int(_DQ_ENV) if _DQ_ENV.isdigit() else 128
 DEQUANT_FP8 = _DQ_ENV.isdigit()
-# Q6_K's tl.dot GEMM is slow at any row count: at 2-64 rows 0.10-0.27x bf16 on an H200 against
-# 0.24-0.37x for the bf16 weight and cuBLAS (session 8); 2..Q8_MAX_ROWS rows take one int8-x GEMV a
-# row first (0.37-1.0x)
-DEQUANT_Q6K_ROWS = 2
+# The tl.dot GEMM of formats with a high-bit plane (Q5_0, Q5_K, Q6_K) is slow at any row count: on an
+# H200 (session 8) Q6_K at 2-64 rows 0.10-0.27x bf16 against 0.24-0.37x for the bf16 weight and
+# cuBLAS, Q5_K at 8 and 64 rows 0.13-0.29x against 0.23-0.37x. So they take the bf16 weight from
+# this many rows, after the int8-x kernels (Q5: up to Q8_MAX_ROWS rows; Q6_K: one GEMV a row, 0.39-1.09x
+# at 2-4 rows). (Q8_0's GEMM kept up: 0.47-0.59x against 0.32-0.53x.)
+DEQUANT_HI_BITS_ROWS = 2
 
 
 # _reference() runs ~200 times a CPU decode step: read os.environ's own dict (what os.environ.get
@@ -244,7 +246,7 @@ def gpu_kernel(p: packed.Packed, rows: int, dtype: torch.dtype) -> str:
     rows, int4 grouped codes), "q8" (int8 x, up to Q8_MAX_ROWS rows), "q8_rows" (the one-row int8-x
     GEMV a row: Q6_K at 2..Q8_MAX_ROWS rows), "mma_scaled" (tensor cores with the weights scaled
     first: other 4-bit codes, Q8_MAX_ROWS..MMA_MAX_ROWS rows), "dequant" (the weight written out for
-    cuBLAS, from DEQUANT_MIN_ROWS rows, Q6_K from DEQUANT_Q6K_ROWS) or "float"."""
+    cuBLAS, from DEQUANT_MIN_ROWS rows, Q5/Q6_K from DEQUANT_HI_BITS_ROWS) or "float"."""
     dq = DEQUANT_MIN_ROWS and (DEQUANT_FP8 or p.fmt.codes != packed.FP8)
     if dq and rows >= DEQUANT_MIN_ROWS:
         return "dequant"
@@ -260,7 +262,7 @@ def gpu_kernel(p: packed.Packed, rows: int, dtype: torch.dtype) -> str:
         return "q8_rows"
     if mma_rows and triton_mma.supported_scaled(p, rows):  # int8 x won at 4 rows (0.93-1.06x vs 0.72-0.83x)
         return "mma_scaled"
-    if dq and p.fmt.hi_bits == 2 and rows >= DEQUANT_Q6K_ROWS:
+    if dq and p.fmt.hi_bits and rows >= DEQUANT_HI_BITS_ROWS:
         return "dequant"
     return "float"
 

@@ -147,6 +147,10 @@ def test_dispatch_picks_the_kernel_by_rows_format_and_dtype(monkeypatch):
         assert dispatch.gpu_kernel(q, 8, torch.float32) == "float"
     assert [dispatch.gpu_kernel(q6k, m, bf) for m in (1, 2, 4, 5, 8, 64)] == [
         "q8", "q8_rows", "q8_rows", "dequant", "dequant", "dequant"]  # one row at a time, then cuBLAS
+    q5k = packed.from_gguf(torch.from_numpy(random_blocks("Q5_K", 8, 256, rng)), "Q5_K", 256)
+    q8_0 = packed.from_gguf(torch.from_numpy(random_blocks("Q8_0", 8, 256, rng)), "Q8_0", 256)
+    assert [dispatch.gpu_kernel(q5k, m, bf) for m in (4, 5, 64)] == ["q8", "dequant", "dequant"]
+    assert [dispatch.gpu_kernel(q8_0, m, bf) for m in (4, 5, 127, 128)] == ["q8", "float", "float", "dequant"]
     monkeypatch.setattr(dispatch, "DEQUANT_MIN_ROWS", 0)  # DSQ_DEQUANT_ROWS=0: never written out
     assert dispatch.gpu_kernel(q6k, 8, bf) == "float"
     monkeypatch.setattr(dispatch, "ACT_Q8", False)
