@@ -70,13 +70,17 @@ class Packed:
 
     @staticmethod
     def cat(parts: list[Packed]) -> Packed:
-        """Stack packed weights of the same format and K along N (fused q/k/v, gate/up)."""
+        """Stack packed weights of the same format and K along N (fused q/k/v, gate/up). Act-order
+        weights stack when they share one permutation of x, as GPTQ gives linears that read the
+        same input (one Hessian, so one order: dsq's GPTQ solves them together)."""
         p0 = parts[0]
-        ok = all(p.fmt == p0.fmt and p.K == p0.K and p.perm is None for p in parts)
+        same_perm = all(p.perm is None for p in parts) or (
+            p0.perm is not None and all(p.perm is not None and torch.equal(p.perm, p0.perm) for p in parts))
+        ok = same_perm and all(p.fmt == p0.fmt and p.K == p0.K for p in parts)
         if not ok or (p0.fmt.sc_rows > 1 and any(p.N % p0.fmt.sc_rows for p in parts[:-1])):
-            raise ValueError("cannot fuse packed weights of different formats")
-        kw = {k: torch.cat([getattr(p, k) for p in parts]) for k in p0.tensors()}
-        return Packed(p0.fmt, sum(p.N for p in parts), p0.K, **kw)
+            raise ValueError("cannot fuse packed weights of different formats or input orders")
+        kw = {k: torch.cat([getattr(p, k) for p in parts]) for k in p0.tensors() if k != "perm"}
+        return Packed(p0.fmt, sum(p.N for p in parts), p0.K, perm=p0.perm, **kw)
 
 
 # -- generic reference over the packed layout (tests; any device) -------------------------------

@@ -52,6 +52,8 @@ def test_quantized_model_keeps_its_logits(fmt):
     from dsq.runtime.qmodules import PackedLinear
 
     assert any(isinstance(m, PackedLinear) for m in model.modules())
+    attn = model.model.layers[0].self_attn
+    assert not hasattr(attn, "k_proj")  # q/k/v fused, act-order included (one order per input)
     before = [type(m) for m in model.modules()]
     err = kernels_vs_dequantized(model, ids, got)  # float32 here: the packed path computes its weights
     assert err < 1e-5

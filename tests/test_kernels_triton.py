@@ -149,6 +149,29 @@ def test_fused_rows_equal_separate():
         packed.Packed.cat([parts[0], packed.from_gguf(torch.from_numpy(random_blocks("Q6_K", 4, K, rng)), "Q6_K", K)])
 
 
+def test_act_order_rows_fuse_when_they_share_an_order():
+    """GPTQ act-order linears reading one input share one column order: they stack into one
+    weight with that order (one GEMV and one rounding of x instead of three), equal to the
+    separate products; different orders (or one with an order, one without) do not stack."""
+    K = 256
+    perm = torch.randperm(K)
+    parts = []
+    for n in (16, 8, 8):
+        d = gptq_case(n, K, 64, 4, True, True)
+        d["perm"] = perm  # the order of the first one, as one Hessian gives
+        parts.append(packed.from_int(d["qweight"], d["scales"], d["zeros"], 4, perm))
+    fused = packed.Packed.cat(parts)
+    assert fused.N == 32 and torch.equal(fused.perm, perm)
+    x = torch.randn(2, K)
+    torch.testing.assert_close(run(x, fused), torch.cat([run(x, p) for p in parts], dim=-1))
+    other = gptq_case(8, K, 64, 4, True, True)
+    plain = gptq_case(8, K, 64, 4, False, True)
+    for q in (packed.from_int(other["qweight"], other["scales"], other["zeros"], 4, other["perm"]),
+              packed.from_int(plain["qweight"], plain["scales"], plain["zeros"], 4, None)):
+        with pytest.raises(ValueError):
+            packed.Packed.cat([parts[0], q])
+
+
 def _dequant_case(fmt: str):
     rng = np.random.default_rng()
     if fmt.startswith("int"):  # int4-g32 (K not a multiple of the 128-column tile), int4-g128 act-order, int8

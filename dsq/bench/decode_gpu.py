@@ -115,13 +115,16 @@ def _q4k(w: torch.Tensor, hi: int = 15):
     return q, sc.to(torch.uint8), m6.to(torch.uint8), d, dmin
 
 
-def quantize_packed(w: torch.Tensor, fmt: str):
-    """A Packed weight in `fmt` from a float weight (N, K) by round to nearest, on w's device."""
+def quantize_packed(w: torch.Tensor, fmt: str, perm: torch.Tensor | None = None):
+    """A Packed weight in `fmt` from a float weight (N, K) by round to nearest, on w's device
+    (int4-actorder: in the order `perm`, a random one if not given)."""
     from dsq.kernels import intq_ref, packed
 
     N, K = w.shape
     if fmt in ("int4", "int4-actorder"):
-        perm = torch.randperm(K, device=w.device) if fmt == "int4-actorder" else None
+        if fmt == "int4-actorder" and perm is None:
+            perm = torch.randperm(K, device=w.device)
+        perm = perm if fmt == "int4-actorder" else None
         x = (w[:, perm] if perm is not None else w).float().reshape(N, K // 128, 128)
         lo, hi = x.amin(-1), x.amax(-1)
         s = ((hi - lo) / 15).clamp(min=1e-8).half()
@@ -226,6 +229,7 @@ def quantize_model(model, fmt: str) -> None:
     from dsq.runtime.qmodules import PackedLinear, set_module
 
     n = len(model.model.layers)
+    perms: dict = {}  # act-order: one order per input (q/k/v share one, gate/up another), as GPTQ gives
     for name, mod in list(model.named_modules()):
         if not isinstance(mod, torch.nn.Linear) or (name == "lm_head" and fmt != "q4_k_m"):
             continue
@@ -235,7 +239,12 @@ def quantize_model(model, fmt: str) -> None:
             f = "Q6_K" if more else "Q4_K"
         else:
             f = {"awq-int4": "int4", "gptq-int4-actorder": "int4-actorder", "fp8": "fp8"}[fmt]
-        set_module(model, name, PackedLinear(quantize_packed(mod.weight.data, f), mod.bias, f))
+        perm = None
+        if f == "int4-actorder":
+            key = name.rsplit(".", 1)[0] + {"k_proj": ".q_proj", "v_proj": ".q_proj", "up_proj": ".gate_proj"}.get(
+                name.rsplit(".", 1)[1], "." + name.rsplit(".", 1)[1])
+            perm = perms.setdefault(key, torch.randperm(mod.in_features, device=mod.weight.device))
+        set_module(model, name, PackedLinear(quantize_packed(mod.weight.data, f, perm), mod.bias, f))
     torch.cuda.empty_cache()
 
 
