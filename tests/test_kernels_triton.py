@@ -158,8 +158,7 @@ def test_act_order_rows_fuse_when_they_share_an_order():
     parts = []
     for n in (16, 8, 8):
         d = gptq_case(n, K, 64, 4, True, True)
-        d["perm"] = perm  # the order of the first one, as one Hessian gives
-        parts.append(packed.from_int(d["qweight"], d["scales"], d["zeros"], 4, perm))
+        parts.append(packed.from_int(d["qweight"], d["scales"], d["zeros"], 4, perm))  # one order, as one Hessian gives
     fused = packed.Packed.cat(parts)
     assert fused.N == 32 and torch.equal(fused.perm, perm)
     x = torch.randn(2, K)

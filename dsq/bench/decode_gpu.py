@@ -122,9 +122,10 @@ def quantize_packed(w: torch.Tensor, fmt: str, perm: torch.Tensor | None = None)
 
     N, K = w.shape
     if fmt in ("int4", "int4-actorder"):
-        if fmt == "int4-actorder" and perm is None:
+        if fmt == "int4":
+            perm = None
+        elif perm is None:
             perm = torch.randperm(K, device=w.device)
-        perm = perm if fmt == "int4-actorder" else None
         x = (w[:, perm] if perm is not None else w).float().reshape(N, K // 128, 128)
         lo, hi = x.amin(-1), x.amax(-1)
         s = ((hi - lo) / 15).clamp(min=1e-8).half()
@@ -241,9 +242,11 @@ def quantize_model(model, fmt: str) -> None:
             f = {"awq-int4": "int4", "gptq-int4-actorder": "int4-actorder", "fp8": "fp8"}[fmt]
         perm = None
         if f == "int4-actorder":
-            key = name.rsplit(".", 1)[0] + {"k_proj": ".q_proj", "v_proj": ".q_proj", "up_proj": ".gate_proj"}.get(
-                name.rsplit(".", 1)[1], "." + name.rsplit(".", 1)[1])
-            perm = perms.setdefault(key, torch.randperm(mod.in_features, device=mod.weight.device))
+            parent, leaf = name.rsplit(".", 1)
+            key = (parent, {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(leaf, leaf))
+            if key not in perms:
+                perms[key] = torch.randperm(mod.in_features, device=mod.weight.device)
+            perm = perms[key]
         set_module(model, name, PackedLinear(quantize_packed(mod.weight.data, f, perm), mod.bias, f))
     torch.cuda.empty_cache()
 
