@@ -1,4 +1,4 @@
-"""Tensor cores for a few rows of x (batched decode, short prompts; the dispatcher sends 3-16 rows)
+"""Tensor cores for a few rows of x (batched decode, short prompts; the dispatcher sends 3-64 rows)
 against 4-bit grouped codes (AWQ/GPTQ int4, act-order included, groups of 64-256 elements or one a
 row): `mma_linear`. On an H200 at 16 rows: 1.57x bf16 at 28672x8192, 0.96-1.28x on the smaller
 decode shapes, against 0.53-0.76x for `_gemm` (docs/benchmarks.md, session 6).
@@ -25,7 +25,8 @@ SM moves while HBM delivers one int4 weight. Here:
 `mma_linear_scaled` (`_mma_s`) is the variant for formats whose scales change every 32 elements
 (Q4_0, Q4_K, int4 in groups of 32), where a 16-element MMA step spans two blocks: the weights are
 made in bf16 before the MMA (one fma.rn.bf16x2 a pair, the block's scale and offset broadcast in
-registers). Not yet timed on a GPU, so the dispatcher does not call it.
+registers). The dispatcher sends it 5-64 rows (int8 x keeps up to 4): on an H200 Q4_K at 8-64 rows
+ran 0.29-0.88x bf16 against 0.15-0.47x for `_gemm` (docs/benchmarks.md, session 7).
 
 Computes packed.linear_ref with bf16 products and float32 sums (the tensor cores); x float32 is
 rounded to bf16 first. Runs under TRITON_INTERPRET=1 (float32 dots, no inline PTX) for the tests.
@@ -45,7 +46,7 @@ CHUNK = 64  # x's permutation period: four sub-dots of 16 code words (K 16 each:
 
 def supported(p: Packed, rows: int) -> bool:
     """4-bit codes without high bits, plain scales (no K-quant mins or super-scales), groups of 64,
-    128 or 256 elements dividing K, or one a row; K a multiple of 64; 1..16 rows."""
+    128 or 256 elements dividing K, or one a row; K a multiple of 64; 1..MAX_ROWS rows."""
     f = p.fmt
     group_ok = f.sub >= p.K or (f.sub in (64, 128, 256) and p.K % f.sub == 0)
     return (1 <= rows <= MAX_ROWS and f.codes == NIB and f.hi_bits == 0 and not f.two_level and not f.mins

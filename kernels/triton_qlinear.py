@@ -760,7 +760,8 @@ def autotune_choices() -> dict[str, dict[str, str]]:
 
     out = {}
     for name, tuned in (("gemv_q8", _gemv_q8_tuned), ("gemv_q8 (2-4 rows)", _gemm_q8_tuned), ("gemv", _gemv_tuned),
-                        ("gemm", _gemm_tuned), ("mma_t", triton_mma._mma_t_tuned)):
+                        ("gemm", _gemm_tuned), ("mma_t", triton_mma._mma_t_tuned),
+                        ("mma_s", triton_mma._mma_s_tuned)):
         picks = {", ".join(f"{n}={v}" for n, v in zip(tuned.keys, key)): str(cfg)
                  for key, cfg in getattr(tuned, "cache", {}).items()}
         if picks:
@@ -854,9 +855,9 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     f = p.fmt
     planes, strides = _planes(p)
-    flags = {"CODES": f.codes, "HI_BITS": f.hi_bits, "SUB": f.sub, "TWO_LEVEL": f.two_level, "ZERO": f.zero,
-             "OFFSET": f.offset, "MINS": f.mins, "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET,
+    flags = {**_fmt_flags(f), "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET,
              "MR": 1 << (M - 1).bit_length()}  # MR: 1 for one row; an autotune key
+    del flags["SC_ROWS"]  # q8_ok refuses row-block scales
     if pdl:
         flags.update(PDL=True, launch_pdl=True)
     args = (xw, sx, xs, y, bias if bias is not None else y, *planes, M, p.N, p.K, y.stride(0), *strides)

@@ -5,7 +5,8 @@
 # formats with a kernel-time profile; part 3, int4 at 2-64 rows through the three kernel families;
 # part 4, llama.cpp (CUDA) beside the native runtime on one random Llama-3-8B Q4_K_M GGUF.
 # Not yet measured at the end of session 8 (no device time left): part 2's GPTQ act-order with q/k/v and
-# gate/up fused (one shared order each), and part 4's batch sweep with Q5/Q6_K's new routes compiled.
+# gate/up fused (one shared order each), and part 4's batch sweep with Q5/Q6_K's new routes compiled
+# (or, without llama.cpp's build: python -m dsq.bench.batch_gpu --compile --batch 1,2,4,8,16,64).
 # (Machines differ by up to ~10% between calls: compare a change against its baseline inside one
 # call, e.g. with DSQ_PDL=0 or DSQ_TRITON_ATTN=0.)
 # Each step has its own time limit so one overrun cannot eat the others.

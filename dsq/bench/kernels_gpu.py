@@ -97,21 +97,15 @@ def weight_copies(p0) -> list:
 
 
 def bench_shape(fmt: str, N: int, K: int, M: int) -> dict:
-    from dsq.kernels import triton_qlinear
+    from dsq.kernels import triton_mma, triton_qlinear
     from dsq.kernels.packed import linear_ref, linear_ref_q8
 
-    tc = fmt.endswith("+tc") or fmt.endswith("+tcs")  # the bf16 tensor-core kernels for a few rows (triton_mma)
-    q8 = fmt.endswith("+q8")
-    p0 = random_packed(fmt.split("+")[0], N, K)
-    kern = triton_qlinear.q8_linear if q8 else triton_qlinear.packed_linear
-    if tc:
-        from dsq.kernels import triton_mma
-
-        kern = triton_mma.mma_linear_scaled if fmt.endswith("+tcs") else triton_mma.mma_linear
-    if fmt.endswith("+dq"):
-        kern = triton_qlinear.dequant_linear
-    if fmt.endswith("+rows"):
-        kern, q8 = triton_qlinear.q8_rows_linear, True
+    base, _, suffix = fmt.partition("+")
+    kern = {"": triton_qlinear.packed_linear, "q8": triton_qlinear.q8_linear, "rows": triton_qlinear.q8_rows_linear,
+            "tc": triton_mma.mma_linear, "tcs": triton_mma.mma_linear_scaled,
+            "dq": triton_qlinear.dequant_linear}[suffix]
+    q8 = suffix in ("q8", "rows")  # x rounded to int8: its own reference
+    p0 = random_packed(base, N, K)
     ps = weight_copies(p0)  # copies at other addresses, so the graph's calls read HBM, not L2
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     ys = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in ps]

@@ -63,6 +63,15 @@ def bench_prompts(model, n_tokens: int, batch: int) -> list[list[int]]:
     return [head + body[i * per:(i + 1) * per] for i in range(batch)]
 
 
+def _generate(m, prompts: list[list[int]], sampling, n: int, stats=None) -> None:
+    """n tokens for each prompt, past end-of-generation: one prompt streamed, several as a batch."""
+    if len(prompts) == 1:
+        for _ in m.stream(prompts[0], sampling, n, stats, ignore_eos=True):
+            pass
+    else:
+        m.generate_batch(prompts, sampling, n, ignore_eos=True, stats=stats)
+
+
 def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_tokens: int = 512,
               gen_tokens: int = 128, repeat: int = 3, threads: int | None = None, ctx: int | None = None,
               warmup: bool = True, on_record: Callable[[BenchRecord], None] | None = None,
@@ -104,11 +113,7 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
                 # shapes, compiling and capturing this batch size's step) stays out of the timed runs
                 if warmup:
                     m.reset()
-                    if B == 1:
-                        for _ in m.stream(prompts[0], greedy, 4, ignore_eos=True):
-                            pass
-                    else:
-                        m.generate_batch(prompts, greedy, 4, ignore_eos=True)
+                    _generate(m, prompts, greedy, 4)
                 for r in range(repeat):
                     if on_status:
                         on_status(f"{backend} --gpu-layers {gl}" + (f" --batch {B}" if B > 1 else "")
@@ -116,11 +121,7 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
                     st = GenStats()
                     m.reset()  # no prefix reuse between repeats: every run prefills the whole prompt
                     with PeakMemory(baseline_gpu=base_gpu) as mem:
-                        if B == 1:
-                            for _ in m.stream(prompts[0], greedy, gen_tokens, st, ignore_eos=True):
-                                pass
-                        else:
-                            m.generate_batch(prompts, greedy, gen_tokens, ignore_eos=True, stats=st)
+                        _generate(m, prompts, greedy, gen_tokens, st)
                     rec = BenchRecord(
                         backend=backend, gpu_layers=gl, gpu_layers_effective=ngl, repeat=r,
                         prompt_tokens=st.prompt_tokens, gen_tokens=st.generated_tokens,
