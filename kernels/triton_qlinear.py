@@ -711,7 +711,7 @@ _gemv_tuned = _autotune(_GEMV_CONFIGS, ["N", "K", *_FMT_KEYS])(_even_k(_gemv))
 _Q8_CONFIGS = ([triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)  # pipelined through shared memory
                 for bn, bk, w, st in [(4, 512, 1, 3), (4, 512, 1, 2), (8, 512, 1, 3), (4, 1024, 2, 3), (2, 512, 1, 3)]]
                # register prefetch, one 32-element block per thread and row; PERSIST: programs per SM. The
-               # H200 winners of dsq.bench.q8_sweep per decode shape and format (docs/benchmarks.md, session 5)
+               # H200 winners of benchmarks.q8_sweep per decode shape and format (docs/benchmarks.md, session 5)
                + [triton.Config({"BN": bn, "BK": bk, "STAGES": 1, "PREFETCH": True, "PERSIST": pe}, num_warps=w)
                   for bn, bk, w, pe in [(1, 1024, 1, 0), (2, 1024, 1, 0), (4, 1024, 1, 0), (1, 2048, 1, 0),
                                         (2, 2048, 1, 0), (2, 1024, 1, 32), (1, 2048, 1, 32), (1, 2048, 1, 16)]])

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parent.parent))  # benchmarks/ (not installed) for its own tests
 
 # Each test session gets its own dsq cache, except the built-in model which is shared (read-only).
 os.environ.setdefault("DSQ_QUIET", "1")

@@ -1,4 +1,4 @@
-"""The int8-activation quality bench (dsq.bench.act_q8): inside its context every GGUF matmul sees
+"""The int8-activation quality bench (benchmarks.act_q8): inside its context every GGUF matmul sees
 x exactly as the GPU's int8-activation GEMV does (packed.dequantize_x_q8) or rounded to bf16,
 and the dispatcher is restored afterwards; on a tiny model, the comparison's numbers are sane."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsq.bench.act_q8 import compare, rounded_activations
+from benchmarks.act_q8 import compare, rounded_activations
 from dsq.kernels import dispatch, gguf_ref, packed
 from test_kernels_ref import random_blocks
 

@@ -1,4 +1,4 @@
-"""The round-to-nearest packers the GPU decode benchmark uses (dsq.bench.decode_gpu) produce valid
+"""The round-to-nearest packers the GPU decode benchmark uses (benchmarks.decode_gpu) produce valid
 packed weights: dequantized they approximate the float weight, and a model converted by them
 computes the logits of its own dequantized weights (through the packed reference on the CPU)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsq.bench.decode_gpu import quantize_model, quantize_packed
+from benchmarks.decode_gpu import quantize_model, quantize_packed
 from dsq.kernels import packed
 
 
@@ -48,7 +48,7 @@ def test_quantized_model_keeps_its_logits(fmt):
         quantize_model(model, fmt)
         model.fuse_projections()
         got = model(ids).float()
-    from dsq.bench.decode_gpu import kernels_vs_dequantized
+    from benchmarks.decode_gpu import kernels_vs_dequantized
     from dsq.runtime.qmodules import PackedLinear
 
     assert any(isinstance(m, PackedLinear) for m in model.modules())
@@ -68,7 +68,7 @@ def test_layer_check_finds_the_wrong_layer():
     """decode_gpu.layers_vs_dequantized: per layer, packed kernels against the dequantized weights on
     the same input. Exact here (the CPU reference computes the same weights); a kernel that is off
     by 1% in one layer shows in that layer and no other; the model leaves as it came."""
-    from dsq.bench.decode_gpu import layers_vs_dequantized
+    from benchmarks.decode_gpu import layers_vs_dequantized
     from dsq.runtime.qmodules import PackedLinear
 
     model = _random_model(3)

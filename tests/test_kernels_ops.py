@@ -66,7 +66,7 @@ def test_packed_linear_is_one_operator_under_compile():
     """The GPU layout's matmul (Triton on a GPU, the reference here) stays one opaque operator in a
     compiled graph (dynamo cannot trace the Triton launcher), with act-order, K-quant and FP8
     block planes passed through, and the compiled function equals the eager one."""
-    from dsq.bench.kernels_gpu import random_packed
+    from dsq.bench.random_models import random_packed
     from dsq.kernels import ops
 
     for fmt in ["int4-g128-actorder", "Q4_K", "fp8-block"]:

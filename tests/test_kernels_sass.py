@@ -1,5 +1,5 @@
 """Properties of the Triton kernels' machine code for an H100/H200 (sm_90), compiled here without a
-GPU (dsq.bench.sass_count): the speed-critical shapes of the code that no CPU test can time.
+GPU (benchmarks.sass_count): the speed-critical shapes of the code that no CPU test can time.
 Compiled in a child process: the tests' own Triton runs in interpreter mode."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]  # benchmarks/ is not installed: the children run from here
 
 _CHILD = """
 import collections, json, sys
-from dsq.bench import sass_count
+from benchmarks import sass_count
 kernel, fmt, warps, const, mods = json.loads(sys.argv[1])
 print(json.dumps(collections.Counter(sass_count.loop_opcodes(sass_count.compile_sm90(kernel, fmt, warps, **const), mods))))
 """
@@ -20,7 +22,7 @@ print(json.dumps(collections.Counter(sass_count.loop_opcodes(sass_count.compile_
 
 def _loop_ops(kernel: str, fmt: str, warps: int, modifiers: bool = False, **const) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([kernel, fmt, warps, const, modifiers])], env=env,
+    r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([kernel, fmt, warps, const, modifiers])], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -59,7 +61,7 @@ def test_fp8_hardware_conversion():
 
 _PTX_CHILD = """
 import json, sys
-from dsq.bench import sass_count
+from benchmarks import sass_count
 kernel, fmt, warps, const = json.loads(sys.argv[1])
 print(json.dumps(sass_count.compile_sm90(kernel, fmt, warps, **const).asm["ptx"]))
 """
@@ -72,7 +74,7 @@ def test_pdl_prefetches_weights_then_waits_for_x():
     ptx = {}
     for pdl in (False, True):
         const = dict(BN=1, BK=2048, STAGES=1, PREFETCH=True, PERSIST=32, PDL=pdl)
-        r = subprocess.run([sys.executable, "-c", _PTX_CHILD, json.dumps(["gemv_q8", "int4", 1, const])], env=env,
+        r = subprocess.run([sys.executable, "-c", _PTX_CHILD, json.dumps(["gemv_q8", "int4", 1, const])], env=env, cwd=ROOT,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         ptx[pdl] = json.loads(r.stdout.strip().splitlines()[-1])

@@ -19,16 +19,17 @@ from typing import Callable
 
 import numpy as np
 
-from dsq.bench.decode_gpu import SHAPES, _more_bits
-
-SHAPES = {**SHAPES, "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
-                                 max_position_embeddings=2048, rope={"rope_type": "default", "rope_theta": 10000.0})}
+from dsq.bench.random_models import SHAPES
 
 # where each block type's f16 scale d sits (Q4_K's dmin follows it); block sizes: gguf_ref.BLOCKS
 _D_AT = {"Q4_0": 0, "Q8_0": 0, "Q4_K": 0, "Q6_K": 208}
 _ALL_SAME = {"Q4_0", "Q8_0", "Q6_K"}  # file types whose tensors are all one type
 MIXES = ("Q4_K_M", *sorted(_ALL_SAME))
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's Q4_K_M rule: which layers' attn_v / ffn_down get Q6_K."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
 def tensor_type(mix: str, name: str, n_layers: int) -> str:
@@ -107,7 +108,7 @@ def _plan(cfg: dict, mix: str) -> list[tuple[str, tuple[int, ...], str]]:
 def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_K_M", seed: int = 0,
                       force: bool = False, progress: Callable[[str, int, int], None] | None = None,
                       layers: int | None = None) -> Path:
-    """Write a random GGUF of `shape` (a decode_gpu shape name; `layers` overrides its depth) in
+    """Write a random GGUF of `shape` (a `random_models.SHAPES` name; `layers` overrides its depth) in
     `mix` to `out` (temp file + rename)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 

@@ -30,7 +30,7 @@ def eval_(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Score a model on held-out text: perplexity, and against a reference KLD and top-1 agreement."""
-    from dsq.bench.quality import evaluate, source_of
+    from dsq.eval.quality import evaluate, source_of
     from dsq.errors import DsqError
     from dsq.runtime.model_ref import resolve_model
     from dsq.ui import console, out_console

@@ -143,7 +143,7 @@ def _dir_size(p: Path) -> int:
 
 def _card_eval(target: Path, source: Path, tokens: int, hf, spec, con) -> dict | None:
     """Evaluate the artifact against its source and put the numbers in its model card."""
-    from dsq.bench.quality import evaluate
+    from dsq.eval.quality import evaluate
     from dsq.quant.driver import model_card
 
     with con.status("evaluating on held-out text"):

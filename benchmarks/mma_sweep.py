@@ -1,7 +1,7 @@
 """Fixed tile configs of the tensor-core kernel (kernels/triton_mma.py) on a GPU, against torch bf16
 F.linear in the same run: the sweep behind its autotune candidates.
 
-    python -m dsq.bench.mma_sweep [--shapes 28672x8192,4096x14336] [--m 16,4] \\
+    python -m benchmarks.mma_sweep [--shapes 28672x8192,4096x14336] [--m 16,4] \\
         --configs 128:128:4:4,64:128:4:3:4:2
 
 Config fields: BN:BK:warps:stages[:split[:ng[:maxnreg]]]. Each time replays a CUDA graph of calls
@@ -23,7 +23,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     import torch
 
-    from dsq.bench.kernels_gpu import bench_bf16, graph_time, random_packed, weight_copies
+    from benchmarks.kernels_gpu import bench_bf16, graph_time, weight_copies
+    from dsq.bench.random_models import random_packed
     from dsq.kernels import triton_mma
     from dsq.kernels.packed import linear_ref
 

@@ -1,7 +1,7 @@
 """How fast Triton's cp.async pipeline streams int4 codes alone (no arithmetic) in tiles of BN rows x
 a run of bytes a row: the floor under a tensor-core kernel's tile shape (kernels/triton_mma.py).
 
-    python -m dsq.bench.stream_probe [--shape 28672x8192] --configs 128:64:4:4:16,128:128:4:4:16
+    python -m benchmarks.stream_probe [--shape 28672x8192] --configs 128:64:4:4:16,128:128:4:4:16
 
 Config fields: BN:bytes_per_row:warps:stages:word_bits (16 or 32). Times replay a CUDA graph over
 enough copies of the codes to overflow L2 (kernels_gpu.graph_time).
@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     import torch
 
-    from dsq.bench.kernels_gpu import copies_for, graph_time
+    from benchmarks.kernels_gpu import copies_for, graph_time
 
     N, K = (int(v) for v in a.shape.split("x"))
     base = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device="cuda")

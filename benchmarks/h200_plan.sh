@@ -6,15 +6,15 @@
 # part 4, llama.cpp (CUDA) beside the native runtime on one random Llama-3-8B Q4_K_M GGUF.
 # Not yet measured at the end of session 8 (no device time left): part 2's GPTQ act-order with q/k/v and
 # gate/up fused (one shared order each), and part 4's batch sweep with Q5/Q6_K's new routes compiled
-# (or, without llama.cpp's build: python -m dsq.bench.batch_gpu --compile --batch 1,2,4,8,16,64).
+# (or, without llama.cpp's build: python -m benchmarks.batch_gpu --compile --batch 1,2,4,8,16,64).
 # (Machines differ by up to ~10% between calls: compare a change against its baseline inside one
 # call, e.g. with DSQ_PDL=0 or DSQ_TRITON_ATTN=0.)
 # Each step has its own time limit so one overrun cannot eat the others.
 # Usage (from the developer machine, through the device tool):
-#   bash dsq/bench/h200_session.sh 1     # <= 470 s
-#   bash dsq/bench/h200_session.sh 2     # <= 480 s
-#   bash dsq/bench/h200_session.sh 3     # <= 590 s
-#   LLSRC=.llsrc/llama_cpp_python.tar.gz bash dsq/bench/h200_session.sh 4   # <= 600 s on the x2 kind
+#   bash benchmarks/h200_plan.sh 1     # <= 470 s
+#   bash benchmarks/h200_plan.sh 2     # <= 480 s
+#   bash benchmarks/h200_plan.sh 3     # <= 590 s
+#   LLSRC=.llsrc/llama_cpp_python.tar.gz bash benchmarks/h200_plan.sh 4   # <= 600 s on the x2 kind
 #     (carry the sdist, trimmed of vendor/llama.cpp/{models,docs,benches,media}, and a gguf wheel in
 #     .whl: the image has no gguf; the build takes ~3 min on 32 cores, ~9 on 16)
 # Results land in $OUT (the device tool's output folder) as JSON and text.
@@ -32,20 +32,20 @@ if [ "$PART" = 1 ]; then
   step tests 250 python -m pytest -q tests/test_native_cuda.py tests/test_kernels_triton.py tests/test_attn_triton.py \
     tests/test_mma_triton.py -k "cuda or real_shapes or dispatch or attn or sdpa or mma"
   # the issue's table at M=1: every format on its four shapes, autotuned (which config won is printed)
-  step kernels 220 env TRITON_PRINT_AUTOTUNING=1 python -m dsq.bench.kernels_gpu --m 1 \
+  step kernels 220 env TRITON_PRINT_AUTOTUNING=1 python -m benchmarks.kernels_gpu --m 1 \
     --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
     --formats int4-g128+q8,Q4_K+q8,Q5_K+q8,Q5_K,Q6_K+q8,Q8_0+q8,fp8-channel,fp8-block --json "$OUT/kernels.json"
 elif [ "$PART" = 3 ]; then
   # a few rows: int4 on tensor cores (+tc, the default at 3-64 rows) beside int8 x (+q8, the
   # default at 1-2) and the tl.dot GEMM (int4-g128, the default above 64)
-  step kernels_m 300 python -m dsq.bench.kernels_gpu --m 2,4,16,32,64 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
+  step kernels_m 300 python -m benchmarks.kernels_gpu --m 2,4,16,32,64 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
     --formats int4-g128+tc,int4-g128+q8,int4-g128 --json "$OUT/kernels_m.json"
   # Q4_K at 4-16 rows: the weight-scaling tensor-core variant (the default at 5-64) against the others
-  step kernels_q4k 120 python -m dsq.bench.kernels_gpu --m 4,16 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
+  step kernels_q4k 120 python -m benchmarks.kernels_gpu --m 4,16 --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
     --formats Q4_K+tcs,Q4_K+q8,Q4_K,int4-g128+tcs --json "$OUT/kernels_q4k.json"
   # prefill: the weight written out in bf16 for cuBLAS (+dq, the default from dispatch.DEQUANT_MIN_ROWS rows)
   # against the tl.dot GEMM, at the row counts where the threshold would go
-  step kernels_dq 170 python -m dsq.bench.kernels_gpu --m 128,256,512,2048 --shapes 4096x4096,14336x4096,4096x14336 \
+  step kernels_dq 170 python -m benchmarks.kernels_gpu --m 128,256,512,2048 --shapes 4096x4096,14336x4096,4096x14336 \
     --formats int4-g128+dq,int4-g128,Q4_K+dq,Q4_K --json "$OUT/kernels_dq.json"
 elif [ "$PART" = 4 ]; then
   export CUDA_VISIBLE_DEVICES=0
@@ -70,7 +70,7 @@ elif [ "$PART" = 4 ]; then
   step native_batch 150 python -m dsq bench /tmp/r8b.gguf -g all --prompt-tokens 128 --gen-tokens 64 --repeat 2 \
     --backend native --compile --batch 1,4,16,64 --json "$OUT/peer_native_batch.json"
 else
-  step decode 470 python -m dsq.bench.decode_gpu --variants '' --transformers '' \
+  step decode 470 python -m benchmarks.decode_gpu --variants '' --transformers '' \
     --formats awq-int4,q4_k_m,fp8,gptq-int4-actorder --quant-variants compile+graph+fused \
     --prompt-tokens 512 --gen-tokens 128 --repeat 2 --profile --json "$OUT/decode.json"
 fi

@@ -2,7 +2,7 @@
 bf16 F.linear in the same run: how their autotune candidates were chosen (triton_qlinear._gemv_q8;
 --m 2..4: its MR rows of x).
 
-    python -m dsq.bench.q8_sweep [--formats int4-g128,Q4_K,Q8_0] [--shapes 28672x8192,4096x4096,4096x14336]
+    python -m benchmarks.q8_sweep [--formats int4-g128,Q4_K,Q8_0] [--shapes 28672x8192,4096x4096,4096x14336]
 
 Same timing as kernels_gpu (CUDA graphs over weight copies that overflow L2; x's int8 rounding
 kernel included); GB/s counts the weight's bytes only.
@@ -35,7 +35,8 @@ def main(argv=None) -> None:
     cands = CANDIDATES
     if a.configs:
         cands = [tuple(int(v) for v in c.split(":")) for c in a.configs.split(",")]
-    from dsq.bench.kernels_gpu import bench_bf16, graph_time, random_packed, weight_copies
+    from benchmarks.kernels_gpu import bench_bf16, graph_time, weight_copies
+    from dsq.bench.random_models import random_packed
     from dsq.kernels import triton_qlinear as T
     from dsq.kernels.packed import linear_ref_q8
 

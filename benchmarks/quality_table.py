@@ -1,6 +1,6 @@
 """The quality table: every quantization dsq makes of one model, scored against its float source.
 
-    python -m dsq.bench.quality_table --out docs/results/quality-builtin.json
+    python -m benchmarks.quality_table --out docs/results/quality-builtin.json
 
 Default model: the built-in Gemma 3 270M, whose bf16 export is the reference. Each row is made
 by dsq (`dsq quantize`), then scored by `dsq eval` on held-out text (never seen in calibration):
@@ -87,7 +87,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", help="JSON results (rows are added as they finish)")
     a = ap.parse_args(argv)
 
-    from dsq.bench.quality import evaluate
+    from dsq.eval.quality import evaluate
 
     if a.model:
         src = Path(a.model)

@@ -2,7 +2,7 @@
 (the readings in docs/benchmarks.md: DRAM and L1 throughput, occupancy, stall reasons):
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        --section MemoryWorkloadAnalysis -k regex:"_gemv|_gemm|_quant_x|_mma_t" python -m dsq.bench.ncu_launch [--m 16]
+        --section MemoryWorkloadAnalysis -k regex:"_gemv|_gemm|_quant_x|_mma_t" python -m benchmarks.ncu_launch [--m 16]
 
 M = 1: the int8-x GEMV (int4 with register prefetch on a persistent grid, session 5's winner, and
 pipelined through shared memory; Q8_0), the float-x GEMV (int4, FP8) and cuBLAS bf16 beside them;
@@ -21,7 +21,7 @@ def main(argv=None) -> None:
     ap.add_argument("--m", type=int, default=1, choices=[1, 16])
     ap.add_argument("--shape", default="28672x8192")
     a = ap.parse_args(argv)
-    from dsq.bench.kernels_gpu import random_packed
+    from dsq.bench.random_models import random_packed
     from dsq.kernels import triton_qlinear as T
 
     N, K = (int(v) for v in a.shape.split("x"))

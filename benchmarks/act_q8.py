@@ -3,7 +3,7 @@ quantized matmul's input rounded to int8 per 32 elements (what `_gemv_q8` comput
 kernels/packed.py linear_ref_q8), scored on real text. Runs on the CPU (the rounding is emulated
 in torch around dsq's C kernels), on the built-in model by default.
 
-    python -m dsq.bench.act_q8 [--model PATH.gguf] [--tokens 2048] [--ctx 256] [--json out.json]
+    python -m benchmarks.act_q8 [--model PATH.gguf] [--tokens 2048] [--ctx 256] [--json out.json]
 
 Reports perplexity with x in float32, rounded to int8 per 32, and rounded to bf16 (what a bf16
 model's matmuls see anyway: the yardstick), and per position the KL divergence of each from

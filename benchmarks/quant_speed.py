@@ -1,6 +1,6 @@
 """Wall time and peak memory of dsq's calibrated quantizers on a random-weight model.
 
-    python -m dsq.bench.quant_speed --shape llama3-8b --methods gptq,awq --samples 128 --seq-len 2048
+    python -m benchmarks.quant_speed --shape llama3-8b --methods gptq,awq --samples 128 --seq-len 2048
 
 Writes a random bf16 HF directory of the given shape (once), then quantizes it layer by layer
 with each method, timing the whole `quantize_model` call and reading the peak GPU memory
@@ -18,54 +18,6 @@ from pathlib import Path
 import torch
 
 
-def write_random_model(shape: str, out: Path, layers: int | None = None) -> Path:
-    from safetensors.torch import save_file
-
-    from dsq.bench.decode_gpu import SHAPES
-    from dsq.models.base import ModelArgs, Transformer
-
-    if (out / "config.json").is_file():
-        return out
-    s = dict(SHAPES[shape])
-    if layers:
-        s["num_hidden_layers"] = layers
-    args = ModelArgs(**s)
-    out.mkdir(parents=True, exist_ok=True)
-    with torch.device("meta"):
-        model = Transformer(args)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # random numbers for 8B weights: seconds on a GPU
-    g = torch.Generator(device=dev).manual_seed(0)
-    shard, n, index = {}, 0, {}
-
-    def flush():
-        nonlocal shard, n
-        name = f"model-{n:05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-        index.update({k: name for k in shard})
-        shard, n = {}, n + 1
-
-    for name, p in model.named_parameters():
-        if name == "lm_head.weight" and args.tie_word_embeddings:
-            continue
-        t = torch.randn(p.shape, generator=g, device=dev)
-        t = (1 + 0.05 * t) if "norm" in name else 0.02 * t
-        shard[name] = t.to(torch.bfloat16).cpu()
-        if sum(x.numel() for x in shard.values()) > 1_000_000_000:
-            flush()
-    if shard:
-        flush()
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    cfg = {"model_type": "qwen2" if shape.startswith("qwen2") else "llama", "architectures": ["LlamaForCausalLM"],
-           "hidden_size": s["hidden_size"], "intermediate_size": s["intermediate_size"],
-           "num_hidden_layers": s["num_hidden_layers"], "num_attention_heads": s["num_attention_heads"],
-           "num_key_value_heads": s["num_key_value_heads"], "head_dim": s["head_dim"], "vocab_size": s["vocab_size"],
-           "rms_norm_eps": s["rms_norm_eps"], "max_position_embeddings": s["max_position_embeddings"],
-           "rope_scaling": {k: v for k, v in s["rope"].items() if k != "rope_theta"}, "rope_theta": s["rope"]["rope_theta"],
-           "tie_word_embeddings": s.get("tie_word_embeddings", False), "torch_dtype": "bfloat16"}
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama3-8b")
@@ -77,12 +29,13 @@ def main(argv=None) -> None:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
 
+    from dsq.bench.random_models import write_random_hf
     from dsq.quant import driver
     from dsq.quant.driver import QuantSpec, quantize_model
 
     work = Path(a.work)
     t = time.perf_counter()
-    src = write_random_model(a.shape, work / a.shape, a.layers)
+    src = write_random_hf(a.shape, work / a.shape, a.layers)
     print(f"random {a.shape} written in {time.perf_counter() - t:.0f}s", flush=True)
     rows = []
     for method in a.methods.split(","):

@@ -1,7 +1,7 @@
 """The Triton quantized-matmul kernels on a GPU, per format and shape, against torch bf16 F.linear
 and the device's copy bandwidth, measured side by side in one run.
 
-    python -m dsq.bench.kernels_gpu [--shapes 4096x4096,14336x4096,4096x14336,28672x8192] [--m 1,16]
+    python -m benchmarks.kernels_gpu [--shapes 4096x4096,14336x4096,4096x14336,28672x8192] [--m 1,16]
                                     [--formats ...] [--json out.json]
 
 Shapes are N x K (outputs x inputs, the weight's shape). Each timing replays a CUDA graph of
@@ -23,37 +23,11 @@ import json
 
 import torch
 
+from dsq.bench.random_models import random_packed
+
 FORMATS = ["int4-g128", "int4-g128-actorder", "int8-channel", "fp8-channel", "fp8-block", "Q4_0", "Q5_0", "Q8_0",
            "Q4_K", "Q5_K", "Q6_K"]
 L2_FLUSH_BYTES = 512 << 20
-
-
-def random_packed(fmt: str, N: int, K: int, device: str = "cuda"):
-    """A Packed weight of `fmt` with random codes and sane scales, built on the device."""
-    from dsq.kernels import gguf_ref, packed
-
-    g = torch.Generator(device=device).manual_seed(N * 31 + K)
-    if fmt.startswith("int"):
-        bits = 4 if fmt.startswith("int4") else 8
-        G = K // 128 if "g128" in fmt else 1
-        q = torch.randint(0, 2**bits, (N, K), generator=g, device=device)
-        qw = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8) if bits == 4 else q.to(torch.uint8)
-        sc = (torch.rand(N, G, generator=g, device=device) * 1e-3).half()
-        zp = torch.randint(0, 2**bits, (N, G), generator=g, device=device).to(torch.uint8)
-        perm = torch.randperm(K, generator=g, device=device) if "actorder" in fmt else None
-        return packed.from_int(qw, sc, zp, bits, perm)
-    if fmt.startswith("fp8"):
-        w = (torch.randn(N, K, generator=g, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-        s = torch.rand(N, 1, generator=g, device=device) if fmt == "fp8-channel" else \
-            torch.rand(-(-N // 128), -(-K // 128), generator=g, device=device)
-        return packed.from_fp8(w, s * 1e-4)
-    per, nbytes = gguf_ref.BLOCKS[fmt]
-    raw = torch.randint(0, 256, (N, K // per, nbytes), generator=g, device=device, dtype=torch.uint8)
-    f16 = {"Q4_0": [0], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[fmt]
-    for off in f16:
-        raw[..., off:off + 2] = (torch.rand(N, K // per, generator=g, device=device) * 1e-4).half() \
-            .view(torch.uint8).reshape(N, K // per, 2)
-    return packed.from_gguf(raw.reshape(N, -1), fmt, K)
 
 
 def graph_time(fns: list, reps: int = 3) -> float:
@@ -141,7 +115,7 @@ def main(argv=None) -> None:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    from dsq.bench.decode_gpu import copy_bandwidth
+    from benchmarks.decode_gpu import copy_bandwidth
 
     bw = copy_bandwidth()
     rows = []

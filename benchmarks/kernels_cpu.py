@@ -1,6 +1,6 @@
 """Read bandwidth of dsq's C CPU kernels (fused dequantize + matmul), every weight format.
 
-    python -m dsq.bench.kernels_cpu [--threads N] [--shapes 4096x4096,14336x4096] [--batch 1,16] [--json out.json]
+    python -m benchmarks.kernels_cpu [--threads N] [--shapes 4096x4096,14336x4096] [--batch 1,16] [--json out.json]
 
 For each format and weight shape (N outputs x K inputs), random weights are cycled through enough
 copies that they come from memory rather than the last-level cache, like a model's layers in

@@ -1,7 +1,7 @@
 """Batched decode on a GPU: decode_gpu's random model (no file, no tokenizer) in one format, B
 sequences at a time through NativeModel.generate_batch (each batch size's step captured once).
 
-    python -m dsq.bench.batch_gpu [--format q4_k_m] [--batch 2,4,8,16] [--compile] [--q6k-gemm]
+    python -m benchmarks.batch_gpu [--format q4_k_m] [--batch 2,4,8,16] [--compile] [--q6k-gemm]
 
 --q6k-gemm times each batch size a second time with Q5/Q6_K above one row sent to their tl.dot
 GEMM, as before session 8 (the step captured again for it), and then the current routes once more,
@@ -26,7 +26,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     import torch
 
-    from dsq.bench.decode_gpu import NullTokenizer, quantize_model, random_model
+    from benchmarks.decode_gpu import NullTokenizer, quantize_model, random_model
     from dsq.kernels import dispatch
     from dsq.runtime.generate import GenStats
     from dsq.runtime.native import NativeModel

@@ -2,7 +2,7 @@
 bf16-rounded weight through cuBLAS (what decode_gpu's per-layer check compares with): which of the
 two a "kernels vs dequantized" figure measures.
 
-    python -m dsq.bench.route_accuracy [--formats int4-g128,Q4_K,Q6_K] [--m 16,64,512]
+    python -m benchmarks.route_accuracy [--formats int4-g128,Q4_K,Q6_K] [--m 16,64,512]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     import torch
 
-    from dsq.bench.kernels_gpu import random_packed
+    from dsq.bench.random_models import random_packed
     from dsq.kernels import dispatch, packed
 
     def rel(a, b):

@@ -1,6 +1,6 @@
 """Batch-1 decode speed of the native runtime on a GPU, against its roofline and transformers.
 
-    python -m dsq.bench.decode_gpu --shape llama3-8b --json out.json
+    python -m benchmarks.decode_gpu --shape llama3-8b --json out.json
 
 A random bf16 model of the given shape is built on the GPU (no download); every variant of the
 native decode step and transformers' `generate` run in the same process on the same weights.

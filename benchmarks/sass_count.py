@@ -1,11 +1,11 @@
 """Count the SASS instructions in the main loop of a Triton kernel compiled for an H100/H200
 (sm_90), without a GPU: how kernel changes were judged before spending device time on them.
 
-    python -m dsq.bench.sass_count gemv_q8 int4 --BN 4 --BK 512 --warps 1 --stages 3 [--set EVEN_K=0]
-    python -m dsq.bench.sass_count gemv_q8 int4 --BN 4 --BK 1024 --warps 1 --stages 1 --set PREFETCH=1
-    python -m dsq.bench.sass_count gemv_rows fp8 --BN 8 --BK 1024 --warps 2 --stages 3 [--set FP8_HW=1]
-    python -m dsq.bench.sass_count mma_t int4 --BN 128 --BK 128 --warps 4 --stages 4 --set GS=128 --set MP=16
-    python -m dsq.bench.sass_count mma_s q4k --BN 128 --BK 256 --warps 4 --stages 3 --set MP=16
+    python -m benchmarks.sass_count gemv_q8 int4 --BN 4 --BK 512 --warps 1 --stages 3 [--set EVEN_K=0]
+    python -m benchmarks.sass_count gemv_q8 int4 --BN 4 --BK 1024 --warps 1 --stages 1 --set PREFETCH=1
+    python -m benchmarks.sass_count gemv_rows fp8 --BN 8 --BK 1024 --warps 2 --stages 3 [--set FP8_HW=1]
+    python -m benchmarks.sass_count mma_t int4 --BN 128 --BK 128 --warps 4 --stages 4 --set GS=128 --set MP=16
+    python -m benchmarks.sass_count mma_s q4k --BN 128 --BK 256 --warps 4 --stages 3 --set MP=16
 
 Prints the loop's instruction count, per weight element and thread, the shared memory, the
 copies' vector widths (Triton's `contiguity`), the most frequent opcodes and the registers a

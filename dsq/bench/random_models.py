@@ -1,0 +1,142 @@
+"""Random-weight models of named shapes, for benchmarks and tests where no checkpoint can be had.
+
+- `SHAPES`: model shapes by name (ModelArgs fields), from a tiny one to Llama-3-8B.
+- `random_transformer`: a torch model of a shape, built on a device (seconds for 8B on a GPU).
+- `write_random_hf`: the same as an HF safetensors directory (what the quantizers read).
+- `random_packed`: one weight in the GPU kernels' packed layout, random codes and sane scales.
+
+Random GGUF files of a shape in a llama.cpp type mix: `dsq.bench.random_gguf`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                 max_position_embeddings=2048, rope={"rope_type": "default", "rope_theta": 10000.0}),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                      max_position_embeddings=131072,
+                      rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
+                       max_position_embeddings=32768, rope={"rope_type": "default", "rope_theta": 1000000.0},
+                       attention_bias=True, tie_word_embeddings=True),
+}
+
+
+def shape_args(shape: str, layers: int | None = None):
+    """ModelArgs of a named shape (`layers` overrides its depth)."""
+    from dsq.models.base import ModelArgs
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+    s = dict(SHAPES[shape])
+    if layers is not None:
+        s["num_hidden_layers"] = layers
+    return ModelArgs(**s)
+
+
+def _fill(name: str, shape, g: torch.Generator, device) -> torch.Tensor:
+    """Norm weights near 1, everything else N(0, 0.02): a trained model's range."""
+    t = torch.randn(shape, generator=g, device=device)
+    return 1 + 0.05 * t if "norm" in name else 0.02 * t
+
+
+def random_transformer(shape: str, device: str = "cuda", dtype=torch.bfloat16, layers: int | None = None,
+                       seed: int = 0):
+    """(model, args): a Transformer of `shape` with seeded random weights on `device`."""
+    from dsq.models.base import Transformer
+
+    args = shape_args(shape, layers)
+    with torch.device("meta"):
+        m = Transformer(args).to(dtype)
+    m = m.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(_fill(n, p.shape, g, device))
+    m.tie_weights()
+    return m.eval(), args
+
+
+def write_random_hf(shape: str, out: Path, layers: int | None = None, seed: int = 0) -> Path:
+    """A bf16 HF directory of `shape` at `out` (kept if it already holds a config). Shards of ~1B
+    weights; random numbers are drawn on a GPU when there is one (seconds for 8B)."""
+    from safetensors.torch import save_file
+
+    from dsq.models.base import Transformer
+
+    if (out / "config.json").is_file():
+        return out
+    args = shape_args(shape, layers)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        model = Transformer(args)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    shard: dict[str, torch.Tensor] = {}
+    index: dict[str, str] = {}
+
+    def flush() -> None:
+        name = f"model-{len(set(index.values())):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        index.update({k: name for k in shard})
+        shard.clear()
+
+    for name, p in model.named_parameters():
+        if name == "lm_head.weight" and args.tie_word_embeddings:
+            continue
+        shard[name] = _fill(name, p.shape, g, dev).to(torch.bfloat16).cpu()
+        if sum(x.numel() for x in shard.values()) > 1_000_000_000:
+            flush()
+    if shard:
+        flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    s = SHAPES[shape]
+    qwen = shape.startswith("qwen2")
+    cfg = {"model_type": "qwen2" if qwen else "llama",
+           "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+           "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
+           "num_hidden_layers": args.num_hidden_layers, "num_attention_heads": args.num_attention_heads,
+           "num_key_value_heads": args.num_key_value_heads, "head_dim": args.head_dim, "vocab_size": args.vocab_size,
+           "rms_norm_eps": args.rms_norm_eps, "max_position_embeddings": args.max_position_embeddings,
+           "rope_scaling": {k: v for k, v in s["rope"].items() if k != "rope_theta"}, "rope_theta": s["rope"]["rope_theta"],
+           "tie_word_embeddings": args.tie_word_embeddings, "torch_dtype": "bfloat16"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def random_packed(fmt: str, N: int, K: int, device: str = "cuda"):
+    """A Packed weight (N, K) of `fmt` (int4-g128[-actorder], int8-channel, fp8-channel, fp8-block,
+    or a GGUF block type) with random codes and sane scales, built on the device."""
+    from dsq.kernels import gguf_ref, packed
+
+    g = torch.Generator(device=device).manual_seed(N * 31 + K)
+    if fmt.startswith("int"):
+        bits = 4 if fmt.startswith("int4") else 8
+        G = K // 128 if "g128" in fmt else 1
+        q = torch.randint(0, 2**bits, (N, K), generator=g, device=device)
+        qw = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8) if bits == 4 else q.to(torch.uint8)
+        sc = (torch.rand(N, G, generator=g, device=device) * 1e-3).half()
+        zp = torch.randint(0, 2**bits, (N, G), generator=g, device=device).to(torch.uint8)
+        perm = torch.randperm(K, generator=g, device=device) if "actorder" in fmt else None
+        return packed.from_int(qw, sc, zp, bits, perm)
+    if fmt.startswith("fp8"):
+        w = (torch.randn(N, K, generator=g, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        s = torch.rand(N, 1, generator=g, device=device) if fmt == "fp8-channel" else \
+            torch.rand(-(-N // 128), -(-K // 128), generator=g, device=device)
+        return packed.from_fp8(w, s * 1e-4)
+    per, nbytes = gguf_ref.BLOCKS[fmt]
+    raw = torch.randint(0, 256, (N, K // per, nbytes), generator=g, device=device, dtype=torch.uint8)
+    f16 = {"Q4_0": [0], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[fmt]
+    for off in f16:
+        raw[..., off:off + 2] = (torch.rand(N, K // per, generator=g, device=device) * 1e-4).half() \
+            .view(torch.uint8).reshape(N, K // per, 2)
+    return packed.from_gguf(raw.reshape(N, -1), fmt, K)
