@@ -60,7 +60,7 @@ def make(row: dict, src: Path, out: Path, calib_samples: int) -> Path:
     if row["method"] == "gguf":
         import tempfile
 
-        from dsq.formats.hf_to_gguf import hf_to_gguf
+        from dsq.convert.hf_to_gguf import hf_to_gguf
         from dsq.quant.gguf import quantize_gguf
 
         imat = None

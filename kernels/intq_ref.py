@@ -1,5 +1,5 @@
 """dsq's one internal layout for integer weights (AWQ, GPTQ v1/v2, act-order, int4 and int8), its
-torch reference kernel, and the repacking from the on-disk formats (dsq.formats.intq).
+torch reference kernel, and the repacking from the on-disk formats (dsq.formats.awq_gptq).
 
 Layout, for a Linear with K inputs, N outputs, group size g (g = K for per channel), G = K / g:
 - `qweight` uint8: 4 bits -> (N, K/2), byte j of row n = q[n, 2j] | q[n, 2j+1] << 4;
@@ -70,7 +70,7 @@ def pack(q_nk: torch.Tensor, scales_ng: torch.Tensor, zeros_ng: torch.Tensor, bi
 
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     """AutoAWQ GEMM (qweight (K, N/8), qzeros (G, N/8), scales (G, N)) -> internal int4."""
-    from dsq.formats.intq import unpack_awq
+    from dsq.formats.awq_gptq import unpack_awq
 
     q = unpack_awq(qweight).t()  # (N, K)
     z = unpack_awq(qzeros).t()  # (N, G)
@@ -81,7 +81,7 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
               v1: bool) -> dict[str, torch.Tensor]:
     """GPTQ (qweight (K*b/32, N), qzeros (G, N*b/32), scales (G, N), g_idx (K,)) -> internal layout.
     Act-order checkpoints (g_idx not k // g) get their columns sorted by group and a `perm`."""
-    from dsq.formats.intq import unpack_rows
+    from dsq.formats.awq_gptq import unpack_rows
 
     q = unpack_rows(qweight, bits).t()  # (N, K), original channel order
     z = unpack_rows(qzeros.t().contiguous(), bits).t() + (1 if v1 else 0)  # (G, N)

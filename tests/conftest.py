@@ -43,7 +43,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_gguf(tiny_dir, tmp_path_factory):
     """(kind, outtype) -> a GGUF converted by dsq (float) or quantized by llama.cpp."""
-    from dsq.formats.hf_to_gguf import hf_to_gguf
+    from dsq.convert.hf_to_gguf import hf_to_gguf
     from dsq.quant.gguf import quantize_gguf
 
     cache: dict[tuple[str, str], Path] = {}

@@ -73,7 +73,7 @@ def test_exported_tokenizer_is_llama_cpps(builtin_llama, builtin_hf):
 
 def test_export_round_trip_through_gguf(builtin_hf, tmp_path):
     """bf16 export -> our HF->GGUF (F16) -> llama.cpp equals transformers on the export."""
-    from dsq.formats.hf_to_gguf import hf_to_gguf
+    from dsq.convert.hf_to_gguf import hf_to_gguf
     from dsq.runtime.llama_cpp_backend import LlamaCppModel
 
     path = hf_to_gguf(builtin_hf, tmp_path / "rt.gguf", "F16")

@@ -128,10 +128,10 @@ class FakeModel:
 
 
 def test_session_keeps_history_and_strips_thinking():
-    from dsq.runtime.chat import ChatSession
+    from dsq.runtime.conversation import Conversation
 
     m = FakeModel(["<think>\nsum\n</think>\n\nFour.", "Six."])
-    s = ChatSession(m, sampling=SamplingParams(temperature=0))
+    s = Conversation(m, sampling=SamplingParams(temperature=0))
     seen = []
     s.send("2+2?", lambda k, t: seen.append((k, t)))
     assert "".join(t for k, t in seen if k == "think") == "\nsum\n"
@@ -143,21 +143,21 @@ def test_session_keeps_history_and_strips_thinking():
 
 
 def test_session_keeps_interrupted_reply():
-    from dsq.runtime.chat import ChatSession
+    from dsq.runtime.conversation import Conversation
 
     m = FakeModel(["abcdef"], interrupt_after=3)
-    s = ChatSession(m)
+    s = Conversation(m)
     with pytest.raises(KeyboardInterrupt):
         s.send("go")
     assert s.messages[-1] == {"role": "assistant", "content": "abc"}
 
 
 def test_session_drops_oldest_turns_when_context_is_full():
-    from dsq.runtime.chat import ChatSession
+    from dsq.runtime.conversation import Conversation
 
     m = FakeModel(["x" * 10] * 6)
     m.n_ctx = 200
-    s = ChatSession(m, max_tokens=64)
+    s = Conversation(m, max_tokens=64)
     for i in range(5):
         s.send(f"message number {i}")
     last = m.prompts[-1]

@@ -96,7 +96,7 @@ FP8_SHAPES = [(1, 200), (7, 300), (33, 129), (130, 257), (129, 1000), (7, 33), (
 @pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
 @pytest.mark.parametrize("N,K", FP8_SHAPES)
 def test_fp8_gemm_matches_reference(isa, kind, N, K):
-    from dsq.formats.fp8 import fp8_dequantize
+    from dsq.formats.fp8_checkpoint import fp8_dequantize
 
     gen = torch.Generator().manual_seed(torch.seed())
     weight, scale = random_fp8(N, K, kind, gen)
@@ -169,7 +169,7 @@ def test_dispatch_uses_the_c_kernels(monkeypatch):
     monkeypatch.setenv("DSQ_KERNELS", "reference")
     slow = dispatch.int_linear(x, qw, scales, zeros, 4), dispatch.fp8_linear(x, weight, scale)
     assert len(calls) == 2
-    from dsq.formats.fp8 import fp8_dequantize
+    from dsq.formats.fp8_checkpoint import fp8_dequantize
 
     for f, r, w in zip(fast, slow, (intq_ref.dequantize(qw, scales, zeros, 4), fp8_dequantize(weight, scale))):
         close(f, r.double(), x, w, 256)

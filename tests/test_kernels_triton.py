@@ -16,7 +16,7 @@ from dsq.kernels import fp8_ref, gguf_ref, intq_ref, packed  # noqa: E402
 from dsq.kernels import triton_qlinear as tq  # noqa: E402
 from test_kernels_ref import FORMATS, random_blocks  # noqa: E402
 
-from dsq.formats import intq as disk  # noqa: E402
+from dsq.formats import awq_gptq as disk  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 

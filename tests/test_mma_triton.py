@@ -73,7 +73,7 @@ def test_split_k(split, bk, group, ng):
 
 def test_bf16_x_and_awq_zero_points():
     """AWQ's layout (zero points per group and column), x in bf16 (y in bf16)."""
-    from dsq.formats import intq as disk
+    from dsq.formats import awq_gptq as disk
     from dsq.kernels import intq_ref
 
     N, K, g = 48, 256, 128

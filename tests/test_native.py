@@ -74,7 +74,7 @@ def test_gguf_weights_same_as_hf(kind, native, tiny_gguf, tiny_dir):
 @pytest.mark.parametrize("kind,qtype", [("llama", "Q4_K_M"), ("qwen2", "Q8_0"), ("gemma3", "Q4_K_M")])
 def test_quantized_gguf_equals_transformers_on_dequantized_weights(kind, qtype, native, tiny_gguf, tmp_path):
     """Quant blocks stay in memory; the reference path must equal the dequantized float model."""
-    from dsq.formats.gguf_to_hf import gguf_to_hf
+    from dsq.convert.gguf_to_hf import gguf_to_hf
 
     path = tiny_gguf(kind, qtype)
     m = native(kind, qtype, tiny_gguf)
@@ -171,8 +171,8 @@ def builtin_native(builtin_gguf):
 @pytest.fixture(scope="module")
 def builtin_f32(builtin_gguf, tmp_path_factory):
     """The built-in Q4_K_M dequantized exactly to float32: as HF, and as an F32 GGUF."""
-    from dsq.formats.gguf_to_hf import gguf_to_hf
-    from dsq.formats.hf_to_gguf import hf_to_gguf
+    from dsq.convert.gguf_to_hf import gguf_to_hf
+    from dsq.convert.hf_to_gguf import hf_to_gguf
 
     d = tmp_path_factory.mktemp("builtin-f32")
     hf = gguf_to_hf(builtin_gguf, d / "hf", dtype="float32", progress=lambda *a: None)

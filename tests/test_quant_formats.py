@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsq.formats import fp8 as f8
-from dsq.formats import intq
+from dsq.formats import fp8_checkpoint as f8
+from dsq.formats import awq_gptq as intq
 
 
 def test_awq_interleave_spec():

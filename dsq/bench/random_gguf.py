@@ -115,7 +115,7 @@ def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_
     from dsq.formats.arch import arch_for_model_type, llama3_rope_factors
     from dsq.formats.gguf_types import FTYPES
     from dsq.formats.hf import atomic_output_file
-    from dsq.formats.hf_to_gguf import _write_hparams
+    from dsq.convert.hf_to_gguf import _write_hparams
     from dsq.formats.tokenizer_gguf import write_vocab_gguf
     from dsq.kernels.gguf_ref import row_bytes
 

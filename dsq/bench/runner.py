@@ -163,7 +163,7 @@ def run_chat_bench(model, *, backends=("llama.cpp",), turns: int = 8, user_token
     """
     from pydoc_data.topics import topics
 
-    from dsq.runtime.chat import ChatSession
+    from dsq.runtime.conversation import Conversation
     from dsq.runtime.engine import load
     from dsq.runtime.sampling import SamplingParams
 
@@ -173,7 +173,7 @@ def run_chat_bench(model, *, backends=("llama.cpp",), turns: int = 8, user_token
         if on_status:
             on_status(f"{backend}: loading")
         m = load(model, backend=backend, ctx=ctx, threads=threads, **((model_opts or {}).get(backend, {})))
-        session = ChatSession(m, sampling=SamplingParams(temperature=0), max_tokens=gen_tokens)
+        conversation = Conversation(m, sampling=SamplingParams(temperature=0), max_tokens=gen_tokens)
         pos = 0
         for turn in range(turns):
             ids = m.tokenize(text[pos:pos + 8 * user_tokens], add_bos=False, special=False)[:user_tokens]
@@ -181,8 +181,8 @@ def run_chat_bench(model, *, backends=("llama.cpp",), turns: int = 8, user_token
             pos += len(msg)
             if on_status:
                 on_status(f"{backend}: turn {turn + 1}/{turns}")
-            session.send(msg)
-            st = session.last_stats
+            conversation.send(msg)
+            st = conversation.last_stats
             rows.append({"backend": backend, "turn": turn + 1, "history_tokens": st.prompt_tokens,
                          "ttft_ms": round(st.ttft_s * 1000, 2),
                          "prefilled_tokens": getattr(m, "last_prefill_tokens", None)})

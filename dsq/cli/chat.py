@@ -38,7 +38,7 @@ def chat(
 ) -> None:
     """Chat with a model. History is kept; /reset clears it, /exit or Ctrl-D leaves."""
     from dsq.errors import DsqError
-    from dsq.runtime.chat import ChatSession
+    from dsq.runtime.conversation import Conversation
     from dsq.runtime.engine import load
     from dsq.runtime.sampling import SamplingParams
     from dsq.ui import console, out_console
@@ -46,9 +46,9 @@ def chat(
     err, out = console(), out_console()
     m = load(model, backend=backend, ctx=ctx, threads=threads, gpu_layers=gpu_layers, seed=seed, console=err,
              **backend_options(backend, dtype, kv_dtype, compile))
-    session = ChatSession(m, system=system, max_tokens=max_tokens,
+    conversation = Conversation(m, system=system, max_tokens=max_tokens,
                           sampling=SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed))
-    err.print(f"[bold]{m.ref.label}[/bold] [dim]({m.backend}; template: {session.template.origin}; {HELP})[/dim]")
+    err.print(f"[bold]{m.ref.label}[/bold] [dim]({m.backend}; template: {conversation.template.origin}; {HELP})[/dim]")
     state = {"in_think": False}
 
     def on_part(kind: str, text: str) -> None:
@@ -81,7 +81,7 @@ def chat(
         if cmd in ("/exit", "/quit", "/bye"):
             break
         if cmd == "/reset":
-            session.reset()
+            conversation.reset()
             err.print("[dim]history cleared[/dim]")
             continue
         if cmd in ("/help", "/?"):
@@ -92,7 +92,7 @@ def chat(
             continue
         state["in_think"] = False
         try:
-            session.send(line, on_part)
+            conversation.send(line, on_part)
         except KeyboardInterrupt:
             out.print()
             err.print("[dim](reply stopped)[/dim]")
@@ -101,7 +101,7 @@ def chat(
             err.print(f"error: {e.one_line()}", markup=False)
             continue
         out.print()
-        st = session.last_stats
+        st = conversation.last_stats
         if st is not None:
             err.print(f"[dim]{st.generated_tokens} tokens | TTFT {st.ttft_s * 1000:.0f} ms | "
                       f"{st.decode_tok_s:.1f} tok/s[/dim]")

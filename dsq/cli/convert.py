@@ -50,7 +50,7 @@ def convert(
     if ref.kind == "gguf":
         from dsq.formats.arch import arch_for_gguf
         from dsq.formats.gguf_file import GGUFFile
-        from dsq.formats.gguf_to_hf import gguf_to_hf
+        from dsq.convert.gguf_to_hf import gguf_to_hf
         from dsq.runtime.chat_template import FALLBACKS
 
         target = Path(out) if out else ref.path.with_name(ref.path.stem + "-hf")
@@ -61,7 +61,7 @@ def convert(
         gguf_to_hf(ref.path, target, dtype=dtype, force=force, console=console(),
                    fallback_template=FALLBACKS.get(arch))
     else:
-        from dsq.formats.hf_to_gguf import hf_to_gguf
+        from dsq.convert.hf_to_gguf import hf_to_gguf
         from dsq.ui import convert_with_progress
 
         target = Path(out) if out else ref.path.with_name(ref.path.name + ".gguf")

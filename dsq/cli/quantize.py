@@ -160,7 +160,7 @@ def _gguf(model, qtype, out, threads, force, use_imatrix, calib, calib_samples, 
 
     from dsq.errors import DsqError
     from dsq.formats.gguf_types import FLOAT_TYPES
-    from dsq.formats.hf_to_gguf import hf_to_gguf
+    from dsq.convert.hf_to_gguf import hf_to_gguf
     from dsq.quant.gguf import quantize_gguf
     from dsq.runtime.model_ref import resolve_model
     from dsq.ui import convert_with_progress, out_console, progress_bar

@@ -89,8 +89,8 @@ class QuantSpec:
         return self.method in ("awq", "gptq")
 
     def quantization_config(self) -> dict:
-        from dsq.formats import fp8 as f8
-        from dsq.formats import intq
+        from dsq.formats import fp8_checkpoint as f8
+        from dsq.formats import awq_gptq as intq
 
         skip = ["lm_head"] + list(self.skip)
         if self.method == "awq":
@@ -233,7 +233,7 @@ def _settings_key(src: Path, spec: QuantSpec) -> str:
 
 def check_model(hf, spec: QuantSpec) -> None:
     """Every quantized layer must fit the format: refuse before any work."""
-    from dsq.formats.intq import check_shape
+    from dsq.formats.awq_gptq import check_shape
     from dsq.models.registry import build_args
 
     mod, args = build_args(hf.config, f"{hf.path}/config.json")
@@ -253,7 +253,7 @@ def _skipped(full_name: str, spec: QuantSpec) -> bool:
 def quantize_block(layer: nn.Module, i: int, spec: QuantSpec, hidden, ctx, device, dtype, batch: int) -> dict:
     """Quantize one materialized block in place (weights become their dequantized values).
     Returns the tensors to write, by name inside the block."""
-    from dsq.formats import intq
+    from dsq.formats import awq_gptq as intq
     from dsq.quant import awq as A
     from dsq.quant import intq as Q
     from dsq.quant.fp8 import fp8_quantize

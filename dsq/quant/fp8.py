@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from dsq.formats.fp8 import BLOCK, FP8_MAX, expand_block_scale
+from dsq.formats.fp8_checkpoint import BLOCK, FP8_MAX, expand_block_scale
 
 
 def fp8_quantize(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """GGUF quantization through llama.cpp's own quantizer (`llama_model_quantize`).
 
-Input: a float GGUF (F32/F16/BF16), e.g. from `dsq.formats.hf_to_gguf`. The output appears only
+Input: a float GGUF (F32/F16/BF16), e.g. from `dsq.convert.hf_to_gguf`. The output appears only
 when the quantizer succeeded (temp file + rename); progress follows the bytes written.
 """
 

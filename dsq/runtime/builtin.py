@@ -78,7 +78,7 @@ def builtin_hf_export(console=None) -> Path:
     out = cache_dir() / "builtin" / "gemma-3-270m-bf16"
     if (out / "config.json").is_file():
         return out
-    from dsq.formats.gguf_to_hf import gguf_to_hf
+    from dsq.convert.gguf_to_hf import gguf_to_hf
     from dsq.runtime.chat_template import GEMMA_TEMPLATE
 
     gguf_to_hf(builtin_model_path(console), out, console=console, fallback_template=GEMMA_TEMPLATE)

@@ -49,7 +49,7 @@ def ensure_gguf(ref: ModelRef, console=None) -> Path:
         return ref.path
     import hashlib
 
-    from dsq.formats.hf_to_gguf import hf_to_gguf
+    from dsq.convert.hf_to_gguf import hf_to_gguf
     from dsq.runtime.builtin import cache_dir
 
     stamp = "|".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}"

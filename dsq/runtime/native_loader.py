@@ -124,7 +124,7 @@ def _swap_quantized(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor]
 def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.device | None = None):
     from dsq.formats.arch import arch_for_gguf
     from dsq.formats.gguf_file import GGUFFile
-    from dsq.formats.gguf_to_hf import hf_config_from_gguf
+    from dsq.convert.gguf_to_hf import hf_config_from_gguf
     from dsq.kernels.gguf_ref import SUPPORTED, row_bytes
 
     g = GGUFFile(path)

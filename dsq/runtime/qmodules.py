@@ -93,7 +93,7 @@ class AWQLinear(_DequantLinear):
         self.register_buffer("scales", torch.empty(in_features // g, out_features, dtype=torch.float16))
 
     def weight_float(self):
-        from dsq.formats.intq import awq_dequantize
+        from dsq.formats.awq_gptq import awq_dequantize
 
         return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group)
 
@@ -116,7 +116,7 @@ class GPTQLinear(_DequantLinear):
         self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32))
 
     def weight_float(self):
-        from dsq.formats.intq import gptq_dequantize
+        from dsq.formats.awq_gptq import gptq_dequantize
 
         return gptq_dequantize(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.v1)
 
@@ -135,7 +135,7 @@ class FP8Linear(_DequantLinear):
         self.register_buffer(scale_name, torch.empty(scale_shape, dtype=torch.float32))
 
     def weight_float(self):
-        from dsq.formats.fp8 import fp8_dequantize
+        from dsq.formats.fp8_checkpoint import fp8_dequantize
 
         return fp8_dequantize(self.weight, getattr(self, self.scale_name))
 

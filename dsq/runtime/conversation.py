@@ -1,4 +1,4 @@
-"""A chat session: history, template rendering, think-splitting, context trimming.
+"""A conversation with a model: history, template rendering, think-splitting, context trimming.
 
 Each turn re-renders the whole conversation; the backend keeps the KV cache of the longest
 common token prefix, so only the new turn is prefilled.
@@ -17,7 +17,7 @@ from dsq.runtime.sampling import SamplingParams
 OnPart = Callable[[str, str], None]  # (kind: "think" | "answer", text)
 
 
-class ChatSession:
+class Conversation:
     def __init__(self, model, system: str | None = None, sampling: SamplingParams | None = None,
                  max_tokens: int = 1024):
         self.model = model

@@ -1,0 +1,1 @@
+"""HF safetensors directories <-> GGUF files, through the architecture registry (dsq.models)."""
