@@ -14,14 +14,15 @@ import json
 import time
 from pathlib import Path
 
+# each row: `dsq quantize`'s options, by their flag names
 ROWS = [
-    ("Q8_0", dict(method="gguf", type="Q8_0")),
-    ("Q6_K", dict(method="gguf", type="Q6_K")),
-    ("Q5_K_M", dict(method="gguf", type="Q5_K_M")),
-    ("Q4_K_M", dict(method="gguf", type="Q4_K_M")),
-    ("Q4_K_M + imatrix", dict(method="gguf", type="Q4_K_M", imatrix=True)),
-    ("Q3_K_M", dict(method="gguf", type="Q3_K_M")),
-    ("Q2_K", dict(method="gguf", type="Q2_K")),
+    ("Q8_0", dict(method="gguf", qtype="Q8_0")),
+    ("Q6_K", dict(method="gguf", qtype="Q6_K")),
+    ("Q5_K_M", dict(method="gguf", qtype="Q5_K_M")),
+    ("Q4_K_M", dict(method="gguf", qtype="Q4_K_M")),
+    ("Q4_K_M + imatrix", dict(method="gguf", qtype="Q4_K_M", imatrix=True)),
+    ("Q3_K_M", dict(method="gguf", qtype="Q3_K_M")),
+    ("Q2_K", dict(method="gguf", qtype="Q2_K")),
     ("RTN int4 g128", dict(method="rtn", bits=4)),
     ("AWQ int4 g128", dict(method="awq", bits=4)),
     ("GPTQ int4 g128", dict(method="gptq", bits=4)),
@@ -54,27 +55,14 @@ def block_bits_per_weight(path: Path) -> float:
     return 8 * n_bytes / n_weights
 
 
-def make(row: dict, src: Path, out: Path, calib_samples: int) -> Path:
-    from dsq.quant.driver import QuantSpec, quantize_model
+def make(row: dict, src: Path, work: Path, name: str, calib_samples: int) -> Path:
+    """Row `name`, made by `dsq.quant.quantize` under `work`: a .gguf file or an HF directory."""
+    from dsq.quant import quantize
+    from dsq.quant.registry import spec_from_options
 
-    if row["method"] == "gguf":
-        import tempfile
-
-        from dsq.convert.hf_to_gguf import hf_to_gguf
-        from dsq.quant.gguf import quantize_gguf
-
-        imat = None
-        if row.get("imatrix"):
-            from dsq.quant.imatrix import compute_imatrix
-
-            imat = compute_imatrix(src, QuantSpec("gptq", calib_samples=calib_samples))
-        with tempfile.TemporaryDirectory() as td:
-            f16 = hf_to_gguf(src, Path(td) / "f.gguf", "BF16")
-            return quantize_gguf(f16, out, row["type"], force=True, imatrix=imat)
-    spec = QuantSpec(row["method"], bits=row.get("bits", 4), act_order=row.get("act_order", False),
-                     fp8_scheme=row.get("fp8_scheme", "channel"), calib_samples=calib_samples)
-    quantize_model(src, out, spec, force=True)
-    return out
+    spec = spec_from_options({**row, "calib_samples": calib_samples})
+    out = work / (name.replace(" ", "_").replace("+", "plus") + Path(spec.impl.output_name(spec)).suffix)
+    return quantize(src, out, spec, force=True)
 
 
 def main(argv=None) -> None:
@@ -107,8 +95,7 @@ def main(argv=None) -> None:
         if wanted and name not in wanted:
             continue
         t0 = time.perf_counter()
-        out = work / (name.replace(" ", "_").replace("+", "plus") + (".gguf" if row["method"] == "gguf" else ""))
-        path = make(row, src, out, a.calib_samples)
+        path = make(row, src, work, name, a.calib_samples)
         made_s = time.perf_counter() - t0
         r = evaluate(str(path), str(src), ctx=512, max_tokens=a.eval_tokens)
         size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

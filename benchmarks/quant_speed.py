@@ -3,7 +3,7 @@
     python -m benchmarks.quant_speed --shape llama3-8b --methods gptq,awq --samples 128 --seq-len 2048
 
 Writes a random bf16 HF directory of the given shape (once), then quantizes it layer by layer
-with each method, timing the whole `quantize_model` call and reading the peak GPU memory
+with each method, timing the whole `dsq.quant.quantize` call and reading the peak GPU memory
 (torch's allocator) and peak process RSS.
 """
 
@@ -18,6 +18,19 @@ from pathlib import Path
 import torch
 
 
+def _every_8th_block(method: str):
+    """A progress callback printing every 8th block with its seconds."""
+    last = [time.perf_counter()]
+
+    def report(step) -> None:
+        now = time.perf_counter()
+        if step.done and step.done % 8 == 0:
+            print(f"  {method} block {step.done}/{step.total} {now - last[0]:.1f}s", flush=True)
+        last[0] = now
+
+    return report
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama3-8b")
@@ -30,8 +43,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
 
     from dsq.bench.random_models import write_random_hf
-    from dsq.quant import driver
-    from dsq.quant.driver import QuantSpec, quantize_model
+    from dsq.quant import CalibSpec, QuantSpec, blocks, quantize
 
     work = Path(a.work)
     t = time.perf_counter()
@@ -39,18 +51,17 @@ def main(argv=None) -> None:
     print(f"random {a.shape} written in {time.perf_counter() - t:.0f}s", flush=True)
     rows = []
     for method in a.methods.split(","):
-        spec = QuantSpec(method, calib="random", calib_samples=a.samples, calib_seq_len=a.seq_len)
+        spec = QuantSpec(method, calib=CalibSpec("random", a.samples, a.seq_len))
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        driver.PHASES.clear()
-        quantize_model(src, work / f"{a.shape}-{method}", spec, force=True,
-                       on_block=lambda i, n, dt: print(f"  {method} block {i}/{n} {dt:.1f}s", flush=True) if i % 8 == 0 else None)
+        blocks.PHASES.clear()
+        quantize(src, work / f"{a.shape}-{method}", spec, force=True, progress=_every_8th_block(method))
         secs = time.perf_counter() - t
         row = {"method": method, "seconds": round(secs, 1), "samples": a.samples, "seq_len": a.seq_len,
                "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else 0,
                "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-               "phases_s": {k: round(v, 1) for k, v in driver.PHASES.items()}}
+               "phases_s": {k: round(v, 1) for k, v in blocks.PHASES.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
         if a.json:

@@ -40,11 +40,11 @@ def test_gguf_packed_for_the_gpu(qtype, tiny_gguf, monkeypatch):
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
 def test_checkpoints_packed_for_the_gpu(method, tiny_dir, tmp_path, monkeypatch):
-    from dsq.quant.driver import QuantSpec, quantize_model
+    from dsq.quant import CalibSpec, QuantSpec, quantize
 
     out = tmp_path / method
-    spec = QuantSpec(method, calib_samples=4, calib_seq_len=32, act_order=method == "gptq")
-    quantize_model(tiny_dir("llama"), out, spec)
+    spec = QuantSpec(method, calib=CalibSpec(samples=4, seq_len=32), act_order=method == "gptq")
+    quantize(tiny_dir("llama"), out, spec)
     ref, _ = logits(out, "hf", False, monkeypatch)
     got, fused = logits(out, "hf", True, monkeypatch)
     assert np.abs(got - ref).max() < 1e-3 * np.abs(ref).max()

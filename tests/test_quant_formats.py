@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dsq.formats import fp8_checkpoint as f8
-from dsq.formats import awq_gptq as intq
+from dsq.formats import awq_gptq
 
 
 def test_awq_interleave_spec():
-    assert int(intq.pack_awq(torch.arange(8)[None]).item()) & 0xFFFFFFFF == 0x75316420
+    assert int(awq_gptq.pack_awq(torch.arange(8)[None]).item()) & 0xFFFFFFFF == 0x75316420
 
 
 def test_awq_packing_matches_autoawq():
@@ -22,11 +22,11 @@ def test_awq_packing_matches_autoawq():
     q = torch.randint(0, 16, (N, K))
     scales = torch.rand(K // g, N) + 0.01
     zeros = torch.randint(0, 16, (K // g, N))
-    t = intq.awq_tensors(q, scales, zeros)
+    t = awq_gptq.awq_tensors(q, scales, zeros)
     iw, iz = reverse_awq_order(*unpack_awq(t["qweight"], t["qzeros"], 4), 4)
     assert torch.equal(iw & 15, q.t().to(iw.dtype)) and torch.equal(iz & 15, zeros.to(iz.dtype))
     theirs = dequantize_gemm(t["qweight"], t["qzeros"], t["scales"], 4, g)  # (K, N), AutoAWQ's layout, fp16 math
-    ours = intq.awq_dequantize(t["qweight"], t["qzeros"], t["scales"], g)  # (N, K)
+    ours = awq_gptq.awq_dequantize(t["qweight"], t["qzeros"], t["scales"], g)  # (N, K)
     torch.testing.assert_close(ours.t(), theirs.float(), rtol=2e-3, atol=1e-2)
     want = ((q.float().t() - zeros.float().repeat_interleave(g, 0)) * scales.half().float().repeat_interleave(g, 0)).t()
     torch.testing.assert_close(ours, want)
@@ -38,8 +38,8 @@ def test_gptq_words_follow_the_spec():
     zeros = torch.full((K // g, N), 8)
     scales = torch.rand(K // g, N)
     g_idx = torch.arange(K) // g
-    v1 = intq.gptq_tensors(q, scales, zeros, g_idx, 4, v1=True)
-    v2 = intq.gptq_tensors(q, scales, zeros, g_idx, 4, v1=False)
+    v1 = awq_gptq.gptq_tensors(q, scales, zeros, g_idx, 4, v1=True)
+    v2 = awq_gptq.gptq_tensors(q, scales, zeros, g_idx, 4, v1=False)
     assert (v1["qzeros"].long() & 0xFFFFFFFF == 0x77777777).all()
     assert (v2["qzeros"].long() & 0xFFFFFFFF == 0x88888888).all()
     assert v1["qweight"].shape == (K * 4 // 32, N) and v1["qzeros"].shape == (K // g, N * 4 // 32)
@@ -47,7 +47,7 @@ def test_gptq_words_follow_the_spec():
     w = v1["qweight"].long() & 0xFFFFFFFF
     assert int(w[1, 3]) == sum(int(q[3, 8 + j]) << (4 * j) for j in range(8))
     with pytest.raises(Exception, match="GPTQ v1"):
-        intq.gptq_tensors(q, scales, torch.zeros_like(zeros), g_idx, 4, v1=True)
+        awq_gptq.gptq_tensors(q, scales, torch.zeros_like(zeros), g_idx, 4, v1=True)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -57,8 +57,8 @@ def test_gptq_round_trip_with_act_order(bits):
     zeros = torch.randint(0, 2**bits, (K // g, N))
     scales = torch.rand(K // g, N) + 0.01
     g_idx = torch.randperm(K) // g  # act-order: groups are not contiguous in channel order
-    t = intq.gptq_tensors(q, scales, zeros, g_idx, bits, v1=False)
-    got = intq.gptq_dequantize(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, v1=False)
+    t = awq_gptq.gptq_tensors(q, scales, zeros, g_idx, bits, v1=False)
+    got = awq_gptq.gptq_dequantize(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, v1=False)
     want = (q.float() - zeros.float().t()[:, g_idx]) * scales.half().float().t()[:, g_idx]
     torch.testing.assert_close(got, want)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsq.cli import app
-from dsq.quant.driver import QuantSpec, quantize_model
+from dsq.quant import CalibSpec, GGUFSpec, QuantSpec, quantize
 
 
 def one_line_error(r, needle: str) -> None:
@@ -26,35 +26,36 @@ def builtin_block(builtin_hf):
     """Block 2 of the built-in model (fp32), the activations entering it, its block context."""
     from dsq.formats.hf import HFModelDir
     from dsq.models.registry import build_args
-    from dsq.quant.driver import QuantSpec, _block_tensors, _materialize, _run_block, calibration_for
+    from dsq.quant.blocks import block_tensors, materialize, run_block
+    from dsq.quant.calib import calibration_for
 
     hf = HFModelDir(builtin_hf)
     mod, args = build_args(hf.config)
-    ids = calibration_for(hf, QuantSpec("gptq", calib_samples=16, calib_seq_len=256))
+    ids = calibration_for(hf, CalibSpec(samples=16, seq_len=256))
     with torch.device("meta"):
         model = mod.Model(args)
     hidden = hf.get_tensor("model.embed_tokens.weight").float()[ids] * float(
         torch.tensor(args.embed_scale, dtype=torch.bfloat16))
     for i in range(3):
-        _materialize(model.model.layers[i], _block_tensors(hf, i), "cpu", torch.float32)
+        materialize(model.model.layers[i], block_tensors(hf, i), "cpu", torch.float32)
         ctx = model.block_context(i, ids.shape[1], "cpu")
         if i < 2:
-            hidden = _run_block(model.model.layers[i], hidden, ctx, "cpu", torch.float32, 8)
+            hidden = run_block(model.model.layers[i], hidden, ctx, "cpu", torch.float32, 8)
     return model, hidden, ctx
 
 
 def _linear_io(layer, hidden, ctx) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every Linear's (input, output) when the block runs on `hidden`."""
-    from dsq.quant.driver import _linears, _run_block
+    from dsq.quant.blocks import linears, run_block
 
     seen, handles = {}, []
-    for name, m in _linears(layer).items():
+    for name, m in linears(layer).items():
         def hook(mod, args, out, name=name):
             seen.setdefault(name, ([], []))
             seen[name][0].append(args[0].detach().reshape(-1, args[0].shape[-1]))
             seen[name][1].append(out.detach().reshape(-1, out.shape[-1]))
         handles.append(m.register_forward_hook(hook))
-    _run_block(layer, hidden, ctx, "cpu", torch.float32, 8)
+    run_block(layer, hidden, ctx, "cpu", torch.float32, 8)
     for h in handles:
         h.remove()
     return {n: (torch.cat(a), torch.cat(b)) for n, (a, b) in seen.items()}
@@ -93,7 +94,8 @@ def test_round_trip_through_the_format(spec, builtin_block, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from dsq.quant.driver import _linears, quantize_block
+    from dsq.quant.blocks import linears
+    from dsq.quant.driver import quantize_block
     from dsq.runtime.native_loader import _swap_quantized
 
     model, hidden, ctx = builtin_block
@@ -102,7 +104,7 @@ def test_round_trip_through_the_format(spec, builtin_block, tmp_path):
     out = quantize_block(layer, 2, spec, hidden, ctx, "cpu", torch.float32, 8)
     save_file({k: v.contiguous() for k, v in out.items()}, str(tmp_path / "b.safetensors"))
     stored = load_file(str(tmp_path / "b.safetensors"))
-    fake = {n: m.weight.data.clone() for n, m in _linears(layer).items()}
+    fake = {n: m.weight.data.clone() for n, m in linears(layer).items()}
     holder = copy.deepcopy(model.model.layers[2]).to("meta")
     _swap_quantized(holder, spec.quantization_config(), stored, torch.float32)
     holder.load_state_dict({k: v for k, v in stored.items()}, strict=False, assign=True)
@@ -128,7 +130,7 @@ def test_native_runtime_loads_what_it_writes(method, tiny_dir, tmp_path):
 
     src = tiny_dir("qwen2")
     out = tmp_path / method
-    quantize_model(src, out, QuantSpec(method, calib_samples=8, calib_seq_len=64))
+    quantize(src, out, QuantSpec(method, calib=CalibSpec(samples=8, seq_len=64)))
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] in (method, "gptq", "compressed-tensors")
     assert (out / "tokenizer.json").is_file() and (out / "README.md").is_file()
@@ -144,11 +146,11 @@ def test_native_runtime_loads_what_it_writes(method, tiny_dir, tmp_path):
 
 def test_rtn_artifact_equals_independent_rtn(tiny_dir, tmp_path):
     from dsq.formats.hf import HFModelDir
-    from dsq.quant.intq import rtn
+    from dsq.quant.rtn import rtn
     from dsq.runtime.native import NativeModel
 
     src = tiny_dir("llama")
-    quantize_model(src, tmp_path / "q", QuantSpec("rtn", bits=8, group_size=64))
+    quantize(src, tmp_path / "q", QuantSpec("rtn", bits=8, group_size=64))
     m = NativeModel(tmp_path / "q", "hf", n_ctx=64, dtype="fp32", fuse=False)
     w = HFModelDir(src).get_tensor("model.layers.1.mlp.down_proj.weight")
     want = rtn(w, 8, 64, sym=True).dequantize()
@@ -157,21 +159,20 @@ def test_rtn_artifact_equals_independent_rtn(tiny_dir, tmp_path):
 
 def test_interrupted_run_resumes(tiny_dir, tmp_path):
     src = tiny_dir("llama")
-    spec = QuantSpec("gptq", calib_samples=8, calib_seq_len=64)
-    full = quantize_model(src, tmp_path / "full", spec)
-    del full
+    spec = QuantSpec("gptq", calib=CalibSpec(samples=8, seq_len=64))
+    quantize(src, tmp_path / "full", spec)
     seen = []
 
-    def stop_after_first(i, n, dt):
-        seen.append(i)
-        if i == 1:
+    def stop_after_first(step):
+        seen.append(step.done)
+        if step.done == 1:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        quantize_model(src, tmp_path / "resumed", spec, on_block=stop_after_first)
+        quantize(src, tmp_path / "resumed", spec, progress=stop_after_first)
     assert (tmp_path / "resumed.partial").is_dir() and not (tmp_path / "resumed").exists()
-    quantize_model(src, tmp_path / "resumed", spec, on_block=lambda i, n, dt: seen.append(i))
-    assert seen == [1, 2]  # block 1 was not redone
+    quantize(src, tmp_path / "resumed", spec, progress=lambda step: seen.append(step.done))
+    assert seen == [0, 1, 0, 2]  # each run starts its bar at 0; block 1 was not redone
     from safetensors.torch import load_file
 
     def tensors(d):
@@ -261,11 +262,10 @@ def test_quantize_cli_then_eval(runner, tiny_dir, tmp_path):
 
 
 def test_gguf_with_imatrix_loads_in_llama_cpp(runner, tiny_dir, tmp_path):
-    from dsq.quant.driver import QuantSpec as QS
     from dsq.quant.imatrix import compute_imatrix
     from dsq.runtime.llama_cpp_backend import LlamaCppModel
 
-    imat = compute_imatrix(tiny_dir("llama"), QS("gptq", calib_samples=4, calib_seq_len=64))
+    imat = compute_imatrix(tiny_dir("llama"), CalibSpec(samples=4, seq_len=64))
     assert set(imat) >= {"blk.0.attn_q.weight", "blk.1.ffn_down.weight"}
     assert imat["blk.1.ffn_down.weight"].shape == (512,) and (imat["blk.1.ffn_down.weight"] > 0).all()
     out = tmp_path / "m.gguf"
@@ -278,6 +278,14 @@ def test_gguf_with_imatrix_loads_in_llama_cpp(runner, tiny_dir, tmp_path):
     assert out.read_bytes() != plain.read_bytes()  # the importance matrix changed the rounding
     m = LlamaCppModel(out, logits_all=True, n_ctx=64)
     assert m.logits(list(range(1, 20))).shape[0] == 19
+    # the Python call the CLI makes: the same bytes, its progress as one task after another
+    steps = []
+    api = quantize(tiny_dir("llama"), tmp_path / "api.gguf", GGUFSpec("q4_k_m", imatrix=True,
+                   calib=CalibSpec(samples=4, seq_len=64)), progress=steps.append)
+    assert api.read_bytes() == out.read_bytes()
+    tasks = [s.task for s in steps if s.done == 0 and s.total is None]
+    assert tasks == ["importance matrix: blocks", f"{tiny_dir('llama').name} -> GGUF", "quantizing to Q4_K_M (llama.cpp)"]
+    assert steps[-1].unit == "bytes" and steps[-1].done == steps[-1].total
 
 
 def test_recipes_validate_and_apply(runner, tiny_dir, tmp_path):
@@ -313,15 +321,17 @@ def test_artifact_computes_what_the_driver_computed(method, tiny_dir, tmp_path):
 
     from dsq.formats.hf import HFModelDir
     from dsq.models.registry import build_args
-    from dsq.quant.driver import _block_tensors, _materialize, _run_block, calibration_for, quantize_block
+    from dsq.quant.blocks import block_tensors, materialize, run_block
+    from dsq.quant.calib import calibration_for
+    from dsq.quant.driver import quantize_block
     from dsq.runtime.native import NativeModel
 
     src = tiny_dir("gemma3" if method == "awq" else "llama")  # gemma3: norms with the +1 offset
-    spec = QuantSpec(method, calib_samples=8, calib_seq_len=64).validate()
-    quantize_model(src, tmp_path / "q", spec)
+    spec = QuantSpec(method, calib=CalibSpec(samples=8, seq_len=64)).validate()
+    quantize(src, tmp_path / "q", spec)
     hf = HFModelDir(src)
     mod, args = build_args(hf.config)
-    ids = calibration_for(hf, spec)
+    ids = calibration_for(hf, spec.calib)
     with torch.device("meta"):
         model = mod.Model(args)
     model.load_state_dict({k: v.float() for k, v in hf.mmap_tensors().items() if not k.startswith("model.layers.")},
@@ -330,10 +340,10 @@ def test_artifact_computes_what_the_driver_computed(method, tiny_dir, tmp_path):
     scale = float(torch.tensor(args.embed_scale, dtype=torch.float32)) if args.embed_scale else 1.0
     hidden = model.model.embed_tokens.weight[ids] * scale
     for i in range(args.num_hidden_layers):
-        _materialize(model.model.layers[i], _block_tensors(hf, i), "cpu", torch.float32)
+        materialize(model.model.layers[i], block_tensors(hf, i), "cpu", torch.float32)
         ctx = model.block_context(i, ids.shape[1], "cpu")
         quantize_block(model.model.layers[i], i, spec, hidden, ctx, "cpu", torch.float32, 8)
-        hidden = _run_block(model.model.layers[i], hidden, ctx, "cpu", torch.float32, 8)
+        hidden = run_block(model.model.layers[i], hidden, ctx, "cpu", torch.float32, 8)
     toks = list(range(3, 50))
     with torch.no_grad():
         want = model(torch.tensor([toks]))[0].numpy()
@@ -348,7 +358,7 @@ def test_bf16_blocks_as_on_a_gpu(method, tiny_dir, tmp_path):
     from dsq.runtime.native import NativeModel
 
     out = tmp_path / method
-    quantize_model(tiny_dir("llama"), out, QuantSpec(method, calib_samples=4, calib_seq_len=32),
-                   compute_dtype=torch.bfloat16)
+    quantize(tiny_dir("llama"), out, QuantSpec(method, calib=CalibSpec(samples=4, seq_len=32)),
+             compute_dtype=torch.bfloat16)
     m = NativeModel(out, "hf", n_ctx=64, dtype="fp32")
     assert torch.isfinite(torch.as_tensor(m.logits(list(range(3, 20))))).all()

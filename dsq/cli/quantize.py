@@ -4,6 +4,7 @@ or an HF directory in AWQ, GPTQ, RTN (GPTQ format) or FP8 (compressed-tensors / 
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -63,69 +64,39 @@ def quantize(
     quantization_config, which vLLM, SGLang and dsq's native runtime load. Interrupted runs of
     the calibrated methods resume from the last finished block.
     """
-    from dsq.errors import DsqError
-    from dsq.ui import console
+    from dsq import quant
+    from dsq.quant.registry import spec_from_options
+    from dsq.ui import console, out_console
 
     con = console()
+    opts = dict(method=method.value, qtype=qtype, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
+                damp=damp, fp8_scheme=fp8_scheme, fp8_format=fp8_format, imatrix=imatrix, calib=calib,
+                calib_samples=calib_samples, calib_seq_len=calib_seq_len)
     if recipe:
-        from dsq.quant.recipes import apply_recipe
-
-        given = dict(method=method.value, qtype=qtype, bits=bits, group_size=group_size, sym=sym,
-                     act_order=act_order, damp=damp, fp8_scheme=fp8_scheme, fp8_format=fp8_format, imatrix=imatrix,
-                     calib=calib, calib_samples=calib_samples, calib_seq_len=calib_seq_len)
-        opts = apply_recipe(recipe, given)
-        for k, v in given.items():  # what the user typed wins over the recipe
-            source = ctx.get_parameter_source(k)  # (typer vendors click: compare by name)
-            if source is not None and source.name != "DEFAULT":
-                opts[k] = v
-        method, qtype, bits, group_size, sym = Method(opts["method"]), opts["qtype"], opts["bits"], opts["group_size"], opts["sym"]
-        act_order, damp, fp8_scheme, fp8_format = opts["act_order"], opts["damp"], opts["fp8_scheme"], opts["fp8_format"]
-        imatrix, calib, calib_samples, calib_seq_len = opts["imatrix"], opts["calib"], opts["calib_samples"], opts["calib_seq_len"]
-        skip = opts.get("skip", [])
-    else:
-        skip = []
-    if method is Method.gguf:
-        from dsq.formats.gguf_types import parse_gguf_type
-
-        qtype = parse_gguf_type(qtype)  # refuse a bad type before any work
-        return _gguf(model, qtype, out, threads, force, imatrix, calib, calib_samples, calib_seq_len, device, con)
-    from dsq.quant.driver import QuantSpec
-
-    spec = QuantSpec(method.value, bits=bits, group_size=group_size, sym=sym, act_order=act_order, damp=damp,
-                     fp8_scheme=fp8_scheme, fp8_format=fp8_format, calib=calib, calib_samples=calib_samples,
-                     calib_seq_len=calib_seq_len, skip=skip).validate()
+        opts = _with_recipe(ctx, recipe, opts)
+    spec = spec_from_options(opts).validate()  # refuse bad settings before any work
     src, name = _source(model, con)
-    from dsq.runtime.model_ref import resolve_model
-
-    ref = resolve_model(str(src))
-    if ref.kind != "hf":
-        raise DsqError(f"{method.value} quantizes HF safetensors models", "convert the GGUF first: dsq convert IN OUT")
-    label = f"{method.value}-w{8 if method is Method.fp8 else bits}" + (f"-{fp8_scheme}" if method is Method.fp8 else "")
-    target = Path(out) if out else Path.cwd() / f"{name}-{label}"
-    if target.exists() and not force:
-        raise DsqError(f"{target} already exists", "pass --force to overwrite it or choose another --out")
-    from dsq.formats.hf import HFModelDir
-    from dsq.quant.driver import calibration_for, check_model, quantize_model
-
-    hf = HFModelDir(ref.path)
-    check_model(hf, spec)  # every layer fits the format: refuse before any work
-    calib_ids = calibration_for(hf, spec) if spec.needs_calibration else None
-    from dsq.ui import progress_bar
-
+    target = Path(out) if out else Path.cwd() / f"{name}-{spec.impl.output_name(spec)}"
     t0 = time.perf_counter()
-    with progress_bar(con) as p:
-        task = p.add_task(f"{method.value} {label}: blocks", total=None)
-        quantize_model(ref.path, target, spec, device=device, force=force, calib_ids=calib_ids,
-                                 on_block=lambda i, n, dt: p.update(task, completed=i, total=n))
-    evals = None
-    if eval_tokens:
-        evals = _card_eval(target, ref.path, eval_tokens, hf, spec, con)
-    con.print(f"[green]wrote[/green] {target} ({_dir_size(target) / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f}s"
+    with _Bars(con) as bars:
+        quant.quantize(src, target, spec, device=device, force=force, threads=threads, progress=bars)
+    evals = _card_eval(target, src, eval_tokens, spec, con) if eval_tokens and spec.impl.writes_card else None
+    con.print(f"[green]wrote[/green] {target} ({spec.impl.describe(target)}) in {time.perf_counter() - t0:.1f}s"
               + (f"; held-out perplexity {evals['perplexity']:.3f} (source {evals['source perplexity']:.3f}), "
                  f"KLD {evals['KLD']:.4f}" if evals else ""))
-    from dsq.ui import out_console
-
     out_console().print(str(target))
+
+
+def _with_recipe(ctx: typer.Context, recipe: str, given: dict) -> dict:
+    """The recipe's settings; what the user typed wins over them."""
+    from dsq.quant.recipes import apply_recipe
+
+    opts = apply_recipe(recipe, given)
+    for k, v in given.items():
+        source = ctx.get_parameter_source(k)  # (typer vendors click: compare by name)
+        if source is not None and source.name != "DEFAULT":
+            opts[k] = v
+    return opts
 
 
 def _source(model: str | None, con):
@@ -137,80 +108,45 @@ def _source(model: str | None, con):
     return src, (src.stem if src.is_file() else src.name)
 
 
-def _dir_size(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+class _Bars:
+    """dsq.quant's progress steps as rich bars: one bar per task, opened by its first step."""
+
+    def __init__(self, con):
+        self.con, self.task, self.stack = con, None, ExitStack()
+
+    def __call__(self, step) -> None:
+        from dsq.ui import progress_bar
+
+        if step.task != self.task:
+            self._close()
+            self.bar = self.stack.enter_context(progress_bar(self.con, in_bytes=step.unit == "bytes"))
+            self.id, self.task = self.bar.add_task(step.task, total=None), step.task
+        self.bar.update(self.id, completed=step.done, total=step.total,
+                        description=f"{step.task}: {step.item}" if step.item else step.task)
+
+    def _close(self) -> None:
+        if self.task is not None:
+            self.bar.update(self.id, description=self.task)
+        self.stack.close()
+
+    def __enter__(self) -> "_Bars":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self._close()
+        else:
+            self.stack.__exit__(*exc)
 
 
-def _card_eval(target: Path, source: Path, tokens: int, hf, spec, con) -> dict | None:
+def _card_eval(target: Path, source: Path, tokens: int, spec, con) -> dict:
     """Evaluate the artifact against its source and put the numbers in its model card."""
     from dsq.eval.quality import evaluate
-    from dsq.quant.driver import model_card
+    from dsq.quant.driver import write_card
 
     with con.status("evaluating on held-out text"):
         r = evaluate(str(target), str(source), ctx=min(512, tokens), max_tokens=tokens)
     evals = {"perplexity": r["perplexity"], "source perplexity": r["reference_perplexity"], "KLD": r["kld"],
              "top-1 agreement": r["top1_agreement"], "tokens": r["tokens"]}
-    (target / "README.md").write_text(model_card(hf, spec, _dir_size(target), {
-        k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in evals.items()}))
+    write_card(target, source, spec, {k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in evals.items()})
     return evals
-
-
-def _gguf(model, qtype, out, threads, force, use_imatrix, calib, calib_samples, calib_seq_len, device, con) -> None:
-    import tempfile
-
-    from dsq.errors import DsqError
-    from dsq.formats.gguf_types import FLOAT_TYPES
-    from dsq.convert.hf_to_gguf import hf_to_gguf
-    from dsq.quant.gguf import quantize_gguf
-    from dsq.runtime.model_ref import resolve_model
-    from dsq.ui import convert_with_progress, out_console, progress_bar
-
-    src, name = _source(model, con)
-    target = Path(out) if out else Path.cwd() / f"{name}-{qtype}{'-imat' if use_imatrix else ''}.gguf"
-    if target.exists() and not force:
-        raise DsqError(f"{target} already exists", "pass --force to overwrite it or choose another --out")
-    if target.is_dir():
-        raise DsqError(f"{target} is a directory", "pass a file path to --out")
-    ref = resolve_model(str(src))
-    if ref.kind == "hf":  # check the architecture before any work
-        from dsq.formats.arch import arch_for_model_type
-        from dsq.formats.hf import HFModelDir
-
-        arch_for_model_type(HFModelDir(ref.path).model_type)
-    if use_imatrix and (ref.kind != "hf" or qtype in FLOAT_TYPES):
-        raise DsqError("--imatrix needs an HF source and a quantized --type", "pass the HF model directory")
-    imat = None
-    if use_imatrix:
-        from dsq.quant.driver import QuantSpec
-        from dsq.quant.imatrix import compute_imatrix
-
-        spec = QuantSpec("gptq", calib=calib, calib_samples=calib_samples, calib_seq_len=calib_seq_len)
-        with progress_bar(con) as p:
-            task = p.add_task("importance matrix: blocks", total=None)
-            imat = compute_imatrix(ref.path, spec, device=device,
-                                   on_block=lambda i, n, dt: p.update(task, completed=i, total=n))
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=".dsq-", dir=target.parent if target.parent.exists() else None) as td:
-        if ref.kind == "hf":
-            float_type = qtype if qtype in FLOAT_TYPES else "auto"
-            dst = target if qtype in FLOAT_TYPES else Path(td) / "float.gguf"
-            convert_with_progress(lambda cb: hf_to_gguf(ref.path, dst, float_type, force=force, progress=cb),
-                                  f"{ref.path.name} -> GGUF", con)
-            source_gguf = dst
-        else:
-            if qtype in FLOAT_TYPES:
-                raise DsqError(f"{ref.path.name} is already a GGUF", "use `dsq convert` for float conversions")
-            source_gguf = ref.path
-        if qtype not in FLOAT_TYPES:
-            with progress_bar(con, in_bytes=True) as p:
-                task = p.add_task(f"quantizing to {qtype} (llama.cpp)", total=None)
-                quantize_gguf(source_gguf, target, qtype, threads=threads, force=force, imatrix=imat,
-                              progress=lambda done, total: p.update(task, completed=done, total=total))
-    from dsq.formats.gguf_file import GGUFFile
-
-    g = GGUFFile(target)
-    n = sum(t.n_elements for t in g.tensors)
-    size = target.stat().st_size
-    con.print(f"[green]wrote[/green] {target} ({size / 2**20:.1f} MiB, {8 * size / max(n, 1):.2f} bits/weight, "
-              f"{g.describe_quant()}) in {time.perf_counter() - t0:.1f}s")
-    out_console().print(str(target))

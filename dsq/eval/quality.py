@@ -65,12 +65,12 @@ def evaluate(model: str, ref: str | None = None, text: str | None = None, ctx: i
              backend: str | None = None, ref_backend: str | None = None, threads: int | None = None,
              on_window=None) -> dict:
     """Perplexity of MODEL on held-out text; KLD and top-1 agreement against REF if given."""
-    from dsq.quant.calib import builtin_eval_text
+    from dsq.eval.corpus import held_out_text
 
     if ctx < 16 or max_tokens < ctx:
         raise DsqError("--ctx must be >= 16 and --max-tokens >= --ctx")
     if text is None:
-        text = builtin_eval_text()
+        text = held_out_text()
     m = load_for_eval(model, backend, ctx, threads)
     r = load_for_eval(ref, ref_backend, ctx, threads) if ref else None
     tok = r or m

@@ -10,12 +10,19 @@ Shapes: x (T, K) calibration inputs of a group of Linears that share them; W (N,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
-from dsq.quant.intq import group_params, quantize_codes
+from dsq.errors import DsqError
+from dsq.formats import awq_gptq
+from dsq.quant.blocks import LINEAR_GROUPS, Capture, phase
+from dsq.quant.rtn import IntMethod, IntQuant, group_params, quantize_codes, rtn
+
+if TYPE_CHECKING:
+    from dsq.quant.blocks import Block
+    from dsq.quant.spec import QuantSpec
 
 N_GRID = 20
 
@@ -114,3 +121,94 @@ def apply_clip(lin: nn.Linear, max_val: torch.Tensor, gsize: int) -> None:
         g = K if gsize == -1 else gsize
         w = lin.weight.float().reshape(N, K // g, g)
         lin.weight.copy_(torch.clamp(w, -max_val, max_val).reshape(N, K).to(lin.weight.dtype))
+
+
+def awq_groups(layer, lins) -> list[ScaleGroup]:
+    """The scale groups of a decoder layer: (op before, Linears after, what to score)."""
+    at, mlp = layer.self_attn, layer.mlp
+    groups = []
+    qkv = [lins.get(f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj")]
+    if all(qkv):
+        groups.append(ScaleGroup("self_attn.q_proj", layer.input_layernorm, qkv,
+                                 lambda x: torch.cat([m(x) for m in qkv], dim=-1)))
+    if "self_attn.o_proj" in lins and at.v_proj.out_features == at.o_proj.in_features and "self_attn.v_proj" in lins:
+        groups.append(ScaleGroup("self_attn.o_proj", at.v_proj, [at.o_proj], lambda x: at.o_proj(x)))
+    norm = layer.pre_feedforward_layernorm if getattr(layer, "sandwich", False) else layer.post_attention_layernorm
+    if "mlp.gate_proj" in lins and "mlp.up_proj" in lins:
+        groups.append(ScaleGroup("mlp.gate_proj", norm, [mlp.gate_proj, mlp.up_proj], lambda x: mlp(x)))
+    if "mlp.down_proj" in lins and "mlp.up_proj" in lins:
+        groups.append(ScaleGroup("mlp.down_proj", mlp.up_proj, [mlp.down_proj], lambda x: mlp.down_proj(x)))
+    return groups
+
+
+class InputSample:
+    """About `keep` evenly spaced input rows of a Linear over `batches` forward batches."""
+
+    def __init__(self, keep: int, batches: int):
+        self.keep, self.batches = keep, batches
+        self.rows: list[torch.Tensor] = []
+
+    def add(self, x: torch.Tensor) -> None:
+        step = max(1, x.shape[0] * self.batches // self.keep)
+        self.rows.append(x[::step].float())
+
+
+class AWQ(IntMethod):
+    name = "awq"
+    default_sym = False
+    needs_calibration = True
+
+    def check_bits(self, spec: "QuantSpec") -> None:
+        if spec.bits != 4 or spec.sym:
+            raise DsqError("AWQ (GEMM format) is 4-bit asymmetric only", "use --bits 4 without --sym, or gptq")
+
+    def quantization_config(self, spec: "QuantSpec") -> dict:
+        return awq_gptq.awq_config(spec.group_size, self.kept(spec))
+
+    def tensors(self, iq: IntQuant, spec: "QuantSpec") -> dict[str, torch.Tensor]:
+        return awq_gptq.awq_tensors(iq.q, iq.scales, iq.zeros)
+
+    def quantize_block(self, block: "Block", spec: "QuantSpec") -> dict:
+        xs = self._inputs(block)
+        self._scale(block, xs, spec)
+        self._clip(block, xs, spec)
+        out: dict[str, torch.Tensor] = {}
+        for n, lin in block.linears.items():
+            self.emit(out, n, lin, rtn(lin.weight.data.float(), 4, spec.group_size, sym=False).cpu(), spec)  # rounded where it lives
+        return out
+
+    @staticmethod
+    def _inputs(block: "Block") -> dict[str, torch.Tensor]:
+        """One capture of every group's inputs. The search sees a sample of the tokens (AutoAWQ's
+        64k would take minutes per block on a CPU)."""
+        keep = 16384 if block.device.type == "cuda" else 4096
+        batches = max(1, -(-block.hidden.shape[0] // block.batch))
+        firsts = {g[0]: block.linears[g[0]] for g in LINEAR_GROUPS if g[0] in block.linears}
+        with Capture(firsts, lambda m: InputSample(keep, batches)) as cap:
+            with phase("awq: calibration forward"):
+                block.run()
+        return {n: torch.cat(v.rows).to(block.device) for n, v in cap.data.items()}
+
+    @staticmethod
+    def _scale(block: "Block", xs: dict[str, torch.Tensor], spec: "QuantSpec") -> None:
+        """Search and fold each group's scales; `xs` then holds the scaled inputs."""
+        layer = block.layer
+        layer.awq_output_scales = {}  # Linear -> s folded into its output rows (it now computes y / s)
+        for sg in awq_groups(layer, block.linears):
+            x = xs[sg.name].to(sg.linears[0].weight.dtype)
+            with phase("awq: scale search"):
+                s = search_scale(sg, x, spec.bits, spec.group_size)
+            apply_scale(sg, s)
+            xs[sg.name] = x / s.to(x.dtype)
+            if isinstance(sg.prev, nn.Linear):
+                layer.awq_output_scales[next(n for n, m in layer.named_modules() if m is sg.prev)] = s
+
+    @staticmethod
+    def _clip(block: "Block", xs: dict[str, torch.Tensor], spec: "QuantSpec") -> None:
+        lins = block.linears
+        for group in LINEAR_GROUPS:
+            for n in group:
+                if n in lins and n not in ("self_attn.q_proj", "self_attn.k_proj") and group[0] in xs:
+                    with phase("awq: clip search"):
+                        apply_clip(lins[n], search_clip(lins[n], xs[group[0]], spec.bits, spec.group_size),
+                                   spec.group_size)

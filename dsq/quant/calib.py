@@ -1,8 +1,7 @@
-"""Calibration and evaluation text.
+"""Calibration token ids for the calibrated methods and the importance matrix.
 
-Built in: Python's own documentation (`pydoc_data.topics`, ~465k characters of English). The first
-70% of it is calibration text, the last 20% held-out evaluation text, so `dsq eval` never scores
-what a quantizer saw. "builtin-chat" renders calibration text as conversations through the model's
+"builtin" is the calibration part of the built-in text (dsq.eval.corpus: `dsq eval` scores only the
+held-out part). "builtin-chat" renders calibration text as conversations through the model's
 chat template (the format a chat model sees). A user file: `.txt` (one text) or `.jsonl` (one
 object per line with "text", or "messages" in chat format).
 """
@@ -11,31 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from dsq.errors import DsqError
+from dsq.eval.corpus import calibration_text
 
-CALIB_END = 0.7
-EVAL_START = 0.8
-
-
-def corpus() -> str:
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
-
-
-def builtin_calibration_text() -> str:
-    t = corpus()
-    return t[: int(len(t) * CALIB_END)]
-
-
-def builtin_eval_text() -> str:
-    t = corpus()
-    return t[int(len(t) * EVAL_START):]
-
+if TYPE_CHECKING:
+    from dsq.quant.spec import CalibSpec
 
 def _read_user_file(path: Path, render: Callable[[list[dict]], str] | None) -> list[str]:
     if not path.is_file():
@@ -69,7 +52,7 @@ def calibration_ids(source: str, tokenize: Callable[[str], list[int]], n_samples
     if n_samples < 1 or seq_len < 8:
         raise DsqError("--calib-samples must be >= 1 and --calib-seq-len >= 8")
     if source in ("builtin", "builtin-chat"):
-        text = builtin_calibration_text()
+        text = calibration_text()
         if source == "builtin-chat":
             if render is None:
                 raise DsqError("builtin-chat calibration needs a chat template")
@@ -91,3 +74,21 @@ def calibration_ids(source: str, tokenize: Callable[[str], list[int]], n_samples
                        "give more text or a smaller --calib-seq-len")
     n = min(n_samples, len(ids) // seq_len)
     return torch.tensor(ids[: n * seq_len]).reshape(n, seq_len)
+
+
+def calibration_for(hf, calib: "CalibSpec") -> torch.Tensor:
+    """(n, seq_len) calibration token ids for the HF model `hf`, tokenized by its own tokenizer."""
+    if calib.source == "random":
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, hf.config["vocab_size"], (calib.samples, calib.seq_len), generator=g)
+    from dsq.runtime.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(hf.path, hf.config)
+    render = None
+    if tok.chat_template() or calib.source == "builtin-chat":
+        from dsq.models.registry import gguf_name
+        from dsq.runtime.chat_template import pick_template
+
+        tmpl = pick_template(tok.chat_template(), gguf_name(hf.model_type), tok.has, tok.bos_token, tok.eos_token)
+        render = lambda msgs: tmpl.render(msgs, add_generation_prompt=False)  # noqa: E731
+    return calibration_ids(calib.source, lambda t: tok.encode(t, add_bos=False), calib.samples, calib.seq_len, render)

@@ -5,50 +5,57 @@ collects). Layer by layer, like the other calibrated methods."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
-from dsq.quant.driver import QuantSpec, _block_tensors, _Capture, _linears, _materialize, _run_block, calibration_for
+from dsq.quant.blocks import (Capture, block_tensors, default_dtype, device_for, embed_calibration, linears,
+                              materialize, meta_model, run_block)
+from dsq.quant.calib import calibration_for
+from dsq.quant.spec import CalibSpec, OnStep, Step, no_progress
+
+TASK = "importance matrix: blocks"
 
 
-def compute_imatrix(src: str | Path, spec: QuantSpec, device: str = "auto",
-                    on_block: Callable[[int, int, float], None] | None = None, batch: int = 8) -> dict[str, np.ndarray]:
+class SquareSum:
+    """Sum of squares per input column of the rows fed to `add`, and how many rows there were."""
+
+    def __init__(self, k: int):
+        self.acc = torch.zeros(k, dtype=torch.float64)
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        self.acc += x.double().pow(2).sum(0).to(self.acc.device)
+        self.n += x.shape[0]
+
+    def mean(self) -> np.ndarray:
+        return (self.acc / max(self.n, 1)).numpy().astype(np.float32)
+
+
+def compute_imatrix(src: str | Path, calib: CalibSpec, device: str = "auto", progress: OnStep = no_progress,
+                    batch: int = 8, compute_dtype: torch.dtype | None = None) -> dict[str, np.ndarray]:
     """GGUF tensor name -> mean x^2 per input column, for every Linear of every block."""
-    import time
-
-    from dsq.formats.arch import arch_for_model_type
     from dsq.formats.hf import HFModelDir
-    from dsq.models.registry import build_args
+    from dsq.models.registry import arch_for_model_type, build_args
 
+    progress(Step(TASK))
     hf = HFModelDir(src)
     arch = arch_for_model_type(hf.model_type)
     mod, args = build_args(hf.config, f"{hf.path}/config.json")
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    ids = calibration_for(hf, spec)
-    with torch.device("meta"):
-        model = mod.Model(args)
-    emb = hf.get_tensor("model.embed_tokens.weight").float()
-    hidden = emb[ids]
-    if args.embed_scale:
-        hidden = hidden * float(torch.tensor(args.embed_scale, dtype=emb.dtype))
-    del emb
+    dev = device_for(device)
+    dtype = compute_dtype or default_dtype(dev)
+    ids = calibration_for(hf, calib)
+    model = meta_model(mod, args)
+    hidden = embed_calibration(hf, args, ids)
     out: dict[str, np.ndarray] = {}
-    for i in range(args.num_hidden_layers):
-        t0 = time.perf_counter()
+    n = args.num_hidden_layers
+    for i in range(n):
         layer = model.model.layers[i]
-        _materialize(layer, _block_tensors(hf, i), dev, dtype)
+        materialize(layer, block_tensors(hf, i), dev, dtype)
         ctx = model.block_context(i, ids.shape[1], dev)
-        cap = _Capture(_linears(layer), "sumsq")
-        hidden = _run_block(layer, hidden, ctx, dev, dtype, batch)
-        cap.close()
-        for name, (acc, n) in cap.data.items():
-            g = arch.hf_to_gguf_name(f"model.layers.{i}.{name}.weight")
-            out[g] = (acc / max(n, 1)).numpy().astype(np.float32)
+        with Capture(linears(layer), lambda m: SquareSum(m.in_features)) as cap:
+            hidden = run_block(layer, hidden, ctx, dev, dtype, batch)
+        out.update({arch.hf_to_gguf_name(f"model.layers.{i}.{name}.weight"): acc.mean() for name, acc in cap.data.items()})
         layer.to("meta")
-        if on_block:
-            on_block(i + 1, args.num_hidden_layers, time.perf_counter() - t0)
+        progress(Step(TASK, i + 1, n))
     return out

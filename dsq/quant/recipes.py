@@ -27,7 +27,7 @@ def load_recipe(name: str) -> dict:
 
 def validate_recipe(r: dict) -> None:
     """Raise DsqError naming the first problem."""
-    from dsq.quant.driver import QuantSpec
+    from dsq.quant.registry import spec_from_options
 
     name = r.get("name", "?")
     missing = [k for k in REQUIRED if k not in r]
@@ -37,14 +37,7 @@ def validate_recipe(r: dict) -> None:
     unknown = set(q) - _QUANT_KEYS
     if unknown:
         raise DsqError(f"recipe {name}: unknown quantize keys {sorted(unknown)}")
-    if q["method"] == "gguf":
-        from dsq.formats.gguf_types import parse_gguf_type
-
-        parse_gguf_type(q.get("type", "Q4_K_M"))
-    else:
-        QuantSpec(q["method"], bits=q.get("bits", 4), group_size=q.get("group_size", 128), sym=q.get("sym"),
-                  act_order=q.get("act_order", False), damp=q.get("damp", 0.01), fp8_scheme=q.get("fp8_scheme", "channel"),
-                  fp8_format=q.get("fp8_format", "compressed-tensors")).validate()
+    spec = spec_from_options(recipe_options(q)).validate()
     missing = [s for s in SERVE if not r["serve"].get(s)]
     if missing:
         raise DsqError(f"recipe {name}: no serving command for {', '.join(missing)}")
@@ -61,7 +54,7 @@ def validate_recipe(r: dict) -> None:
         raise DsqError(f"recipe {name}: expert parallel size {par['ep']} needs a model with that many experts")
     if f"--tensor-parallel-size {par['tp']}" not in r["serve"]["vllm"] and par["tp"] > 1:
         raise DsqError(f"recipe {name}: the vLLM command does not use --tensor-parallel-size {par['tp']}")
-    bits = 8 if q["method"] == "fp8" else q.get("bits", 4)
+    bits = spec.impl.weight_bits(spec)
     floor = r["params_b"] * bits / 8 * 0.9
     if r["memory_gb"]["artifact"] < floor:
         raise DsqError(f"recipe {name}: an artifact of {r['memory_gb']['artifact']} GB is too small for "
@@ -75,10 +68,11 @@ def apply_recipe(name: str, opts: dict) -> dict:
     if r.get("dsq_support") == "pending":
         raise DsqError(f"recipe {name} targets {r['architecture']}, which dsq cannot quantize yet",
                        f"serve the released weights: {r['serve']['vllm']}")
-    q = dict(r["quantize"])
-    out = dict(opts)
-    out["skip"] = list(q.pop("keep_16bit", []))
-    if "type" in q:
-        out["qtype"] = q.pop("type")
-    out.update(q)
+    return {**opts, **recipe_options(r["quantize"])}
+
+
+def recipe_options(q: dict) -> dict:
+    """A recipe's quantize section under the CLI's option names (type -> qtype, keep_16bit -> skip)."""
+    out = {{"type": "qtype", "keep_16bit": "skip"}.get(k, k): v for k, v in q.items()}
+    out["skip"] = list(out.get("skip", []))
     return out

@@ -1,6 +1,4 @@
-"""Group-wise integer quantization: round-to-nearest (the baseline) and GPTQ.
-
-GPTQ (Frantar et al., 2022, "GPTQ: Accurate Post-Training Quantization for Generative
+"""GPTQ (Frantar et al., 2022, "GPTQ: Accurate Post-Training Quantization for Generative
 Pre-trained Transformers"): quantize the columns of W one at a time and spread each column's
 rounding error over the columns not yet quantized, weighted by the inverse Hessian of the layer's
 reconstruction loss, H = 2 X^T X. Lazy block updates of 128 columns; optional act-order
@@ -11,73 +9,17 @@ Shapes: W (N, K) torch layout; groups run along K; scales/zeros (G, N).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
+from dsq.quant.blocks import LINEAR_GROUPS, Capture, phase
+from dsq.quant.rtn import IntMethod, IntQuant, group_params, quantize_codes
 
-@dataclass
-class IntQuant:
-    """Codes and parameters of one quantized weight."""
-
-    q: torch.Tensor  # (N, K) integer codes, original column order
-    scales: torch.Tensor  # (G, N) float32
-    zeros: torch.Tensor  # (G, N) integer zero points
-    g_idx: torch.Tensor  # (K,) group of every input column
-    bits: int
-
-    def split(self, rows: list[int]) -> list["IntQuant"]:
-        """Per-Linear pieces of a quantization made over stacked rows."""
-        out, start = [], 0
-        for r in rows:
-            sl = slice(start, start + r)
-            out.append(IntQuant(self.q[sl], self.scales[:, sl], self.zeros[:, sl], self.g_idx, self.bits))
-            start += r
-        return out
-
-    def cpu(self) -> "IntQuant":
-        return IntQuant(self.q.cpu(), self.scales.cpu(), self.zeros.cpu(), self.g_idx.cpu(), self.bits)
-
-    def dequantize(self) -> torch.Tensor:
-        gi = self.g_idx.long()
-        return (self.q.float() - self.zeros.float().t()[:, gi]) * self.scales.t()[:, gi]
-
-
-def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and integer zero for the rows of w (R, g): asymmetric min/max, or symmetric |max|."""
-    maxq = 2**bits - 1
-    wmin = w.min(dim=1).values.clamp(max=0)
-    wmax = w.max(dim=1).values.clamp(min=0)
-    if sym:
-        wmax = torch.maximum(wmin.abs(), wmax)
-        scale = 2 * wmax / maxq
-        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-        zero = torch.full_like(scale, (maxq + 1) // 2)
-    else:
-        scale = (wmax - wmin) / maxq
-        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-        zero = torch.round(-wmin / scale).clamp(0, maxq)
-    # the checkpoint stores scales in fp16: quantize against exactly what will be stored
-    scale = scale.clamp(6e-8, 65504).half().float()
-    return scale, zero
-
-
-def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    return torch.clamp(torch.round(w / scale) + zero, 0, 2**bits - 1)
-
-
-def rtn(w: torch.Tensor, bits: int, group: int, sym: bool) -> IntQuant:
-    """Round-to-nearest, group-wise along the input dimension."""
-    N, K = w.shape
-    g = K if group == -1 else group
-    wg = w.float().reshape(N, K // g, g).transpose(0, 1).reshape(-1, g)  # (G*N, g)
-    scale, zero = group_params(wg, bits, sym)
-    q = quantize_codes(wg, scale[:, None], zero[:, None], bits)
-    q = q.reshape(K // g, N, g).transpose(0, 1).reshape(N, K)
-    return IntQuant(q.to(torch.int32), scale.reshape(K // g, N), zero.reshape(K // g, N).to(torch.int32),
-                    torch.arange(K) // g, bits)
+if TYPE_CHECKING:
+    from dsq.quant.blocks import Block
+    from dsq.quant.spec import QuantSpec
 
 
 class Hessian:
@@ -165,6 +107,7 @@ def _block_body(W1, Hinv1, sc, zr, Q1, Err1, sc_blk, zr_blk, inner: int, bits: i
         Err1[:, i] = err
 
 
+GPTQ_CUDA_GRAPHS = True  # False: the eager loop everywhere (set when a graph differs from it)
 _GRAPHS: dict[tuple, "_BlockGraph"] = {}
 
 
@@ -200,7 +143,6 @@ class _BlockGraph:
 
 def _block_runner(N: int, B: int, inner: int, bits: int, sym: bool, device):
     """A function (W1, Hinv1, sc, zr) -> (W1, Q1, Err1, group scales, group zeros) for one block."""
-    global GPTQ_CUDA_GRAPHS
     if torch.device(device).type == "cuda" and GPTQ_CUDA_GRAPHS:
         key = (N, B, inner, bits, sym, str(device))
         if key in _GRAPHS:
@@ -242,4 +184,29 @@ def _eager_block(W1, Hinv1, sc, zr, N: int, B: int, inner: int, bits: int, sym: 
     return _block_runner(N, B, inner, bits, sym, "cpu")(W1, Hinv1, sc, zr)
 
 
-GPTQ_CUDA_GRAPHS = True
+class GPTQ(IntMethod):
+    name = "gptq"
+    needs_calibration = True
+    takes_act_order = True
+
+    def settings(self, spec: "QuantSpec") -> dict:
+        return {**super().settings(spec), "act_order": spec.act_order, "damp": spec.damp}
+
+    def quantize_block(self, block: "Block", spec: "QuantSpec") -> dict:
+        out: dict[str, torch.Tensor] = {}
+        lins = block.linears
+        for group in LINEAR_GROUPS:
+            names = [n for n in group if n in lins]
+            if not names:
+                continue
+            with Capture({names[0]: lins[names[0]]}, lambda m: Hessian(m.in_features, m.weight.device)) as cap:
+                with phase("gptq: calibration forwards"):
+                    block.run()
+            # Linears reading the same input share one Hessian, and GPTQ treats rows independently:
+            # one solve over their stacked rows equals separate solves, with a third of the steps
+            with phase("gptq: solve"):
+                w = torch.cat([lins[n].weight.data.float() for n in names])
+                iq = gptq(w, cap.data[names[0]].H, spec.bits, spec.group_size, bool(spec.sym), spec.act_order, spec.damp)
+            for n, part in zip(names, iq.split([lins[n].out_features for n in names])):
+                self.emit(out, n, lins[n], part, spec)
+        return out

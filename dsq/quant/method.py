@@ -1,0 +1,132 @@
+"""The contract of a quantization method, and what the layer-by-layer methods share.
+
+One instance of each method lives in `dsq.quant.registry.METHODS`; `dsq.quant.quantize` and the
+driver ask it instead of comparing method names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dsq.errors import DsqError, OutputExists
+from dsq.quant.spec import OnStep, QuantSpec, no_progress
+
+if TYPE_CHECKING:
+    import torch
+
+    from dsq.quant.blocks import Block
+
+
+def check_target(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise OutputExists(f"{out} already exists", "pass --force to overwrite it or choose another --out")
+
+
+def dir_size(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+class Method:
+    """A way to quantize a model: what `dsq quantize --method NAME` runs."""
+
+    name = ""
+    spec_type: type = object  # the spec class this method takes
+    needs_calibration = False
+    writes_card = False  # the artifact has a model card that evaluation numbers can go in
+
+    def spec(self, options: dict):
+        """This method's spec from flat options (the CLI's flag names)."""
+        raise NotImplementedError
+
+    def validate(self, spec) -> None:
+        """Refuse settings the method cannot honour; fill in its defaults."""
+
+    def weight_bits(self, spec) -> float:
+        raise NotImplementedError
+
+    def output_name(self, spec) -> str:
+        """The default artifact's name after the model's: NAME-<this>."""
+        raise NotImplementedError
+
+    def quantize(self, source: Path, out: Path, spec, *, device: str = "auto", force: bool = False,
+                 threads: int | None = None, progress: OnStep = no_progress, batch: int = 8,
+                 compute_dtype: "torch.dtype | None" = None) -> Path:
+        raise NotImplementedError
+
+    def describe(self, out: Path) -> str:
+        """What `dsq quantize` says about the artifact it wrote."""
+        raise NotImplementedError
+
+
+class LayerMethod(Method):
+    """A method that dsq.quant.driver runs one decoder block at a time into an HF directory."""
+
+    spec_type = QuantSpec
+    default_sym = True
+    takes_act_order = False
+    writes_card = True
+
+    def spec(self, options: dict) -> QuantSpec:
+        return QuantSpec.from_options(self.name, options)
+
+    def validate(self, spec: QuantSpec) -> None:
+        if spec.sym is None:
+            spec.sym = self.default_sym
+        self.check(spec)
+        if spec.act_order and not self.takes_act_order:
+            raise DsqError("--act-order applies to gptq only")
+        if not 0 < spec.damp < 1:
+            raise DsqError(f"--damp must be in (0, 1), got {spec.damp}")
+
+    def check(self, spec: QuantSpec) -> None:
+        """The method's own rules on its settings."""
+
+    def weight_bits(self, spec: QuantSpec) -> int:
+        return spec.bits
+
+    def label(self, spec: QuantSpec) -> str:
+        return f"{self.name}-w{self.weight_bits(spec)}"
+
+    def output_name(self, spec: QuantSpec) -> str:
+        return self.label(spec)
+
+    def kept(self, spec: QuantSpec) -> list[str]:
+        """Module patterns the checkpoint keeps 16-bit."""
+        return ["lm_head"] + list(spec.skip)
+
+    def quantization_config(self, spec: QuantSpec) -> dict:
+        raise NotImplementedError
+
+    def check_shape(self, name: str, n_out: int, n_in: int, spec: QuantSpec) -> None:
+        """Refuse, before any work, a Linear the format cannot hold."""
+
+    def quantize_block(self, block: "Block", spec: QuantSpec) -> dict:
+        """Quantize the block's Linears in place; the tensors to write, by name inside the block."""
+        raise NotImplementedError
+
+    def settings(self, spec: QuantSpec) -> dict:
+        """The model card's rows for the method's own settings."""
+        return {}
+
+    def card_settings(self, spec: QuantSpec) -> dict:
+        rows = {"method": self.name, "bits": self.weight_bits(spec), **self.settings(spec)}
+        if self.needs_calibration:
+            rows.update(calibration=spec.calib.source, samples=spec.calib.samples, seq_len=spec.calib.seq_len)
+        return rows
+
+    def quantize(self, source: Path, out: Path, spec: QuantSpec, *, device: str = "auto", force: bool = False,
+                 threads: int | None = None, progress: OnStep = no_progress, batch: int = 8,
+                 compute_dtype: "torch.dtype | None" = None) -> Path:
+        from dsq.quant.driver import quantize_layers
+        from dsq.runtime.model_ref import resolve_model
+
+        ref = resolve_model(str(source))
+        if ref.kind != "hf":
+            raise DsqError(f"{self.name} quantizes HF safetensors models", "convert the GGUF first: dsq convert IN OUT")
+        quantize_layers(ref.path, out, spec, device=device, force=force, progress=progress, batch=batch,
+                        compute_dtype=compute_dtype)
+        return out
+
+    def describe(self, out: Path) -> str:
+        return f"{dir_size(out) / 2**20:.1f} MiB"
