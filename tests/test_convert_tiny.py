@@ -70,11 +70,11 @@ def test_tokenization_matches_hf(kind, tiny_dir, tiny_gguf):
 def test_tensor_names_agree_with_gguf_py(kind, tiny_dir):
     import gguf
 
-    from dsq.formats.arch import ARCHS
     from dsq.formats.hf import HFModelDir
+    from dsq.models.registry import arch_for_model_type
 
     hf = HFModelDir(tiny_dir(kind))
-    spec = ARCHS[hf.model_type]
+    spec = arch_for_model_type(hf.model_type)
     n = hf.config["num_hidden_layers"]
     ref = gguf.get_tensor_name_map(gguf.MODEL_ARCH[spec.gguf_arch.upper()], n)
     for name in hf.tensor_names():
@@ -82,6 +82,58 @@ def test_tensor_names_agree_with_gguf_py(kind, tiny_dir):
         theirs = ref.get_name(name, try_suffixes=(".weight", ".bias"))
         assert ours == theirs, name
         assert spec.gguf_to_hf_name(ours) == name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gguf_hf_gguf_round_trip(kind, tiny_gguf, tmp_path):
+    """What an architecture reads back from GGUF (Arch.read_gguf) writes the same GGUF again
+    (Arch.write_gguf): same keys and values, same tensor bytes."""
+    from dsq.convert.gguf_to_hf import gguf_to_hf
+    from dsq.convert.hf_to_gguf import hf_to_gguf
+    from dsq.formats.gguf_file import GGUFFile
+
+    a = GGUFFile(tiny_gguf(kind, "F32"))
+    hf = gguf_to_hf(a.path, tmp_path / "hf", "float32", progress=lambda *_: None)
+    b = GGUFFile(hf_to_gguf(hf, tmp_path / "again.gguf", "F32", name=a.field("general.name")))
+    keys = (set(a._fields) | set(b._fields)) - {"general.source.url"}
+    head_dim = a.arch_field("embedding_length") // a.arch_field("attention.head_count")
+    for k in sorted(keys):
+        if k not in a._fields and k.endswith(("attention.key_length", "attention.value_length")):
+            assert b.field(k) == head_dim, k  # the read-back config always says head_dim
+        else:
+            assert a.field(k) == b.field(k), k
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for t in a.tensors:
+        assert np.array_equal(a.raw(t.name)[0], b.raw(t.name)[0]), t.name
+
+
+def test_unsupported_architectures():
+    from dsq.errors import UnsupportedModel
+    from dsq.models.registry import arch_for_gguf, arch_for_model_type, build_args
+
+    with pytest.raises(UnsupportedModel, match="multimodal Gemma 3") as e:
+        arch_for_model_type("gemma3")
+    assert "gemma3_text" in e.value.hint
+    with pytest.raises(UnsupportedModel, match="'mamba' is not supported") as e:
+        arch_for_model_type("mamba")
+    assert e.value.hint == "supported: llama, qwen2, gemma3_text"
+    with pytest.raises(UnsupportedModel, match="'gemma3' is not supported by the native runtime"):
+        build_args({"model_type": "gemma3"})
+    with pytest.raises(UnsupportedModel, match="'gemma2' cannot be converted to HF yet") as e:
+        arch_for_gguf("gemma2")
+    assert e.value.hint == "supported: llama, qwen2, gemma3"
+
+
+def test_chat_template_fallbacks_by_architecture():
+    from dsq.models.registry import gguf_name
+    from dsq.runtime.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, fallback_for, pick_template
+
+    assert [gguf_name(m) for m in ("gemma3_text", "qwen2", "llama", "mistral")] == ["gemma3", "qwen2", "llama",
+                                                                                      "mistral"]
+    assert fallback_for("gemma3") == fallback_for("gemma2") == fallback_for("gemma") == GEMMA_TEMPLATE
+    assert fallback_for("qwen2") == fallback_for("qwen3") == CHATML_TEMPLATE
+    assert fallback_for("llama") is None and fallback_for("mistral") is None
+    assert pick_template(None, "qwen3", lambda t: False, "", "").origin == "fallback:qwen3"
 
 
 def test_metadata_written(tiny_gguf):

@@ -112,12 +112,13 @@ def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_
     `mix` to `out` (temp file + rename)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
-    from dsq.formats.arch import arch_for_model_type, llama3_rope_factors
+    from dsq.convert.hf_to_gguf import write_hparams
     from dsq.formats.gguf_types import FTYPES
     from dsq.formats.hf import atomic_output_file
-    from dsq.convert.hf_to_gguf import _write_hparams
     from dsq.formats.tokenizer_gguf import write_vocab_gguf
     from dsq.kernels.gguf_ref import row_bytes
+    from dsq.models.registry import arch_for_model_type
+    from dsq.models.rope import llama3_rope_factors
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
@@ -133,11 +134,12 @@ def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_
     if cfg["rope_parameters"].get("rope_type") == "llama3":
         extra.append(("rope_freqs.weight", llama3_rope_factors(cfg["rope_parameters"], cfg["head_dim"]).numpy()))
 
+    arch = arch_for_model_type("llama")
     with atomic_output_file(Path(out), force=force) as tmp:
-        w = GGUFWriter(str(tmp), "llama")
+        w = GGUFWriter(str(tmp), arch.gguf_arch)
         w.add_name(f"random {shape} {mix}")
         w.add_file_type(FTYPES[mix])
-        _write_hparams(w, arch_for_model_type("llama"), cfg, cfg["vocab_size"])
+        write_hparams(w, arch, cfg, cfg["vocab_size"])
         write_vocab_gguf(w, synthetic_vocab(cfg["vocab_size"]))
         for name, shp, t in plan:
             if t == "F32":

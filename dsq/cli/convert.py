@@ -48,10 +48,10 @@ def convert(
 
     ref = resolve_model(src)
     if ref.kind == "gguf":
-        from dsq.formats.arch import arch_for_gguf
-        from dsq.formats.gguf_file import GGUFFile
         from dsq.convert.gguf_to_hf import gguf_to_hf
-        from dsq.runtime.chat_template import FALLBACKS
+        from dsq.formats.gguf_file import GGUFFile
+        from dsq.models.registry import arch_for_gguf
+        from dsq.runtime.chat_template import fallback_for
 
         target = Path(out) if out else ref.path.with_name(ref.path.stem + "-hf")
         if target.exists() and not force:
@@ -59,7 +59,7 @@ def convert(
         arch = GGUFFile(ref.path).arch
         arch_for_gguf(arch)  # refuse early, before any work
         gguf_to_hf(ref.path, target, dtype=dtype, force=force, console=console(),
-                   fallback_template=FALLBACKS.get(arch))
+                   fallback_template=fallback_for(arch))
     else:
         from dsq.convert.hf_to_gguf import hf_to_gguf
         from dsq.ui import convert_with_progress

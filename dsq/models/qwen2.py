@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from dsq.models import llama
-from dsq.models.base import ModelArgs, Transformer
+from dsq.models.arch import Arch
 
-REQUIRED = llama.REQUIRED
+if TYPE_CHECKING:
+    from dsq.formats.gguf_file import GGUFFile
+    from dsq.models.base import ModelArgs
 
 
 def args_from_config(cfg: dict) -> ModelArgs:
@@ -18,4 +21,10 @@ def args_from_config(cfg: dict) -> ModelArgs:
     return replace(llama.args_from_config(cfg), attention_bias=True, mlp_bias=False)
 
 
-Model = Transformer
+def read_gguf(g: GGUFFile, cfg: dict, tensor_names: set[str]) -> dict:
+    return {"hidden_act": "silu", "attention_bias": True, "mlp_bias": False, "use_sliding_window": False}
+
+
+ARCH = Arch(model_types=("qwen2",), hf_class="Qwen2ForCausalLM", gguf_arch="qwen2",
+            args_from_config=args_from_config, block_names=llama.BLOCK_NAMES, read_gguf=read_gguf,
+            chat_template="chatml")

@@ -1,5 +1,6 @@
 """Chat templates: render the model's own Jinja template (as transformers does), or a fallback
-chosen by architecture when the model carries none; split DeepSeek-R1 `<think>` sections.
+chosen by architecture (its registry entry names one of TEMPLATES) when the model carries none;
+split DeepSeek-R1 `<think>` sections.
 
 Shared by every backend: the llama.cpp path and the native runtime render prompts here.
 """
@@ -46,8 +47,7 @@ PLAIN_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ 'Assistant:' }}{%- endif -%}"
 )
-FALLBACKS = {"gemma3": GEMMA_TEMPLATE, "gemma2": GEMMA_TEMPLATE, "gemma": GEMMA_TEMPLATE,
-             "qwen2": CHATML_TEMPLATE, "qwen3": CHATML_TEMPLATE}
+TEMPLATES = {"gemma": GEMMA_TEMPLATE, "chatml": CHATML_TEMPLATE}  # what registry entries name
 
 
 @dataclass(frozen=True)
@@ -86,12 +86,21 @@ def _compile(source: str):
     return env.from_string(source)
 
 
+def fallback_for(arch: str) -> str | None:
+    """The fallback template of a GGUF architecture name, if its registry entry names one."""
+    from dsq.models.registry import find_gguf
+
+    entry = find_gguf(arch)
+    return TEMPLATES.get(entry.chat_template) if entry and entry.chat_template else None
+
+
 def pick_template(template: str | None, arch: str, vocab_has: callable, bos: str, eos: str) -> ChatTemplate:
-    """The model's template if it has one, else a fallback for its architecture."""
+    """The model's template if it has one, else a fallback for its architecture (GGUF name)."""
     if template:
         return ChatTemplate(template, "model", bos, eos)
-    if arch in FALLBACKS:
-        return ChatTemplate(FALLBACKS[arch], f"fallback:{arch}", bos, eos)
+    fallback = fallback_for(arch)
+    if fallback:
+        return ChatTemplate(fallback, f"fallback:{arch}", bos, eos)
     if vocab_has("<|start_header_id|>"):
         return ChatTemplate(LLAMA3_TEMPLATE, "fallback:llama3", bos, eos)
     if vocab_has("<|im_start|>"):

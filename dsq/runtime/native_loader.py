@@ -15,21 +15,11 @@ from torch import nn
 
 from dsq.errors import BadModelFile
 from dsq.models.base import Transformer
-from dsq.models.registry import build_args
+from dsq.models.registry import arch_for_gguf, build_args
+from dsq.runtime.gpu_layers import GpuLayers
 from dsq.runtime.qmodules import GGUFEmbedding, GGUFLinear, prepare_kernels, set_module
 
 FLOAT_GGUF = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def layer_devices(n_layer: int, gpu_layers: int, gpu: torch.device | None) -> tuple[list[torch.device], torch.device]:
-    """llama.cpp's --gpu-layers semantics: the last N layers on the GPU; N > n_layer (or -1) moves
-    the output head too. Returns (device per layer, device of the output head)."""
-    cpu = torch.device("cpu")
-    if gpu is None or gpu_layers == 0:
-        return [cpu] * n_layer, cpu
-    k = n_layer + 1 if gpu_layers < 0 else min(gpu_layers, n_layer + 1)
-    per = [gpu if i >= n_layer - min(k, n_layer) else cpu for i in range(n_layer)]
-    return per, (gpu if k > n_layer else cpu)
 
 
 def _check_shapes(model: nn.Module, sd: dict[str, torch.Tensor], where: str, shown: dict | None = None) -> None:
@@ -48,8 +38,9 @@ def _check_shapes(model: nn.Module, sd: dict[str, torch.Tensor], where: str, sho
                                f"{tuple(expected[n].shape)}", "the file is damaged or does not match its config")
 
 
-def _place(model: Transformer, gpu_layers: int, gpu: torch.device | None) -> None:
-    per, head = layer_devices(model.args.num_hidden_layers, gpu_layers, gpu)
+def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None) -> None:
+    """Layers and output head on their devices (GpuLayers.devices: llama.cpp's --gpu-layers)."""
+    per, head = gpu_layers.devices(model.args.num_hidden_layers, gpu)
     for layer, dev in zip(model.model.layers, per):
         layer.to(dev)
     model.model.embed_tokens.to(per[0] if per else head)
@@ -62,14 +53,14 @@ def _place(model: Transformer, gpu_layers: int, gpu: torch.device | None) -> Non
     model.lm_head.to(head)
 
 
-def load_hf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.device | None = None):
+def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None):
     from dsq.formats.hf import HFModelDir
 
     hf = HFModelDir(path)
     cfg = hf.config
-    mod, args = build_args(cfg, f"{path}/config.json")
+    arch, args = build_args(cfg, f"{path}/config.json")
     with torch.device("meta"):
-        model: Transformer = mod.Model(args)
+        model: Transformer = arch.Model(args)
     tensors = hf.mmap_tensors()
     if cfg.get("quantization_config"):
         _swap_quantized(model, cfg["quantization_config"], tensors, dtype)
@@ -121,24 +112,23 @@ def _swap_quantized(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor]
         set_module(model, name, new)
 
 
-def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.device | None = None):
-    from dsq.formats.arch import arch_for_gguf
+def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None):
     from dsq.formats.gguf_file import GGUFFile
     from dsq.convert.gguf_to_hf import hf_config_from_gguf
     from dsq.kernels.gguf_ref import SUPPORTED, row_bytes
 
     g = GGUFFile(path)
-    spec = arch_for_gguf(g.arch)
-    cfg = hf_config_from_gguf(g, spec, str(dtype).replace("torch.", ""))
-    mod, args = build_args(cfg, f"{path.name} (GGUF metadata)")
+    arch = arch_for_gguf(g.arch)
+    cfg = hf_config_from_gguf(g, arch, str(dtype).replace("torch.", ""))
+    _, args = build_args(cfg, f"{path.name} (GGUF metadata)")
     with torch.device("meta"):
-        model: Transformer = mod.Model(args)
+        model: Transformer = arch.Model(args)
     modules = dict(model.named_modules())
     sd: dict[str, torch.Tensor] = {}
     shown: dict[str, str] = {}
     entries = {t.name: t for t in g.tensors}
     nq, nkv = args.num_attention_heads, args.num_key_value_heads
-    for gname, hname in spec.gguf_plan(list(entries), path.name):
+    for gname, hname in arch.gguf_plan(list(entries), path.name):
         t = entries[gname]
         raw, qtype, shape = g.raw(t.name)
         raw_t = torch.from_numpy(raw)
@@ -147,7 +137,7 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.de
         is_q = False
         if t.type_name in SUPPORTED and t.type_name not in FLOAT_GGUF and len(shape) == 2:
             is_q = True
-            rows = spec.from_gguf(hname, raw_t.reshape(shape[0], row_bytes(t.type_name, shape[1])), nq, nkv)
+            rows = arch.from_gguf(hname, raw_t.reshape(shape[0], row_bytes(t.type_name, shape[1])), nq, nkv)
             old = modules.get(mname)
             if isinstance(old, nn.Linear):
                 expected = (old.out_features, old.in_features)
@@ -174,7 +164,7 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: int = 0, gpu: torch.de
                 w = raw_t.view(FLOAT_GGUF[t.type_name]).reshape(shape).float()
             else:  # a type without a kernel yet: dequantized once, here
                 w = torch.from_numpy(g.dequantize(t.name).copy())
-            sd[hname] = spec.from_gguf(hname, w, nq, nkv).to(dtype)
+            sd[hname] = arch.from_gguf(hname, w, nq, nkv).to(dtype)
     if args.tie_word_embeddings and "model.embed_tokens.weight" in sd:
         sd.pop("lm_head.weight", None)
     _check_shapes(model, sd, path.name, shown)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dsq.errors import DsqError
+from dsq.runtime.gpu_layers import GpuLayers
 
 GiB, MiB = 1 << 30, 1 << 20
 # Achieved fraction of bandwidth in llama.cpp batch-1 decode, calibrated on measurements
@@ -187,14 +188,7 @@ def shape_from_gguf(path: Path) -> ModelShape:
     hk = int(a("attention.key_length", n_embd // max(1, n_head)))
     hv = int(a("attention.value_length", hk))
     window = int(a("attention.sliding_window", 0) or 0)
-    pattern = a("attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        swa = [bool(x) for x in pattern][:n_layer]
-    elif window and g.arch in ("gemma3", "gemma2", "cohere2"):
-        p = int(pattern or (6 if g.arch == "gemma3" else 2))
-        swa = [(i + 1) % p != 0 for i in range(n_layer)]
-    else:
-        swa = [False] * n_layer
+    swa = _gguf_sliding_layers(g, window, n_layer)
     tokens = g.field("tokenizer.ggml.tokens")
     ff = a("feed_forward_length", 0)
     return ModelShape(g.name, g.arch, n_layer, int(a("context_length", 4096)), n_embd, n_head, n_head_kv,
@@ -202,9 +196,31 @@ def shape_from_gguf(path: Path) -> ModelShape:
                       layers, embed, output, out_type, misc, swa, window)
 
 
+def _gguf_sliding_layers(g, window: int, n_layer: int) -> list[bool]:
+    """Per layer: sliding-window attention? A pattern list says; else the architecture's period."""
+    from dsq.models.arch import sliding_from_gguf
+    from dsq.models.registry import find_gguf
+
+    pattern = g.arch_field("attention.sliding_window_pattern")
+    entry = find_gguf(g.arch)
+    period = entry.sliding_period if entry else 0
+    if isinstance(pattern, list) or (window and period):
+        return sliding_from_gguf(pattern, n_layer, period)[:n_layer]
+    return [False] * n_layer
+
+
+def _hf_sliding_layers(cfg: dict, window: int, n_layer: int) -> list[bool]:
+    from dsq.models.registry import find_model_type
+
+    arch = find_model_type(cfg.get("model_type", ""))
+    if window and arch and arch.sliding_layers:
+        return arch.sliding_layers(cfg)
+    return [False] * n_layer
+
+
 def shape_from_hf(path: Path) -> ModelShape:
-    from dsq.formats.arch import gemma3_layer_types, head_dim
     from dsq.formats.hf import HFModelDir
+    from dsq.models.arch import head_dim
 
     hf = HFModelDir(path)
     cfg = hf.config
@@ -233,8 +249,7 @@ def shape_from_hf(path: Path) -> ModelShape:
     output = output or embed
     hd = head_dim(cfg)
     window = int(cfg.get("sliding_window") or 0)
-    swa = ([t == "sliding_attention" for t in gemma3_layer_types(cfg)]
-           if cfg.get("model_type", "").startswith("gemma3") and window else [False] * n_layer)
+    swa = _hf_sliding_layers(cfg, window, n_layer)
     return ModelShape(path.name, cfg.get("model_type", "?"), n_layer, int(cfg.get("max_position_embeddings", 4096)),
                       cfg["hidden_size"], cfg["num_attention_heads"],
                       cfg.get("num_key_value_heads") or cfg["num_attention_heads"], hd, hd,
@@ -307,22 +322,19 @@ def plan_placement(model: str | Path | ModelShape, vram: int, ctx: int = 4096, r
     def gpu_need(ngl: int) -> int:
         if ngl == 0:
             return 0
-        k = min(ngl, shape.n_layer)
-        on = layers[shape.n_layer - k:]
-        need = sum(lc.weight_bytes + lc.kv_bytes for lc in on) + compute + reserve
-        if ngl > shape.n_layer:
-            need += shape.output_bytes
-        return need
+        on, head = GpuLayers(ngl).split(shape.n_layer)
+        need = sum(lc.weight_bytes + lc.kv_bytes for lc, g in zip(layers, on) if g) + compute + reserve
+        return need + (shape.output_bytes if head else 0)
 
     ngl = 0
     for cand in range(shape.n_layer + 1, 0, -1):
         if gpu_need(cand) <= vram:
             ngl = cand
             break
-    k = min(ngl, shape.n_layer)
-    for i, lc in enumerate(layers):
-        lc.device = "GPU" if i >= shape.n_layer - k else "CPU"
-    out_dev = "GPU" if ngl > shape.n_layer else "CPU"
+    on_gpu, head_on_gpu = GpuLayers(ngl).split(shape.n_layer)
+    for lc, g in zip(layers, on_gpu):
+        lc.device = "GPU" if g else "CPU"
+    out_dev = "GPU" if head_on_gpu else "CPU"
     gpu_w = sum(lc.weight_bytes for lc in layers if lc.device == "GPU")
     gpu_kv = sum(lc.kv_bytes for lc in layers if lc.device == "GPU")
     cpu_w = sum(lc.weight_bytes for lc in layers if lc.device == "CPU")
