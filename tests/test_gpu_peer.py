@@ -77,17 +77,19 @@ def test_existing_file_kept_without_force(files):
 
 def test_flash_attention_on_where_layers_sit_on_a_gpu(monkeypatch):
     from dsq.runtime import llama_cpp_backend as lcb
+    from dsq.runtime.gpu_layers import GpuLayers
 
+    none, eight, every = (GpuLayers.parse(g) for g in ("0", "8", "all"))
     monkeypatch.delenv("DSQ_LLAMA_FLASH_ATTN", raising=False)
     monkeypatch.setattr(lcb, "supports_gpu_offload", lambda: True)
-    assert [lcb.flash_attn_for(g) for g in (0, 8, -1)] == [False, True, True]
+    assert [lcb.flash_attn_for(g) for g in (none, eight, every)] == [False, True, True]
     monkeypatch.setattr(lcb, "supports_gpu_offload", lambda: False)
-    assert lcb.flash_attn_for(-1) is False
+    assert lcb.flash_attn_for(every) is False
     monkeypatch.setenv("DSQ_LLAMA_FLASH_ATTN", "1")
-    assert lcb.flash_attn_for(0) is True
+    assert lcb.flash_attn_for(none) is True
     monkeypatch.setenv("DSQ_LLAMA_FLASH_ATTN", "0")
     monkeypatch.setattr(lcb, "supports_gpu_offload", lambda: True)
-    assert lcb.flash_attn_for(-1) is False
+    assert lcb.flash_attn_for(every) is False
 
 
 def test_symbol_owner_is_told_apart():

@@ -139,6 +139,37 @@ def test_batch_generation_equals_single(native):
         assert got == st.token_ids
 
 
+def test_cache_claims_only_the_tokens_run(native):
+    """`cached` holds the prompt and every generated token whose step ran: the last token of a
+    reply was never run through the model, whether the budget or the consumer ended it."""
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.sampling import SamplingParams
+
+    m = native("llama")
+    m.reset()
+    st = GenStats()
+    list(m.stream(IDS[:20], SamplingParams(temperature=0), 6, st, ignore_eos=True))
+    assert m.cached == IDS[:20] + st.token_ids[:-1]
+    events = m.stream(IDS[:20], SamplingParams(temperature=0), 6, GenStats(), ignore_eos=True)
+    first = next(events).token_id
+    events.close()
+    assert m.cached == IDS[:20] and first == st.token_ids[0]
+
+
+def test_batch_of_one_with_repeat_penalty_equals_stream(native):
+    """One decode loop: a batch of one long prompt samples as the stream does (repeat penalty and
+    seeded draws included)."""
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.sampling import SamplingParams
+
+    m = native("qwen2")
+    sp = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, repeat_penalty=1.3, seed=5)
+    m.reset()
+    st = GenStats()
+    list(m.stream(IDS, sp, 12, st, ignore_eos=True))
+    assert m.generate_batch([IDS], sp, 12, ignore_eos=True) == [st.token_ids]
+
+
 def test_sampler():
     from dsq.runtime.sampling import Sampler, SamplingParams
 
@@ -207,6 +238,39 @@ def test_builtin_greedy_64_equals_transformers(builtin_native, builtin_f32):
     hf = AutoModelForCausalLM.from_pretrained(builtin_f32[0], dtype=torch.float32)
     ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
     assert ours == ref[0, len(ids):].tolist()
+
+
+# -- the backend contract ----------------------------------------------------------------------
+def test_both_backends_keep_the_contract(tiny_gguf, tiny_dir):
+    """NativeModel and LlamaCppModel are Backends; load() hands each the ModelRef it resolved."""
+    from pathlib import Path
+
+    from dsq.runtime.backend import Backend, BatchBackend
+    from dsq.runtime.engine import load
+    from dsq.runtime.gpu_layers import GpuLayers
+    from dsq.runtime.model_ref import ModelRef
+    from dsq.runtime.native import NativeModel
+
+    path = tiny_gguf("qwen2", "F16")
+    native, cpp = (load(str(path), backend=b, ctx=64, gpu_layers="0") for b in ("native", "llama.cpp"))
+    for m in (native, cpp):
+        assert isinstance(m, Backend)
+        assert m.ref == ModelRef("gguf", path) and m.gpu_layers == GpuLayers.NONE
+    assert isinstance(native, BatchBackend) and not isinstance(cpp, BatchBackend)
+    hf = load(str(tiny_dir("llama")), backend="llama.cpp", ctx=64)  # runs a converted GGUF
+    assert hf.ref == ModelRef("hf", tiny_dir("llama")) and hf.path.suffix == ".gguf"
+    wrapped = NativeModel.from_model(native.model, native.config, native.tokenizer, n_ctx=64, fuse=False)
+    assert isinstance(wrapped, BatchBackend) and wrapped.ref.path == Path("<memory>")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA does")
+def test_native_gpu_layers_without_cuda(tiny_dir):
+    """--gpu-layers all without CUDA: everything on the CPU, 0 layers reported, 'all' kept as typed."""
+    from dsq.runtime.engine import load
+
+    m = load(str(tiny_dir("llama")), backend="native", ctx=64, gpu_layers="all")
+    assert m.gpu_layers.n_gpu_layers == 0 and str(m.gpu_layers) == "all"
+    assert {str(d) for d in m.model.layer_devices()} == {"cpu"} and m.dtype == torch.float32
 
 
 # -- CLI and bad inputs ------------------------------------------------------------------------

@@ -44,6 +44,7 @@ def test_cuda_bf16_close_to_fp32(kind, tiny_dir):
 def test_graph_decode_equals_eager(gpu_layers, tiny_dir):
     """Greedy tokens through the captured step (all on GPU) and the eager/split paths agree."""
     from dsq.runtime.generate import GenStats
+    from dsq.runtime.gpu_layers import GpuLayers
     from dsq.runtime.native import NativeModel
     from dsq.runtime.sampling import SamplingParams
 
@@ -51,6 +52,9 @@ def test_graph_decode_equals_eager(gpu_layers, tiny_dir):
     for graph in (True, False):
         m = NativeModel(tiny_dir("gemma3"), "hf", n_ctx=256, gpu_layers=gpu_layers, dtype="fp32", cuda_graph=graph)
         assert (m._graph is not None) == (graph and gpu_layers == -1)
+        per, head = GpuLayers.parse(gpu_layers).devices(len(m.model.model.layers), torch.device("cuda"))
+        assert [d.type for d in m.model.layer_devices()] == [d.type for d in per]  # the last N layers
+        assert m.head_device.type == head.type and m.gpu_layers.n_gpu_layers == gpu_layers
         st = GenStats()
         list(m.stream(IDS[:30], SamplingParams(temperature=0), 40, st, ignore_eos=True))
         outs.append(st.token_ids)
@@ -91,7 +95,7 @@ def test_compiled_step_equals_eager(tiny_dir):
 
 def test_failed_compile_falls_back_to_the_eager_graph(tiny_dir, monkeypatch):
     """A decode step that torch.compile cannot build (here: one that raises) costs a warning, not
-    the session: the eager step is captured instead and generates the same tokens."""
+    the run: the eager step is captured instead and generates the same tokens."""
     from dsq.runtime.generate import GenStats
     from dsq.runtime.native import NativeModel
     from dsq.runtime.sampling import SamplingParams
@@ -118,11 +122,11 @@ def test_failed_compile_falls_back_to_the_eager_graph(tiny_dir, monkeypatch):
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_quantize_on_cuda(method, tiny_dir, tmp_path):
-    from dsq.quant.driver import QuantSpec, quantize_model
+    from dsq.quant import CalibSpec, QuantSpec, quantize
     from dsq.runtime.native import NativeModel
 
-    quantize_model(tiny_dir("llama"), tmp_path / method, QuantSpec(method, calib_samples=8, calib_seq_len=64),
-                   device="cuda")
+    quantize(tiny_dir("llama"), tmp_path / method, QuantSpec(method, calib=CalibSpec(samples=8, seq_len=64)),
+             device="cuda")
     m = NativeModel(tmp_path / method, "hf", n_ctx=64, dtype="fp32")
     ref = hf_logits(tiny_dir("llama"), IDS[:30])
     got = m.logits(IDS[:30])
@@ -131,7 +135,7 @@ def test_quantize_on_cuda(method, tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("group", [128, 64, -1])
 def test_gptq_graph_equals_eager(group):
-    import dsq.quant.intq as Q
+    import dsq.quant.gptq as Q
 
     torch.manual_seed(0)
     w = torch.randn(96, 512, device="cuda")

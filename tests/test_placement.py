@@ -42,6 +42,36 @@ def test_bandwidth_model_reproduces_measured_offload(ngl, measured):
     assert err < 0.15
 
 
+def test_gpu_layers_devices_follow_llama_cpp():
+    """The last N layers on the GPU; N > n_layer (or all) moves the output head too."""
+    from dsq.runtime.gpu_layers import GpuLayers
+
+    gpu, n_layer = "cuda:0", 4
+
+    def where(g):
+        per, head = GpuLayers.parse(g).devices(n_layer, gpu)
+        return ["G" if d == gpu else "C" for d in per], "G" if head == gpu else "C"
+
+    assert where("0") == (["C"] * 4, "C")
+    assert where("1") == (["C", "C", "C", "G"], "C")
+    assert where("4") == (["G"] * 4, "C")
+    assert where("5") == where("50") == where("all") == (["G"] * 4, "G")
+    assert [GpuLayers.parse(g).count(n_layer) for g in ("0", "3", "9", "all")] == [0, 3, 5, 5]
+    per, head = GpuLayers.ALL.devices(n_layer, None)  # no GPU: all on the CPU
+    assert {str(d) for d in per} == {str(head)} == {"cpu"}
+
+
+def test_plan_places_layers_as_gpu_layers_does(builtin_gguf):
+    """The plan's devices are what its --gpu-layers value puts on the GPU."""
+    from dsq.runtime.gpu_layers import GpuLayers
+
+    for mb in (300, 400, 2000):
+        plan = plan_placement(builtin_gguf, vram=mb * MiB, ctx=2048, gpu_bw=1e12, cpu_bw=20e9)
+        per, head = GpuLayers.parse(plan.gpu_layers).devices(plan.n_layer, "gpu")
+        assert [lc.device == "GPU" for lc in plan.layers] == [d == "gpu" for d in per]
+        assert (plan.output_device == "GPU") == (head == "gpu")
+
+
 def test_plan_is_monotone_and_consistent(builtin_gguf):
     from dsq.formats.gguf_file import GGUFFile
 

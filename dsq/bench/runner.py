@@ -6,15 +6,19 @@ from __future__ import annotations
 import platform
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from dsq.errors import DsqError
+
+if TYPE_CHECKING:
+    from dsq.bench.metrics import PeakMemory
+    from dsq.runtime.backend import Backend
 
 
 @dataclass
 class BenchRecord:
     backend: str
-    gpu_layers: int | str  # as asked ("all" stays "all")
+    gpu_layers: str  # as asked ("all" stays "all")
     gpu_layers_effective: int
     repeat: int
     prompt_tokens: int
@@ -77,12 +81,37 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
               warmup: bool = True, on_record: Callable[[BenchRecord], None] | None = None,
               on_status: Callable[[str], None] | None = None, model_opts: dict | None = None,
               batch: tuple[int, ...] = (1,)) -> list[BenchRecord]:
-    """Benchmark one model (a path, or None for the built-in) across backends x gpu_layers x
-    batch sizes (above 1: the native backend's batched decode, prompts of the same length)."""
+    """Benchmark one model (a path, or None for the built-in) across backends x gpu_layers (each a
+    GpuLayers, or what GpuLayers.parse takes) x batch sizes (above 1: the native backend's batched
+    decode, prompts of the same length)."""
     from dsq.bench.metrics import PeakMemory, gpu_used_bytes
-    from dsq.runtime.engine import BACKENDS, load
-    from dsq.runtime.generate import GenStats
-    from dsq.runtime.sampling import SamplingParams
+    from dsq.runtime.engine import load
+    from dsq.runtime.gpu_layers import GpuLayers
+
+    _check_settings(backends, prompt_tokens, gen_tokens, repeat, batch)
+    n_ctx = max(ctx or 0, prompt_tokens + gen_tokens + 8)
+    say = on_status or (lambda s: None)
+    records: list[BenchRecord] = []
+    for backend in backends:
+        for gl in [GpuLayers.parse(g) for g in gpu_layers]:
+            base_gpu = gpu_used_bytes()
+            say(f"{backend}: loading with --gpu-layers {gl}")
+            t0 = time.perf_counter()
+            with PeakMemory(baseline_gpu=base_gpu) as load_mem:
+                m = load(model, backend=backend, ctx=n_ctx, threads=threads, gpu_layers=gl, **(
+                    model_opts.get(backend, {}) if model_opts else {}))
+            loaded = _Loaded(m, str(gl), time.perf_counter() - t0, load_mem, base_gpu)
+            for B in batch:
+                for rec in _runs(loaded, B, prompt_tokens, gen_tokens, repeat, warmup, say):
+                    records.append(rec)
+                    if on_record:
+                        on_record(rec)
+            del m, loaded
+    return records
+
+
+def _check_settings(backends, prompt_tokens: int, gen_tokens: int, repeat: int, batch: tuple[int, ...]) -> None:
+    from dsq.runtime.engine import BACKENDS
 
     if prompt_tokens < 1 or gen_tokens < 2 or repeat < 1:
         raise DsqError("--prompt-tokens >= 1, --gen-tokens >= 2 and --repeat >= 1 are needed")
@@ -93,48 +122,52 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
     for b in backends:
         if b not in BACKENDS:
             raise DsqError(f"unknown backend {b!r}", f"choose from: {', '.join(BACKENDS)}")
-    n_ctx = max(ctx or 0, prompt_tokens + gen_tokens + 8)
+
+
+@dataclass
+class _Loaded:
+    """A model loaded for the bench: --gpu-layers as asked, load time and peak memory."""
+
+    model: Backend
+    asked: str  # str(GpuLayers): as the user typed it
+    load_s: float
+    load_mem: PeakMemory  # peak memory while loading
+    base_gpu: int  # GPU memory in use before loading
+
+
+def _runs(loaded: _Loaded, B: int, prompt_tokens: int, gen_tokens: int, repeat: int, warmup: bool, say):
+    """The timed runs of one loaded model at batch size B, a record each."""
+    from dsq.bench.metrics import PeakMemory
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.sampling import SamplingParams
+
+    m = loaded.model
     greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
-    records: list[BenchRecord] = []
-    for backend in backends:
-        for gl in gpu_layers:
-            base_gpu = gpu_used_bytes()
-            if on_status:
-                on_status(f"{backend}: loading with --gpu-layers {gl}")
-            t0 = time.perf_counter()
-            with PeakMemory(baseline_gpu=base_gpu) as load_mem:
-                m = load(model, backend=backend, ctx=n_ctx, threads=threads, gpu_layers=gl, **(
-                    model_opts.get(backend, {}) if model_opts else {}))
-            load_s = time.perf_counter() - t0
-            ngl = m.gpu_layers
-            for B in batch:
-                prompts = bench_prompts(m, prompt_tokens, B)
-                # warm-up on the real prompts: one-time work (kernel autotuning for the prefill's
-                # shapes, compiling and capturing this batch size's step) stays out of the timed runs
-                if warmup:
-                    m.reset()
-                    _generate(m, prompts, greedy, 4)
-                for r in range(repeat):
-                    if on_status:
-                        on_status(f"{backend} --gpu-layers {gl}" + (f" --batch {B}" if B > 1 else "")
-                                  + f": run {r + 1}/{repeat}")
-                    st = GenStats()
-                    m.reset()  # no prefix reuse between repeats: every run prefills the whole prompt
-                    with PeakMemory(baseline_gpu=base_gpu) as mem:
-                        _generate(m, prompts, greedy, gen_tokens, st)
-                    rec = BenchRecord(
-                        backend=backend, gpu_layers=gl, gpu_layers_effective=ngl, repeat=r,
-                        prompt_tokens=st.prompt_tokens, gen_tokens=st.generated_tokens,
-                        prefill_tok_s=round(st.prefill_tok_s, 2), decode_tok_s=round(st.decode_tok_s, 2),
-                        ttft_ms=round(st.ttft_s * 1000, 3), tpot_ms=round(st.tpot_ms, 3),
-                        peak_rss_mb=round(max(mem.peak_rss, load_mem.peak_rss) / 2**20, 1),
-                        peak_vram_mb=round(max(mem.peak_gpu, load_mem.peak_gpu) / 2**20, 1),
-                        load_s=round(load_s, 3), threads=m.n_threads, batch=B)
-                    records.append(rec)
-                    if on_record:
-                        on_record(rec)
-            del m
-    return records
+    prompts = bench_prompts(m, prompt_tokens, B)
+    # warm-up on the real prompts: one-time work (kernel autotuning for the prefill's shapes,
+    # compiling and capturing this batch size's step) stays out of the timed runs
+    if warmup:
+        m.reset()
+        _generate(m, prompts, greedy, 4)
+    for r in range(repeat):
+        say(f"{m.backend} --gpu-layers {loaded.asked}" + (f" --batch {B}" if B > 1 else "") + f": run {r + 1}/{repeat}")
+        st = GenStats()
+        m.reset()  # no prefix reuse between repeats: every run prefills the whole prompt
+        with PeakMemory(baseline_gpu=loaded.base_gpu) as mem:
+            _generate(m, prompts, greedy, gen_tokens, st)
+        yield _record(loaded, r, B, st, mem)
+
+
+def _record(loaded: _Loaded, r: int, B: int, st, mem) -> BenchRecord:
+    m = loaded.model
+    return BenchRecord(
+        backend=m.backend, gpu_layers=loaded.asked, gpu_layers_effective=m.gpu_layers.n_gpu_layers, repeat=r,
+        prompt_tokens=st.prompt_tokens, gen_tokens=st.generated_tokens,
+        prefill_tok_s=round(st.prefill_tok_s, 2), decode_tok_s=round(st.decode_tok_s, 2),
+        ttft_ms=round(st.ttft_s * 1000, 3), tpot_ms=round(st.tpot_ms, 3),
+        peak_rss_mb=round(max(mem.peak_rss, loaded.load_mem.peak_rss) / 2**20, 1),
+        peak_vram_mb=round(max(mem.peak_gpu, loaded.load_mem.peak_gpu) / 2**20, 1),
+        load_s=round(loaded.load_s, 3), threads=m.n_threads, batch=B)
 
 
 def machine_info() -> dict:

@@ -48,6 +48,7 @@ def bench(
     from dsq.bench.report import plot, summarize, table, write_json
     from dsq.bench.runner import machine_info, run_bench
     from dsq.runtime.engine import BACKENDS
+    from dsq.runtime.gpu_layers import GpuLayers
     from dsq.runtime.model_ref import resolve_model
     from dsq.runtime.llama_cpp_backend import supports_gpu_offload
     from dsq.errors import DsqError
@@ -58,13 +59,13 @@ def bench(
     for b in backends:
         if b not in BACKENDS:
             raise DsqError(f"unknown backend {b!r}", f"choose from: {', '.join(BACKENDS)}")
-    sweep = [g.strip() for g in gpu_layers.split(",") if g.strip()]
+    sweep = [GpuLayers.parse(g) for g in gpu_layers.split(",") if g.strip()]
     try:
         batches = tuple(int(b) for b in batch.split(",") if b.strip())
     except ValueError:
         raise DsqError(f"--batch {batch!r} is not a list of whole numbers", "e.g. --batch 1,4,16") from None
     ref = resolve_model(model, con)
-    if "llama.cpp" in backends and any(g != "0" for g in sweep) and not supports_gpu_offload():
+    if "llama.cpp" in backends and any(g != GpuLayers.NONE for g in sweep) and not supports_gpu_offload():
         con.print("[yellow]note:[/yellow] this llama.cpp build has no GPU support; --gpu-layers has no effect")
     opts = {b: backend_options(b, dtype if b == "native" else None, kv_dtype, compile and b == "native")
             for b in backends}
@@ -82,7 +83,7 @@ def bench(
         report = {"model": str(ref.path), "label": ref.label, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                   "machine": machine_info(),
                   "settings": {"prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeat": repeat,
-                               "backends": backends, "gpu_layers": sweep, "batch": list(batches or (1,)),
+                               "backends": backends, "gpu_layers": [str(g) for g in sweep], "batch": list(batches or (1,)),
                                "threads": records[0].threads},
                   "runs": recs, "summary": rows}
         write_json(json_path, report)

@@ -6,8 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import (Backend, Compile, Ctx, Dtype, GpuLayers, KvDtype, MaxTokens, MinP, ModelArg, RepeatPenalty,
-                            Seed, Temperature, Threads, TopK, TopP, backend_options, command)
+from dsq.cli.common import (Backend, Compile, Ctx, Dtype, GpuLayersOption, KvDtype, MaxTokens, MinP, ModelArg,
+                            RepeatPenalty, Seed, Temperature, Threads, TopK, TopP, backend_options, command)
 
 HELP = "commands: /reset clears the history, /exit leaves (so does Ctrl-D); Ctrl-C stops a reply"
 
@@ -30,7 +30,7 @@ def chat(
     seed: Seed = None,
     ctx: Ctx = 4096,
     threads: Threads = None,
-    gpu_layers: GpuLayers = "0",
+    gpu_layers: GpuLayersOption = "0",
     backend: Backend = "llama.cpp",
     dtype: Dtype = None,
     kv_dtype: KvDtype = None,

@@ -85,7 +85,7 @@ RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", help="Penalty 
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling (reproducible output).")]
 Ctx = Annotated[int, typer.Option("--ctx", "-c", help="Context length in tokens (prompt + reply).")]
 Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: physical cores).")]
-GpuLayers = Annotated[str, typer.Option(
+GpuLayersOption = Annotated[str, typer.Option(
     "--gpu-layers", "-g", help="Layers to put on the GPU: a number, 'all', or 'auto' (fit the free VRAM).")]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
 Backend = Annotated[str, typer.Option("--backend", "-b", help="native (dsq's torch engine) or llama.cpp.")]

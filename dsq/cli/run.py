@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import (Backend, Compile, Ctx, Dtype, GpuLayers, KvDtype, MaxTokens, MinP, ModelArg, RepeatPenalty,
-                            Seed, Temperature, Threads, TopK, TopP, backend_options, command, stdin_text)
+from dsq.cli.common import (Backend, Compile, Ctx, Dtype, GpuLayersOption, KvDtype, MaxTokens, MinP, ModelArg,
+                            RepeatPenalty, Seed, Temperature, Threads, TopK, TopP, backend_options, command, stdin_text)
 
 
 @command("run", examples=[
@@ -34,7 +34,7 @@ def run(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-text tokens.")] = False,
     ctx: Ctx = 4096,
     threads: Threads = None,
-    gpu_layers: GpuLayers = "0",
+    gpu_layers: GpuLayersOption = "0",
     backend: Backend = "llama.cpp",
     dtype: Dtype = None,
     kv_dtype: KvDtype = None,
@@ -65,7 +65,7 @@ def run(
                       system=system, ignore_eos=ignore_eos, on_text=None if as_json else echo)
     st = result.stats
     if as_json:
-        out = {"model": str(m.ref.path), "backend": m.backend, "gpu_layers": m.gpu_layers,
+        out = {"model": str(m.ref.path), "backend": m.backend, "gpu_layers": m.gpu_layers.n_gpu_layers,
                "threads": m.n_threads, **result.as_dict()}
         typer.echo(json.dumps(out, ensure_ascii=False))
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from dsq.errors import DsqError
+from dsq.runtime.backend import Backend
 from dsq.runtime.chat_template import ThinkSplitter, prompt_opens_think, strip_think
 from dsq.runtime.engine import chat_template_for, encode_prompt
 from dsq.runtime.generate import GenStats
@@ -18,7 +19,7 @@ OnPart = Callable[[str, str], None]  # (kind: "think" | "answer", text)
 
 
 class Conversation:
-    def __init__(self, model, system: str | None = None, sampling: SamplingParams | None = None,
+    def __init__(self, model: Backend, system: str | None = None, sampling: SamplingParams | None = None,
                  max_tokens: int = 1024):
         self.model = model
         self.system = system

@@ -13,53 +13,23 @@ from pathlib import Path
 from typing import Callable
 
 from dsq.errors import DsqError
+from dsq.runtime.backend import Backend
 from dsq.runtime.chat_template import ChatTemplate, pick_template
 from dsq.runtime.generate import GenStats, StopMatcher
+from dsq.runtime.gpu_layers import GpuLayers
 from dsq.runtime.sampling import SamplingParams
 
 BACKENDS = ("native", "llama.cpp")
 
 
-def parse_gpu_layers(value: str | int | None) -> int | str:
-    """'all' -> -1, 'auto' -> 'auto', 'N' -> N (llama.cpp's --gpu-layers semantics)."""
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value
-    v = str(value).strip().lower()
-    if v == "all":
-        return -1
-    if v == "auto":
-        return "auto"
-    try:
-        n = int(v)
-    except ValueError:
-        raise DsqError(f"--gpu-layers takes a number, 'all' or 'auto', got {value!r}") from None
-    if n < 0:
-        raise DsqError(f"--gpu-layers must be >= 0, got {n}", "use 'all' for every layer")
-    return n
-
-
-def resolve_gpu_layers(gpu_layers: int | str, gguf_path: Path, ctx: int) -> int:
-    """Turn 'auto' into a layer count from the placement plan and the GPU's free memory."""
-    if gpu_layers != "auto":
-        return int(gpu_layers)
-    from dsq.runtime.llama_cpp_backend import supports_gpu_offload
-    from dsq.runtime.placement import detect_gpu, plan_placement
-
-    gpu = detect_gpu()
-    if gpu is None or not supports_gpu_offload():
-        return 0
-    return plan_placement(gguf_path, vram=gpu.free_bytes, ctx=ctx).gpu_layers
-
-
 def load(model: str | Path | None = None, *, backend: str = "llama.cpp", ctx: int = 4096,
-         threads: int | None = None, gpu_layers: int | str = 0, seed: int | None = None,
-         console=None, **kwargs):
+         threads: int | None = None, gpu_layers: GpuLayers | int | str = 0, seed: int | None = None,
+         console=None, **kwargs) -> Backend:
     """Load MODEL (a .gguf, an HF directory, or None for the built-in model) on a backend.
 
     backend "llama.cpp" runs GGUF (HF directories are converted once, cached); "native" runs
     both formats in dsq's own torch engine (kwargs: dtype, kv_dtype, cuda_graph).
+    gpu_layers: a number, "all" or "auto" (GpuLayers.parse).
     """
     from dsq.runtime.model_ref import ensure_gguf, resolve_model
 
@@ -68,28 +38,23 @@ def load(model: str | Path | None = None, *, backend: str = "llama.cpp", ctx: in
     if ctx < 16:
         raise DsqError(f"--ctx must be at least 16, got {ctx}")
     ref = resolve_model(model, console)
+    ngl = GpuLayers.parse(gpu_layers)
     if backend == "native":
         from dsq.runtime.native import NativeModel
 
-        ngl = parse_gpu_layers(gpu_layers)
-        if ngl == "auto":
-            ngl = resolve_gpu_layers("auto", ref.path, ctx) if ref.kind == "gguf" else -1
-        m = NativeModel(ref.path, ref.kind, n_ctx=ctx, gpu_layers=ngl, threads=threads, seed=seed, **kwargs)
-    else:
-        from dsq.runtime.llama_cpp_backend import LlamaCppModel
+        return NativeModel(ref.path, ref.kind, ref=ref, n_ctx=ctx, gpu_layers=ngl, threads=threads, seed=seed,
+                           **kwargs)
+    from dsq.runtime.llama_cpp_backend import LlamaCppModel
 
-        path = ensure_gguf(ref, console)
-        ngl = resolve_gpu_layers(parse_gpu_layers(gpu_layers), path, ctx)
-        m = LlamaCppModel(path, n_ctx=ctx, n_threads=threads, gpu_layers=ngl, seed=seed, **kwargs)
-    m.ref = ref
-    return m
+    return LlamaCppModel(ensure_gguf(ref, console), ref=ref, n_ctx=ctx, n_threads=threads, gpu_layers=ngl,
+                         seed=seed, **kwargs)
 
 
-def chat_template_for(model) -> ChatTemplate:
+def chat_template_for(model: Backend) -> ChatTemplate:
     return pick_template(model.chat_template(), model.arch, model.has_token, model.bos_token, model.eos_token)
 
 
-def encode_prompt(model, text: str, templated: bool = False) -> list[int]:
+def encode_prompt(model: Backend, text: str, templated: bool = False) -> list[int]:
     """Token ids for a prompt. A rendered template already holds BOS, so none is added."""
     bos = model.bos_token
     add_bos = model.add_bos and not (templated and bos and text.startswith(bos))
@@ -107,7 +72,7 @@ class GenerationResult:
         return {"text": self.text, "token_ids": self.token_ids, "prompt": self.prompt, **self.stats.as_dict()}
 
 
-def generate(model, prompt: str, *, max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
+def generate(model: Backend, prompt: str, *, max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
              top_p: float = 0.95, min_p: float = 0.0, repeat_penalty: float = 1.0,
              seed: int | None = None, stop: tuple[str, ...] | list[str] = (), chat: bool = False,
              system: str | None = None, ignore_eos: bool = False,

@@ -24,6 +24,8 @@ from typing import Iterator
 
 from dsq.errors import BackendError, DsqError, MissingDependency
 from dsq.runtime.generate import GenStats, TokenEvent
+from dsq.runtime.gpu_layers import GpuLayers
+from dsq.runtime.model_ref import ModelRef
 from dsq.runtime.sampling import SamplingParams
 
 
@@ -173,13 +175,23 @@ def _model_params(**fields):
         C.llama_model_default_params = orig
 
 
-def flash_attn_for(gpu_layers: int) -> bool:
-    """Flash attention for a model with `gpu_layers` layers offloaded (-1: all): on with a GPU
-    build and layers on the GPU, unless DSQ_LLAMA_FLASH_ATTN says 0 or 1."""
+def flash_attn_for(gpu_layers: GpuLayers) -> bool:
+    """Flash attention for a model with `gpu_layers` offloaded: on with a GPU build and layers on
+    the GPU, unless DSQ_LLAMA_FLASH_ATTN says 0 or 1."""
     env = os.environ.get("DSQ_LLAMA_FLASH_ATTN", "").strip()
     if env in ("0", "1"):
         return env == "1"
-    return gpu_layers != 0 and supports_gpu_offload()
+    return gpu_layers.n_gpu_layers != 0 and supports_gpu_offload()
+
+
+def _kv_types(kv_dtype: str | None) -> dict:
+    """llama.cpp's KV cache types (ggml type ids) for --kv-dtype; none: its default."""
+    if not kv_dtype:
+        return {}
+    ggml = {"f32": 0, "fp32": 0, "float32": 0, "f16": 1, "fp16": 1, "float16": 1, "bf16": 30, "bfloat16": 30}
+    if kv_dtype.lower() not in ggml:
+        raise DsqError(f"unknown --kv-dtype {kv_dtype!r}", "use bf16, fp16 or fp32")
+    return {"type_k": ggml[kv_dtype.lower()], "type_v": ggml[kv_dtype.lower()]}
 
 
 class LlamaCppModel:
@@ -187,33 +199,29 @@ class LlamaCppModel:
 
     backend = "llama.cpp"
 
-    def __init__(self, path: str | Path, *, n_ctx: int = 4096, n_threads: int | None = None,
-                 gpu_layers: int = 0, seed: int | None = None, logits_all: bool = False,
-                 f32_kv: bool = False, vocab_only: bool = False, kv_dtype: str | None = None):
+    def __init__(self, path: str | Path, *, ref: ModelRef | None = None, n_ctx: int = 4096,
+                 n_threads: int | None = None, gpu_layers: GpuLayers | int | str = 0, seed: int | None = None,
+                 logits_all: bool = False, f32_kv: bool = False, vocab_only: bool = False,
+                 kv_dtype: str | None = None):
         from dsq.formats.gguf_file import GGUFFile
 
         self.path = Path(path)
+        self.ref = ref or ModelRef("gguf", self.path)
         self.gguf = GGUFFile(self.path)  # validates (truncation, magic) before llama.cpp sees it
         llama_cpp = import_llama_cpp()
         self.n_threads = n_threads or default_threads()
-        self.gpu_layers = gpu_layers
+        self.gpu_layers = GpuLayers.parse(gpu_layers).resolve(self.path, n_ctx)
         kwargs = dict(n_ctx=n_ctx, n_threads=self.n_threads, n_threads_batch=self.n_threads,
-                      n_gpu_layers=gpu_layers, logits_all=logits_all, verbose=False,
+                      n_gpu_layers=self.gpu_layers.n_gpu_layers, logits_all=logits_all, verbose=False,
                       vocab_only=vocab_only, n_batch=min(512, n_ctx), n_ubatch=min(512, n_ctx),
                       swa_full=True)  # full-size SWA cache: chat turns can reuse the cached prefix
         if seed is not None:
             kwargs["seed"] = seed
-        if f32_kv:
-            kv_dtype = "f32"
-        if kv_dtype:
-            ggml = {"f32": 0, "fp32": 0, "float32": 0, "f16": 1, "fp16": 1, "float16": 1, "bf16": 30, "bfloat16": 30}
-            if kv_dtype.lower() not in ggml:
-                raise DsqError(f"unknown --kv-dtype {kv_dtype!r}", "use bf16, fp16 or fp32")
-            kwargs["type_k"] = kwargs["type_v"] = ggml[kv_dtype.lower()]
+        kwargs.update(_kv_types("f32" if f32_kv else kv_dtype))
         if not vocab_only and "torch" in sys.modules and exports_cxx_runtime(llama_cpp):
             raise BackendError("this llama-cpp-python build crashes loading a model in a process that has "
                                "loaded PyTorch (its CUDA library exports its own C++ runtime)", REBUILD_HINT)
-        kwargs["flash_attn"] = flash_attn_for(gpu_layers)
+        kwargs["flash_attn"] = flash_attn_for(self.gpu_layers)
         safe = {"use_extra_bufts": False} if amx_compiled() else {}
         try:
             with _model_params(**safe):

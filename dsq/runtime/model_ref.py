@@ -11,7 +11,7 @@ from dsq.errors import BadModelFile, ModelNotFound
 @dataclass(frozen=True)
 class ModelRef:
     kind: str  # "gguf" | "hf"
-    path: Path
+    path: Path  # (a model built in memory: "hf" at <memory>, NativeModel.from_model)
     builtin: bool = False
 
     @property

@@ -17,13 +17,16 @@ from typing import Iterator
 import torch
 
 from dsq.errors import DsqError
+from dsq.models.registry import gguf_name
 from dsq.runtime.generate import GenStats, TokenEvent
+from dsq.runtime.gpu_layers import GpuLayers
+from dsq.runtime.model_ref import ModelRef
 from dsq.runtime.sampling import Sampler, SamplingParams
 
 PREFILL_CHUNK = 512
+_RECENT = 64  # tokens of each sequence the repeat penalty looks back over
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "f16": torch.float16, "fp32": torch.float32, "float32": torch.float32, "f32": torch.float32}
-_ARCH_NAMES = {"gemma3_text": "gemma3"}  # HF model_type -> the name chat-template fallbacks use
 
 
 def parse_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
@@ -32,6 +35,16 @@ def parse_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
     if name.lower() not in _DTYPES:
         raise DsqError(f"unknown dtype {name!r}", "use bf16, fp16 or fp32")
     return _DTYPES[name.lower()]
+
+
+def _tokenizer(path: Path, kind: str, config: dict):
+    if kind == "gguf":
+        from dsq.runtime.tokenizer import GGUFTokenizer
+
+        return GGUFTokenizer(path)
+    from dsq.runtime.tokenizer import HFTokenizer
+
+    return HFTokenizer(path, config)
 
 
 class _GraphedStep:
@@ -106,50 +119,45 @@ class _CompiledStep:
 class NativeModel:
     backend = "native"
 
-    def __init__(self, path: str | Path, kind: str, *, n_ctx: int = 4096, gpu_layers: int = 0,
-                 dtype: str | None = None, kv_dtype: str | None = None, threads: int | None = None,
-                 seed: int | None = None, cuda_graph: bool = True, fuse: bool = True, compile: bool | str = False):
+    def __init__(self, path: str | Path, kind: str, *, ref: ModelRef | None = None, n_ctx: int = 4096,
+                 gpu_layers: GpuLayers | int | str = 0, dtype: str | None = None, kv_dtype: str | None = None,
+                 threads: int | None = None, seed: int | None = None, cuda_graph: bool = True, fuse: bool = True,
+                 compile: bool | str = False):
         from dsq.runtime.native_loader import load_gguf, load_hf
 
         self.path = Path(path)
         if threads:
             torch.set_num_threads(threads)
         gpu = torch.device("cuda") if torch.cuda.is_available() else None
-        gpu_layers = gpu_layers if gpu is not None else 0
-        on_gpu = gpu is not None and gpu_layers != 0
-        dt = parse_dtype(dtype, torch.bfloat16 if on_gpu else torch.float32)
+        placed = GpuLayers.parse(gpu_layers).resolve(self.path if kind == "gguf" else None, n_ctx).on(gpu)
+        dt = parse_dtype(dtype, torch.bfloat16 if placed.n_gpu_layers != 0 else torch.float32)
         loader = load_gguf if kind == "gguf" else load_hf
-        model, config = loader(self.path, dt, gpu_layers, gpu)
-        if kind == "gguf":
-            from dsq.runtime.tokenizer import GGUFTokenizer
-
-            tokenizer = GGUFTokenizer(self.path)
-        else:
-            from dsq.runtime.tokenizer import HFTokenizer
-
-            tokenizer = HFTokenizer(self.path, config)
-        self._setup(model, config, tokenizer, n_ctx=n_ctx, gpu_layers=gpu_layers, kv_dtype=kv_dtype, seed=seed,
-                    cuda_graph=cuda_graph, fuse=fuse, compile=compile)
+        model, config = loader(self.path, dt, placed, gpu)
+        self._setup(model, config, _tokenizer(self.path, kind, config), ref=ref or ModelRef(kind, self.path),
+                    n_ctx=n_ctx, gpu_layers=placed, kv_dtype=kv_dtype, seed=seed, cuda_graph=cuda_graph, fuse=fuse,
+                    compile=compile)
 
     @classmethod
-    def from_model(cls, model, config: dict, tokenizer, **kw) -> "NativeModel":
-        """Wrap a model already in memory (benchmarks, tests)."""
+    def from_model(cls, model, config: dict, tokenizer, *, ref: ModelRef | None = None, **kw) -> "NativeModel":
+        """Wrap a model already in memory (benchmarks, tests); its ref names no file unless given."""
         self = cls.__new__(cls)
         self.path = Path("<memory>")
-        self._setup(model, config, tokenizer, **kw)
+        self._setup(model, config, tokenizer, ref=ref or ModelRef("hf", self.path), **kw)
         return self
 
-    def _setup(self, model, config, tokenizer, *, n_ctx: int = 4096, gpu_layers: int = 0, kv_dtype=None,
-               seed=None, cuda_graph: bool = True, fuse: bool = True, compile: bool | str = False) -> None:
+    def _setup(self, model, config, tokenizer, *, ref: ModelRef, n_ctx: int = 4096,
+               gpu_layers: GpuLayers | int | str = 0, kv_dtype=None, seed=None, cuda_graph: bool = True,
+               fuse: bool = True, compile: bool | str = False) -> None:
         from dsq.models.base import module_device
 
         self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.ref = ref
         self.n_threads = torch.get_num_threads()
-        self.gpu_layers = gpu_layers
+        self.gpu_layers = GpuLayers.parse(gpu_layers)
         self.dtype = model.dtype
         if fuse:
             model.fuse_projections()
-        self.arch = _ARCH_NAMES.get(config["model_type"], config["model_type"])
+        self.arch = gguf_name(config["model_type"])
         self.n_ctx = n_ctx
         self.kv_dtype = parse_dtype(kv_dtype, self.dtype)
         self.cache = model.make_cache(1, n_ctx, self.kv_dtype)
@@ -157,6 +165,11 @@ class NativeModel:
         self.last_prefill_tokens = 0  # how many prompt tokens the last request had to run
         self.head_device = module_device(model.lm_head)
         self.seed = seed
+        self._prepare_steps(model, cuda_graph, compile)
+
+    def _prepare_steps(self, model, cuda_graph: bool, compile: bool | str) -> None:
+        """The decode step: captured as a CUDA graph with every layer on one GPU (compiled first
+        with `compile`); on the CPU, compiled with `compile` (_CompiledStep); eager otherwise."""
         self._step = model
         mode = None if compile is True or compile == "default" else compile
         devs = {str(d) for d in model.layer_devices()}
@@ -173,7 +186,7 @@ class NativeModel:
                 self._compiled = _CompiledStep(model, self.cache, 1, mode)
             except Exception as e:  # noqa: BLE001 - any compile failure: the eager step still works
                 warnings.warn(f"torch.compile of the CPU decode step failed, decoding eagerly: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=3)
 
     # -- tokenizer interface shared with the llama.cpp backend ----------------------------
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
@@ -236,6 +249,19 @@ class NativeModel:
             return self._compiled(tok[:, None], slots, cache, pad, slot + 1)[:, -1]
         return self.model(tok[:, None], slots, cache, pad, kv_len=slot + 1, last_only=True)[:, -1]
 
+    def _reuse_prefix(self, prompt_ids: list[int]) -> int:
+        """Keep the cached prefix the prompt shares (at least its last token is run again, for fresh
+        logits); returns its length, and counts the prompt tokens left to run."""
+        keep = 0
+        for a, b in zip(self.cached, prompt_ids):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(prompt_ids) - 1)
+        self.cached = self.cached[:keep]
+        self.last_prefill_tokens = len(prompt_ids) - keep
+        return keep
+
     @torch.inference_mode()
     def stream(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
                stats: GenStats | None = None, ignore_eos: bool = False) -> Iterator[TokenEvent]:
@@ -246,60 +272,22 @@ class NativeModel:
         if not prompt_ids:
             raise DsqError("the prompt is empty")
         sampler = Sampler(sampling, self.head_device)
-        budget = min(max_tokens, self.n_ctx - len(prompt_ids))
-        pad = torch.zeros(1, dtype=torch.long)
-        if self._graph is not None:
-            pad = pad.cuda()
-        # reuse the cached prefix; at least the last prompt token is run to get fresh logits
-        keep = 0
-        for a, b in zip(self.cached, prompt_ids):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(prompt_ids) - 1)
-        self.cached = self.cached[:keep]
-        self.last_prefill_tokens = len(prompt_ids) - keep
+        budget = max(1, min(max_tokens, self.n_ctx - len(prompt_ids)))  # one token at least, as llama.cpp's
+        pad = torch.zeros(1, dtype=torch.long, device="cuda" if self._graph is not None else None)
+        keep = self._reuse_prefix(prompt_ids)
         stats.start(len(prompt_ids))
         logits = self._prefill(prompt_ids[keep:], keep, self.cache, pad)
         self.cached = list(prompt_ids)
-        recent = torch.tensor([prompt_ids[-64:]], device=self.head_device)
+        recent = torch.tensor([prompt_ids[-_RECENT:]], device=self.head_device)
+        decoder = _Decoder(self, sampler, self.cache, pad, self._graph, recent, window=_RECENT, cached=self.cached)
         detok = self.tokenizer.stream()
-        # With a captured step, step k+1 is launched before token k reaches the host, so the CPU's
-        # per-token work (sync, detokenize, yield) overlaps the GPU's. A launched step whose
-        # token turns out to end generation only wrote a cache slot that `cached` does not claim.
-        pipelined = self._graph is not None
-        host = torch.empty(1, dtype=torch.long, pin_memory=pipelined)
-        ready = torch.cuda.Event() if pipelined else None
-
-        def fetch(tok: torch.Tensor) -> None:
-            if pipelined:
-                host.copy_(tok, non_blocking=True)
-                ready.record()
-
-        tok = sampler(logits, recent)
-        fetch(tok)
         try:
-            while True:
-                ahead = None
-                if pipelined and stats.generated_tokens + 1 < budget:
-                    ahead = self._graph(tok[:, None], len(self.cached), pad)[:, -1]
-                if pipelined:
-                    ready.synchronize()
-                    t = int(host[0])
-                else:
-                    t = int(tok[0])
+            for (t,) in decoder.steps(logits, len(prompt_ids), budget):
                 if not stats.take(t, not ignore_eos and self.is_eog(t)):
                     break
                 text = detok.push(t)
                 if text:
                     yield TokenEvent(t, text)
-                if stats.generated_tokens >= budget:
-                    break
-                logits = ahead if ahead is not None else self._decode(tok, len(self.cached), self.cache, pad)
-                self.cached.append(t)
-                recent = torch.cat((recent[:, 1:] if recent.shape[1] >= 64 else recent, tok[:, None]), dim=1)
-                tok = sampler(logits, recent)
-                fetch(tok)
         finally:
             stats.finish()
         tail = detok.flush()
@@ -353,48 +341,96 @@ class NativeModel:
                            "pass a larger --ctx")
         stats = stats if stats is not None else GenStats()
         captured = self._batch_step(B, length)
-        cache = captured[0] if captured else self.model.make_cache(B, length, self.kv_dtype)
-        pad = torch.tensor([longest - len(p) for p in prompts])
-        ids = torch.zeros(B, longest, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, longest - len(p):] = torch.tensor(p)
+        cache, graph = captured if captured else (self.model.make_cache(B, length, self.kv_dtype), None)
+        ids, pad = _left_padded(prompts, longest)
         sampler = Sampler(sampling, self.head_device)
         stats.start(sum(len(p) for p in prompts))
         logits = self._prefill(ids, 0, cache, pad)
-        recent = ids[:, -64:].to(self.head_device)
-        if captured:
-            pad = pad.cuda()
+        recent = ids[:, -_RECENT:].to(self.head_device)
+        decoder = _Decoder(self, sampler, cache, pad.cuda() if graph else pad, graph, recent, window=recent.shape[1])
         out: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
-        # captured: step k+1 is launched before step k's tokens reach the host (as in `stream`)
-        host = torch.empty(B, dtype=torch.long, pin_memory=True) if captured else None
-        ready = torch.cuda.Event() if captured else None
         try:
-            for step in range(max_tokens):
-                tok = sampler(logits, recent)
-                ahead = None
-                if captured:
-                    host.copy_(tok, non_blocking=True)
-                    ready.record()
-                    if step < max_tokens - 1:
-                        ahead = captured[1](tok[:, None], longest + step, pad)[:, -1]
-                    ready.synchronize()
-                kept = 0
-                for i, t in enumerate((host if captured else tok).tolist()):
-                    if done[i]:
-                        continue
-                    if not ignore_eos and self.is_eog(t):
-                        done[i] = True
-                    else:
-                        out[i].append(t)
-                        kept += 1
-                stats.take_step(B, kept)
-                if all(done) or step == max_tokens - 1:
+            for toks in decoder.steps(logits, longest, max_tokens):
+                stats.take_step(B, self._keep_rows(toks, out, done, ignore_eos))
+                if all(done):
                     break
-                logits = ahead if ahead is not None else self._decode(tok, longest + step, cache, pad)
-                recent = torch.cat((recent[:, 1:], tok[:, None]), dim=1)
         finally:
             stats.finish()
         if all(done):
             stats.finish_reason = "stop"
         return out
+
+    def _keep_rows(self, toks: list[int], out: list[list[int]], done: list[bool], ignore_eos: bool) -> int:
+        """Append each unfinished row's token to its output, or mark the row done at an
+        end-of-generation token; returns how many tokens were kept."""
+        kept = 0
+        for i, t in enumerate(toks):
+            if done[i]:
+                continue
+            if not ignore_eos and self.is_eog(t):
+                done[i] = True
+            else:
+                out[i].append(t)
+                kept += 1
+        return kept
+
+
+def _left_padded(prompts: list[list[int]], longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one (B, longest) batch, each at the right end; and each one's padding (B,)."""
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.tensor(p)
+    return ids, torch.tensor([longest - len(p) for p in prompts])
+
+
+class _Decoder:
+    """The decode loop of `stream` and `generate_batch`: B rows a step, each step's tokens out on
+    the host. A step samples the rows' next tokens (with the repeat penalty over the last
+    `window` tokens of each row), hands them to the host, then runs them through the model at the
+    next cache slot.
+
+    With a captured step (a CUDA graph), step k+1 is launched before step k's tokens reach the host
+    (through pinned memory), so the CPU's per-token work (sync, detokenize, yield) overlaps the
+    GPU's. A launched step whose tokens turn out to end generation only wrote a cache slot that
+    `cached` does not claim: `cached` (the tokens whose keys/values fill the cache, row 0) gains a
+    token once its step has run."""
+
+    def __init__(self, nm: NativeModel, sampler: Sampler, cache, pad: torch.Tensor, graph, recent: torch.Tensor,
+                 window: int, cached: list[int] | None = None):
+        self.nm, self.sampler, self.cache, self.pad, self.graph = nm, sampler, cache, pad, graph
+        self.recent, self.window, self.cached = recent, window, cached
+        pinned = graph is not None
+        self.host = torch.empty(recent.shape[0], dtype=torch.long, pin_memory=True) if pinned else None
+        self.ready = torch.cuda.Event() if pinned else None
+
+    def steps(self, logits: torch.Tensor, start: int, n: int) -> Iterator[list[int]]:
+        """The tokens of up to n steps after the prompt's `logits`, the first step's model run at
+        cache slot `start`. Stop iterating to end early: no step is run for tokens nobody took."""
+        for step in range(n):
+            tok = self._sample(logits)
+            ahead = None
+            if self.graph is not None and step < n - 1:
+                ahead = self.graph(tok[:, None], start + step, self.pad)[:, -1]
+            toks = self._to_host(tok)
+            yield toks
+            if step == n - 1:
+                return
+            logits = ahead if ahead is not None else self.nm._decode(tok, start + step, self.cache, self.pad)
+            if self.cached is not None:
+                self.cached.append(toks[0])
+            keep = self.recent[:, 1:] if self.recent.shape[1] >= self.window else self.recent
+            self.recent = torch.cat((keep, tok[:, None]), dim=1)
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        tok = self.sampler(logits, self.recent)
+        if self.host is not None:
+            self.host.copy_(tok, non_blocking=True)
+            self.ready.record()
+        return tok
+
+    def _to_host(self, tok: torch.Tensor) -> list[int]:
+        if self.host is None:
+            return tok.tolist()
+        self.ready.synchronize()
+        return self.host.tolist()
