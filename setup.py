@@ -71,7 +71,7 @@ class BuildExt(build_ext):
 
 exts = [
     Extension(f"dsq.kernels._cpu_{isa}", [f"kernels/csrc/cpu_{isa}.c"],
-              depends=["kernels/csrc/gguf_cpu.inc", "kernels/csrc/gguf_gemm_cpu.inc", "kernels/csrc/intq_cpu.inc"],
+              depends=[f"kernels/csrc/{f}.inc" for f in ("gguf_cpu", "gguf_gemm_cpu", "intq_cpu", "norm_cpu", "attn_cpu")],
               extra_compile_args=["-O3", "-std=c11", *FLAGS[isa]], optional=True)
     for isa in ISAS
 ]

@@ -71,13 +71,13 @@ def weight_copies(p0) -> list:
 
 
 def bench_shape(fmt: str, N: int, K: int, M: int) -> dict:
-    from dsq.kernels import triton_mma, triton_qlinear
+    from dsq.kernels import triton_dequant, triton_gemm, triton_gemv_q8, triton_mma
     from dsq.kernels.packed import linear_ref, linear_ref_q8
 
     base, _, suffix = fmt.partition("+")
-    kern = {"": triton_qlinear.packed_linear, "q8": triton_qlinear.q8_linear, "rows": triton_qlinear.q8_rows_linear,
+    kern = {"": triton_gemm.packed_linear, "q8": triton_gemv_q8.q8_linear, "rows": triton_gemv_q8.q8_rows_linear,
             "tc": triton_mma.mma_linear, "tcs": triton_mma.mma_linear_scaled,
-            "dq": triton_qlinear.dequant_linear}[suffix]
+            "dq": triton_dequant.dequant_linear}[suffix]
     q8 = suffix in ("q8", "rows")  # x rounded to int8: its own reference
     p0 = random_packed(base, N, K)
     ps = weight_copies(p0)  # copies at other addresses, so the graph's calls read HBM, not L2

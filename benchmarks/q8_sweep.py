@@ -1,5 +1,5 @@
 """The int8-activation kernels at fixed tile configs on a GPU, per format and shape, against torch
-bf16 F.linear in the same run: how their autotune candidates were chosen (triton_qlinear._gemv_q8;
+bf16 F.linear in the same run: the sweep behind their autotune candidates (the int8-x GEMV;
 --m 2..4: its MR rows of x).
 
     python -m benchmarks.q8_sweep [--formats int4-g128,Q4_K,Q8_0] [--shapes 28672x8192,4096x4096,4096x14336]
@@ -37,7 +37,7 @@ def main(argv=None) -> None:
         cands = [tuple(int(v) for v in c.split(":")) for c in a.configs.split(",")]
     from benchmarks.kernels_gpu import bench_bf16, graph_time, weight_copies
     from dsq.bench.random_models import random_packed
-    from dsq.kernels import triton_qlinear as T
+    from dsq.kernels import triton_gemv_q8 as T
     from dsq.kernels.packed import linear_ref_q8
 
     for shape in a.shapes.split(","):

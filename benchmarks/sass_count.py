@@ -1,5 +1,5 @@
 """Count the SASS instructions in the main loop of a Triton kernel compiled for an H100/H200
-(sm_90), without a GPU: how kernel changes were judged before spending device time on them.
+(sm_90), without a GPU: a kernel change's cost read off the compiler's output before it takes device time.
 
     python -m benchmarks.sass_count gemv_q8 int4 --BN 4 --BK 512 --warps 1 --stages 3 [--set EVEN_K=0]
     python -m benchmarks.sass_count gemv_q8 int4 --BN 4 --BK 1024 --warps 1 --stages 1 --set PREFETCH=1
@@ -9,14 +9,14 @@
 
 Prints the loop's instruction count, per weight element and thread, the shared memory, the
 copies' vector widths (Triton's `contiguity`), the most frequent opcodes and the registers a
-thread. Needs Triton's
-bundled ptxas (it ships with the wheel).
+thread. Needs Triton's bundled ptxas (it ships with the wheel).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import inspect
 import re
 
@@ -34,19 +34,22 @@ _PTRS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "bias_ptr": "*bf16", "xw_ptr": "*i3
          "sx_ptr": "*fp32", "xsum_ptr": "*fp32", "lo_ptr": "*i32", "hi_ptr": "*i32", "d_ptr": "*fp16",
          "zp_ptr": "*u8", "mn_ptr": "*u8", "dmin_ptr": "*fp16", "xp_ptr": "*bf16", "xs_ptr": "*fp32",
          "ws_ptr": "*fp32", "cnt_ptr": "*i32", "w_ptr": "*bf16"}
+# the module (in dsq.kernels) that holds each kernel
+KERNELS = {"gemv_q8": "triton_gemv_q8", "quant_x": "triton_gemv_q8", "gemv": "triton_gemv", "gemv_rows": "triton_gemv",
+           "gemv4": "triton_gemv", "gemm": "triton_gemm", "dequant": "triton_dequant", "mma_t": "triton_mma",
+           "mma_s": "triton_mma"}
 _DEFAULTS = dict(CODES=0, HI_BITS=0, SUB=128, SC_ROWS=1, TWO_LEVEL=False, ZERO=0, OFFSET=0, MINS=False,
                  HAS_BIAS=False, USE_ASM=True, EVEN_K=True, EVEN_N=True, FP8_HW=True)  # the others: the signature's
 
 
 def compile_sm90(kernel: str, fmt: str, warps: int, **const):
-    """triton_qlinear._<kernel> compiled for sm_90 with the format's flags and `const` tile sizes."""
+    """The Triton kernel _<kernel> (its module: KERNELS) compiled for sm_90 with the format's flags and
+    `const` tile sizes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from dsq.kernels import triton_mma, triton_qlinear
-
-    fn = getattr(triton_mma if kernel in ("mma_t", "mma_s") else triton_qlinear, "_" + kernel)
+    fn = getattr(importlib.import_module(f"dsq.kernels.{KERNELS[kernel]}"), "_" + kernel)
     f = dict(FORMATS[fmt])
     sc = f.pop("sc")
     names = list(fn.arg_names)

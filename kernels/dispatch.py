@@ -1,18 +1,14 @@
-"""Choose the implementation for a quantized op by device, format and shape.
+"""Choose the implementation of an op by device, format and shape: the model and the runtime's
+quantized modules call these functions, never a kernel directly.
 
-- CUDA: the Triton kernels over the packed layout (kernels/triton_qlinear.py) when Triton imports.
-  `gpu_kernel` decides: MMA_MIN_ROWS..MMA_MAX_ROWS rows of bf16/fp16 x against int4 grouped codes
-  (AWQ/GPTQ) take the tensor-core kernel (kernels/triton_mma.py) unless DSQ_MMA=0; up to
-  Q8_MAX_ROWS rows of x (decode) with integer codes take the int8-activation kernels (x rounded to
-  int8 per 32 elements as llama.cpp does, packed.linear_ref_q8) unless DSQ_ACT_Q8=0 (Q6_K, which
-  that kernel takes at one row only, one row at a time); above that,
-  up to MMA_MAX_ROWS, other 4-bit codes (Q4_K, Q4_0, int4 in groups of 32) take the tensor-core
-  kernel that scales the weights before the MMA (triton_mma.mma_linear_scaled); from
-  DEQUANT_MIN_ROWS rows (prefill; Q5/Q6_K formats from the rows int8 x leaves them) the weight is
-  written out in bf16 for one cuBLAS GEMM; the rest the float-x ones.
-- CPU: the C kernels (kernels/csrc) when they were built.
-- Anything else, or DSQ_KERNELS=reference: the torch reference with the same signature.
-Shape is decided inside each kernel family (GEMV at M=1, tiles and tl.dot / blocked rows above).
+- Quantized matmuls (`packed_linear`, the GPU layout): on CUDA the Triton kernels when Triton
+  imports; `gpu_kernel` picks the family by rows of x and format (see its docstring). Elsewhere
+  the torch reference (kernels/packed.py).
+- GGUF, int4/int8 and FP8 weights on the CPU (`gguf_linear`, `int_linear`, `fp8_linear`): the C
+  kernels (kernels/csrc) when they were built, else the torch reference with the same signature.
+- Attention (`attention_step`, `attention`) and the CPU RMS norm (`rms_norm`): the C kernels for
+  an eager CPU decode step, the Triton decode kernel for a GPU one, SDPA otherwise.
+- DSQ_KERNELS=reference forces the torch reference everywhere.
 """
 
 from __future__ import annotations
@@ -21,40 +17,25 @@ import os
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from dsq.kernels import cpu, fp8_ref, gguf_ref, intq_ref, packed
 
 
 ACT_Q8 = os.environ.get("DSQ_ACT_Q8", "1") != "0"
-# Up to this many rows of x take the int8-activation kernels: on an H200 (int4, 28672x8192) the int8-x
-# kernel with MR rows (then _gemm_q8, now _gemv_q8 with MR) ran at 1.65-1.77x bf16 at M = 2 and 1.16x
-# at 4 against the tl.dot GEMM's 0.77-0.83x, and lost at 8 (0.61x vs 0.84x) and 16 (0.39x vs 0.78x)
-# (docs/benchmarks.md, session 4; the register-prefetch candidates are not yet measured there)
+# up to this many rows of x the int8-x GEMV beats the tl.dot GEMM (docs/benchmarks.md#gpu-kernels-by-rows-of-x)
 Q8_MAX_ROWS = 4
 MMA = os.environ.get("DSQ_MMA", "1") != "0"
-# From this many rows of x int4 grouped codes take the bf16 tensor-core kernel (triton_mma): on an H200
-# it beat the int8-x kernel at 4 rows on the four decode shapes (11.5-57.4 us against 23.8-92.8 in the
-# same run) and lost to it at 2 on three of them (docs/benchmarks.md, session 6)
+# from this many rows int4 grouped codes run faster on tensor cores than with int8 x (docs/benchmarks.md#gpu-kernels-by-rows-of-x)
 MMA_MIN_ROWS = 3
-# Up to this many rows the tensor-core kernels take x. Session 7 on an H200 (int4 g128, the four
-# decode shapes): at 32 rows 0.70-1.02x bf16 against the tl.dot GEMM's 0.23-0.50x, at 64 rows
-# 0.41-0.65x against 0.24-0.54x (a tie at 28672x8192: 219.7 vs 214.5 us); Q4_K at 16 rows with the
-# weight-scaling variant 0.56-0.65x against 0.33-0.47x (docs/benchmarks.md, session 7)
+# up to this many rows the tensor-core kernels beat the tl.dot GEMM (docs/benchmarks.md#gpu-kernels-by-rows-of-x)
 MMA_MAX_ROWS = 64
-# From this many rows of x (prefill) a weight is written out in x's dtype and multiplied by cuBLAS
-# (triton_qlinear.dequant_linear) instead of the tl.dot GEMM. On an H200 (session 8, the four decode
-# shapes) at 128 rows: Q4_K 0.34-0.47x bf16 against the GEMM's 0.16-0.28x, Q6_K 0.27-0.35x against
-# 0.11-0.18x, int4 g128 0.38-0.53x against 0.24-0.56x (the GEMM won at 28672x8192 only); at 2048 rows
-# 0.77-0.92x against 0.11-0.48x; end to end a 512-token prompt of an 8B Q4_K_M GGUF prefilled at 14011
-# tok/s against 7654 (docs/benchmarks.md, session 8). DSQ_DEQUANT_ROWS=N moves it (0: never); FP8
-# (untimed against its own GEMM) takes it only when DSQ_DEQUANT_ROWS is set.
+# from this many rows (prefill) the weight written out for one cuBLAS GEMM beats the tl.dot GEMM (docs/benchmarks.md#prefill);
+# DSQ_DEQUANT_ROWS=N moves it (0: never) and also sends FP8 there, which has no timing against its own GEMM
 _DQ_ENV = os.environ.get("DSQ_DEQUANT_ROWS", "").strip()
 DEQUANT_MIN_ROWS = int(_DQ_ENV) if _DQ_ENV.isdigit() else 128
 DEQUANT_FP8 = _DQ_ENV.isdigit()
-# The tl.dot GEMM of formats with a high-bit plane (Q5_0, Q5_K, Q6_K) is slow at any row count: on an
-# H200 (session 8) Q6_K at 2-64 rows 0.10-0.27x bf16 against 0.24-0.37x for the bf16 weight and
-# cuBLAS, Q5_K at 8 and 64 rows 0.13-0.29x against 0.23-0.37x. So they take the bf16 weight from
-# this many rows, after the int8-x kernels (Q5: up to Q8_MAX_ROWS rows; Q6_K: one GEMV a row, 0.39-1.09x
-# at 2-4 rows). (Q8_0's GEMM kept up: 0.47-0.59x against 0.32-0.53x.)
+# from this many rows, past their int8-x rows, the bf16 weight and cuBLAS beat the slow tl.dot GEMM of Q5_0, Q5_K
+# and Q6_K (a high-bit plane) (docs/benchmarks.md#gpu-kernels-by-rows-of-x)
 DEQUANT_HI_BITS_ROWS = 2
 
 
@@ -77,7 +58,7 @@ def _reference() -> bool:
 def _triton_ok() -> bool:
     try:
         import triton  # noqa: F401
-        from dsq.kernels import triton_qlinear  # noqa: F401
+        from dsq.kernels import triton_dequant, triton_gemm, triton_gemv, triton_gemv_q8  # noqa: F401
     except Exception:  # noqa: BLE001 - no Triton, or one that cannot build here: keep the reference
         return False
     return True
@@ -120,7 +101,7 @@ def gguf_embedding(ids: torch.Tensor, raw: torch.Tensor, qtype: str, dim: int, d
     return gguf_ref.gguf_embedding_ref(ids, raw, qtype, dim, dtype)
 
 
-# above this many values torch's multi-threaded rms_norm wins over the one-thread C loop (prefill)
+# above this many values (prefill) torch's multi-threaded rms_norm beats the one-thread C loop (docs/benchmarks.md#cpu-decode)
 RMS_NORM_C_MAX = 1 << 15
 
 
@@ -133,6 +114,13 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
             or not cpu.has("dsq_rms_norm") or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return None
     return cpu.rms_norm(x, weight, eps, check=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight for float32 x on the CPU: the C kernel for the decode
+    step's small rows in eager mode (rms_norm_cpu), torch.rms_norm otherwise."""
+    y = rms_norm_cpu(x, weight, eps)
+    return y if y is not None else torch.rms_norm(x, weight.shape, weight, eps)
 
 
 def attn_decode_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -197,6 +185,77 @@ def attn_step_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
                          check=False)
 
 
+
+def attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, kv_len: int | None,
+                   mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor | None:
+    """A decode step's q/k norm, rope, KV cache write and attention as one call where one
+    implementation does all four: the C kernels in an eager CPU decode step without a softcap and
+    with a mask (attn_step_cpu). q (B, 1, H, D), k/v (B, 1, Hk, D) before norm and rope, k_cache /
+    v_cache the layer's whole cache (B, Hk, S, D), written at `slots`; attention over its first
+    kv_len slots (all when None). norms(): (q weight, k weight, eps), (None, None, 0.0) without
+    q/k norms, or None when they cannot be fused. Returns (B, 1, H * D), or None: the caller
+    then runs the four itself and calls `attention`."""
+    if (q.shape[1] != 1 or mask is None or softcap or not q.is_cpu or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()):
+        return None
+    n = norms()
+    if n is None:
+        return None
+    S = kv_len if kv_len is not None else k_cache.shape[2]
+    return attn_step_cpu(q, k, v, *n, cos, sin, k_cache, v_cache, slots, S, mask, scale)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              softcap: float | None = None) -> torch.Tensor:
+    """softmax(q k^T scale, masked) v: q (B, T, H, D), k/v (B, Hk, S, D) in q's dtype (grouped
+    query heads: H a multiple of Hk), mask bool (B, 1, T, S), True to attend, or None for causal;
+    with `softcap` the logits are softcap * tanh(logits / softcap). Returns (B, T, H * D).
+    One query token with a mask: the C kernel in an eager CPU step (attn_decode_cpu), written-out
+    ops inductor fuses when compiling for the CPU, the Triton kernel on a GPU (attn_decode_gpu),
+    where each is several times cheaper than SDPA; a softcap: float32 ops; anything else: SDPA."""
+    B, T = q.shape[:2]
+    decode = T == 1 and mask is not None
+    if decode and not softcap and q.is_cpu:
+        o = attn_decode_cpu(q, k, v, mask, scale)
+        if o is not None:
+            return o
+    qt = q.transpose(1, 2)  # (B, H, T, D)
+    if softcap:
+        o = _softcap_attention(qt, k, v, mask, scale, softcap)
+    elif decode and q.is_cpu and torch.compiler.is_compiling():
+        o = _decode_attention(qt, k, v, mask, scale)
+    elif T == 1 and q.is_cuda and (o := attn_decode_gpu(qt, k, v, mask, scale)) is not None:
+        return o
+    else:
+        o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, is_causal=mask is None,
+                                           enable_gqa=qt.shape[1] != k.shape[1])
+    return o.transpose(1, 2).reshape(B, T, -1)
+
+
+def _softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                       softcap: float) -> torch.Tensor:
+    """Attention with capped logits in float32 (SDPA has no softcap): q (B, H, T, D) -> (B, H, T, D)."""
+    rep = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.tanh((q.float() @ kr.float().transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ vr.float()).to(q.dtype)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token's attention written out, q (B, H, 1, D) -> (B, H, 1, D): under torch.compile
+    inductor fuses it into two short loops, where SDPA stays an opaque call costing several times more."""
+    B, H, _, D = q.shape
+    Hk = k.shape[1]
+    qg = q.reshape(B, Hk, H // Hk, 1, D)  # query heads by KV head
+    s = (qg * k[:, :, None]).sum(-1) * scale  # (B, Hk, rep, S)
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (p[..., None] * v[:, :, None]).sum(-2).reshape(B, H, 1, D)
+
+
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                perm: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """dsq's internal int4/int8 layout (kernels/intq_ref.py)."""
@@ -221,24 +280,26 @@ def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None =
 
         return ops.packed_linear_op(x, p, bias)
     if x.device.type == "cuda" and not _reference() and _triton_ok():
-        from dsq.kernels import triton_qlinear
-
-        kind = gpu_kernel(p, x.numel() // p.K, x.dtype)
-        if kind in ("mma", "mma_scaled"):
-            from dsq.kernels import triton_mma
-
-            if kind == "mma":
-                return triton_mma.mma_linear(x, p, bias)
-            return triton_mma.mma_linear_scaled(x, p, bias)
-        if kind == "q8":
-            return triton_qlinear.q8_linear(x, p, bias)
-        if kind == "q8_rows":
-            return triton_qlinear.q8_rows_linear(x, p, bias)
-        if triton_qlinear.supported(p, x):
-            if kind == "dequant":
-                return triton_qlinear.dequant_linear(x, p, bias)
-            return triton_qlinear.packed_linear(x, p, bias)
+        y = _triton_linear(gpu_kernel(p, x.numel() // p.K, x.dtype), x, p, bias)
+        if y is not None:
+            return y
     return packed.linear_ref(x, p, bias)
+
+
+def _triton_linear(kind: str, x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The Triton kernel family `kind` (gpu_kernel's answer), or None when the float-x kernels do
+    not take this weight (the caller then runs the reference)."""
+    if kind in ("mma", "mma_scaled"):
+        from dsq.kernels import triton_mma
+
+        return (triton_mma.mma_linear if kind == "mma" else triton_mma.mma_linear_scaled)(x, p, bias)
+    from dsq.kernels import triton_common, triton_dequant, triton_gemm, triton_gemv_q8
+
+    if kind in ("q8", "q8_rows"):
+        return (triton_gemv_q8.q8_linear if kind == "q8" else triton_gemv_q8.q8_rows_linear)(x, p, bias)
+    if not triton_common.supported(p, x):
+        return None
+    return (triton_dequant.dequant_linear if kind == "dequant" else triton_gemm.packed_linear)(x, p, bias)
 
 
 def gpu_kernel(p: packed.Packed, rows: int, dtype: torch.dtype) -> str:
@@ -260,7 +321,7 @@ def gpu_kernel(p: packed.Packed, rows: int, dtype: torch.dtype) -> str:
         return "q8"
     if ACT_Q8 and rows <= Q8_MAX_ROWS and packed.q8_ok(p, 1):
         return "q8_rows"
-    if mma_rows and triton_mma.supported_scaled(p, rows):  # int8 x won at 4 rows (0.93-1.06x vs 0.72-0.83x)
+    if mma_rows and triton_mma.supported_scaled(p, rows):  # after int8 x, the faster up to 4 rows
         return "mma_scaled"
     if dq and p.fmt.hi_bits and rows >= DEQUANT_HI_BITS_ROWS:
         return "dequant"

@@ -2,7 +2,7 @@
 through them: dynamo cannot see into a ctypes call, but it keeps an operator with a fake (shape
 only) implementation in the graph, and inductor fuses the small ops around it.
 
-The GPU layout's kernels (Triton, kernels/triton_qlinear.py) are one more operator,
+The GPU layout's kernels (Triton, kernels/triton_*.py) are one more operator,
 `dsq::packed_linear`, for the same reason: a compiled GPU decode step keeps each quantized matmul
 as one opaque call and fuses everything between them.
 

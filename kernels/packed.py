@@ -161,7 +161,7 @@ def _round_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_x_q8(x: torch.Tensor, codes: int):
-    """x (K,) -> the int8-activation GEMV's inputs (what triton_qlinear._quant_x writes; its test
+    """x (K,) -> the int8-activation GEMV's inputs (what triton_gemv_q8._quant_x writes; its test
     oracle): per 32 elements a scale sx and xq = round(x / sx) in [-127, 127] (_round_x_q8),
     packed four to an int32 word in the order the codes are (nibble formats, per block: four
     words of the even elements of each 8, which `c & 0x0F0F0F0F` lines up with, then four of the
@@ -253,7 +253,7 @@ def from_gguf(raw: torch.Tensor, qtype: str, K: int, chunk: int = 1 << 24) -> Pa
     """GGUF blocks (N, row_bytes) uint8 -> Packed, on raw's device. Codes are unsigned (with the
     format's offset) except Q8_0 (int8). Converted about `chunk` weights at a time into outputs
     allocated once: the intermediate codes take ~20 bytes a weight, which for a Q6_K output head
-    of 128256 x 4096 was 11 GB beside its 0.43 GB (on the GPU, where the runtime converts)."""
+    of 128256 x 4096 would take 11 GB beside its 0.43 GB (on the GPU, where the runtime converts)."""
     N = raw.shape[0]
     rows = max(1, chunk // K)
     if N <= rows:

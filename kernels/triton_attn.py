@@ -14,14 +14,10 @@ Runs under TRITON_INTERPRET=1 on the CPU (the CI tests); `attn_decode_ref` is th
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from dsq.kernels.triton_qlinear import _sm_count
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from dsq.kernels.triton_common import INTERPRET, sm_count
 
 
 @triton.jit
@@ -116,7 +112,7 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     rp = max(16, triton.next_power_of_2(rep))  # tl.dot's smallest M
     tiles = triton.cdiv(S, block)
     if nsplit is None:
-        nsplit = max(1, min(tiles, triton.cdiv(2 * _sm_count(q.device), B * HK)))
+        nsplit = max(1, min(tiles, triton.cdiv(2 * sm_count(q.device), B * HK)))
     split = triton.cdiv(tiles, nsplit) * block
     nsplit = triton.cdiv(S, split)
     acc = torch.empty(B * HK * nsplit * rep, D, dtype=torch.float32, device=q.device)

@@ -1,10 +1,10 @@
 """Tensor cores for a few rows of x (batched decode, short prompts; the dispatcher sends 3-64 rows)
 against 4-bit grouped codes (AWQ/GPTQ int4, act-order included, groups of 64-256 elements or one a
-row): `mma_linear`. On an H200 at 16 rows: 1.57x bf16 at 28672x8192, 0.96-1.28x on the smaller
-decode shapes, against 0.53-0.76x for `_gemm` (docs/benchmarks.md, session 6).
+row): `mma_linear`. On an H200 it beats the tl.dot GEMM (`_gemm`) at every row count it is sent
+(docs/benchmarks.md#gpu-kernels-by-rows-of-x).
 
 Why a kernel of its own: dequantizing a weight tile to bf16 and handing it to `tl.dot` the usual
-way (`_gemm` in triton_qlinear.py) sends every dequantized weight through shared memory to reach
+way (`_gemm` in triton_gemm.py) sends every dequantized weight through shared memory to reach
 the tensor cores' operand layout, about 4 bytes of shared-memory traffic a weight, more than an
 SM moves while HBM delivers one int4 weight. Here:
 
@@ -25,8 +25,8 @@ SM moves while HBM delivers one int4 weight. Here:
 `mma_linear_scaled` (`_mma_s`) is the variant for formats whose scales change every 32 elements
 (Q4_0, Q4_K, int4 in groups of 32), where a 16-element MMA step spans two blocks: the weights are
 made in bf16 before the MMA (one fma.rn.bf16x2 a pair, the block's scale and offset broadcast in
-registers). The dispatcher sends it 5-64 rows (int8 x keeps up to 4): on an H200 Q4_K at 8-64 rows
-ran 0.29-0.88x bf16 against 0.15-0.47x for `_gemm` (docs/benchmarks.md, session 7).
+registers). The dispatcher sends it 5-64 rows (int8 x keeps up to 4), where it beats `_gemm` on an
+H200 (docs/benchmarks.md#gpu-kernels-by-rows-of-x).
 
 Computes packed.linear_ref with bf16 products and float32 sums (the tensor cores); x float32 is
 rounded to bf16 first. Runs under TRITON_INTERPRET=1 (float32 dots, no inline PTX) for the tests.
@@ -38,9 +38,9 @@ import torch
 import triton
 import triton.language as tl
 from dsq.kernels.packed import NIB, Z_ARRAY, Z_CONST, Packed
-from dsq.kernels.triton_qlinear import INTERPRET, _autotune, _group_params
+from dsq.kernels.triton_common import INTERPRET, INTERPRET_K, autotune, even_kn, group_params, plane_args
 
-MAX_ROWS = 64  # the dispatcher sends up to dispatch.MMA_MAX_ROWS (measured); 17-64 rows: benchmarks, tests
+MAX_ROWS = 64  # the most rows the kernels take (the dispatcher sends up to dispatch.MMA_MAX_ROWS)
 CHUNK = 64  # x's permutation period: four sub-dots of 16 code words (K 16 each: one MMA step)
 
 
@@ -51,9 +51,6 @@ def supported(p: Packed, rows: int) -> bool:
     group_ok = f.sub >= p.K or (f.sub in (64, 128, 256) and p.K % f.sub == 0)
     return (1 <= rows <= MAX_ROWS and f.codes == NIB and f.hi_bits == 0 and not f.two_level and not f.mins
             and f.sc_rows == 1 and p.K % CHUNK == 0 and group_ok)
-
-
-INTERPRET_K = tl.constexpr(INTERPRET)
 
 
 @triton.jit
@@ -345,8 +342,8 @@ def _mma_s(xp_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_
     for kg in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
         h, xm = _code_tile(lo_ptr, rn, nm, mm, jh, jx, kg, K, s_lo, EVEN_N, EVEN_K)
         e2 = kg + 32 * jb[None, :]  # each block's first element
-        s, z, m = _group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn[:, None], e2, nm[:, None] & (e2 < K),
-                                s_sc, s_d, s_zp, s_mn, s_dmin, SUB, 1, TWO_LEVEL, ZERO, OFFSET, MINS)
+        s, z, m = group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn[:, None], e2, nm[:, None] & (e2 < K),
+                               s_sc, s_d, s_zp, s_mn, s_dmin, SUB, 1, TWO_LEVEL, ZERO, OFFSET, MINS)
         # W = s c - (s z + m) per block, SW and OW broadcast to its 8 code words (in registers)
         sb = _bf16(s)
         ob = _bf16(-(s * z + m))
@@ -368,8 +365,8 @@ def _mma_s(xp_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_
             _mma_store(tot, y_ptr, bias_ptr, y_ptr, y_ptr, y_ptr, rn, rm, nm, mm, s_ym, 0, 0, 0, 0, HAS_BIAS, False)
 
 
-# The winners of an H200 sweep (docs/benchmarks.md, session 6) on the four decode shapes at 4, 8 and
-# 16 rows: BN 64/128 with 4 warps use wgmma (a warpgroup, the codes from registers), with 2 warps
+# The winners of an H200 sweep (benchmarks.mma_sweep; docs/benchmarks.md#gpu-kernels-by-rows-of-x) on the
+# four decode shapes at 4, 8 and 16 rows: BN 64/128 with 4 warps use wgmma (a warpgroup, the codes from registers), with 2 warps
 # mma.sync. SPLIT: programs along K, for short N and long K (4096 x 14336, 4096 x 4096); NG 2: two
 # scale groups an iteration. BK: the tile when a row is one scale group (GS 0); else a tile is a group.
 _CONFIGS = [triton.Config({"BN": bn, "BK": 128, "STAGES": st, "SPLIT": sp, "NG": ng}, num_warps=w)
@@ -387,7 +384,7 @@ def _step(a) -> int:
 _even = triton.heuristics({"EVEN_K": lambda a: a["K"] % _step(a) == 0, "EVEN_N": lambda a: a["N"] % a["BN"] == 0})
 
 
-_mma_t_tuned = _autotune(_CONFIGS, ["N", "K", "MP", "GS", "ZERO"])(_even(_mma_t))
+_mma_t_tuned = autotune(_CONFIGS, ["N", "K", "MP", "GS", "ZERO"])(_even(_mma_t))
 _scratch: dict = {}
 
 
@@ -460,8 +457,7 @@ def mma_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out
 _SCALED_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st, "SPLIT": sp}, num_warps=4)
                    for bn, bk, st, sp in [(128, 128, 4, 1), (64, 128, 3, 1), (128, 256, 3, 1), (64, 256, 3, 1),
                                           (64, 128, 3, 4), (64, 256, 3, 4), (128, 128, 3, 4)]]
-_mma_s_tuned = _autotune(_SCALED_CONFIGS, ["N", "K", "MP", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(
-    triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0, "EVEN_N": lambda a: a["N"] % a["BN"] == 0})(_mma_s))
+_mma_s_tuned = autotune(_SCALED_CONFIGS, ["N", "K", "MP", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(even_kn(_mma_s))
 
 
 def mma_linear_scaled(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -469,14 +465,12 @@ def mma_linear_scaled(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = No
     """`mma_linear` for more formats (Q4_0, Q4_K, int4 with groups of 32): the weights are made in
     bf16 per 32-element block before the MMA (`_mma_s`). The dispatcher sends it the rows int8 x
     does not take (Q8_MAX_ROWS < rows <= MMA_MAX_ROWS); y in x's dtype."""
-    from dsq.kernels.triton_qlinear import _planes
-
     f = p.fmt
     M, xp, _, MP = _prepare(x, p, CHUNK, supported_scaled,
                             "mma_linear_scaled takes 1-64 rows and 4-bit codes without high bits (K % 64 == 0)",
                             sums=False)
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
-    planes, strides = _planes(p, hi=False)
+    planes, strides = plane_args(p, hi=False)
     planes[0], strides[0] = p.lo.view(torch.int16), p.lo.view(torch.int16).stride(0)
     ws, cnt = _split_scratch(x.device, p.N, MP)
     args = (xp, y, bias if bias is not None else y, *planes, ws, cnt, M, p.N, p.K, y.stride(0), *strides)

@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent))  # benchmarks/ (not installed) for its own tests
 
-# Each test session gets its own dsq cache, except the built-in model which is shared (read-only).
+# Each test run gets its own dsq cache, except the built-in model which is shared (read-only).
 os.environ.setdefault("DSQ_QUIET", "1")
 
 
@@ -20,14 +20,14 @@ def _has_cuda() -> bool:
 
 
 # Without a GPU the Triton kernels run in Triton's interpreter. Triton reads this when a kernel is
-# decorated, i.e. when dsq.kernels.triton_qlinear is first imported, by whichever test does it first.
+# decorated, i.e. when a dsq.kernels.triton_* module is first imported, by whichever test does it first.
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    """kind -> path of a tiny random HF model directory (built once per session)."""
+    """kind -> path of a tiny random HF model directory (built once per test run)."""
     from tiny import build_tiny_model
 
     cache: dict[str, Path] = {}

@@ -1,4 +1,4 @@
-"""The Triton kernels (kernels/triton_qlinear.py) against each format's torch reference: every GGUF
+"""The Triton kernels (kernels/triton_*.py) against each format's torch reference: every GGUF
 format, int4/int8 (AWQ and GPTQ with act-order), FP8 with tensor/channel/block scales; odd shapes,
 M = 1 (GEMV) and M > 1 (tl.dot), with bias, outputs poisoned before each call.
 
@@ -13,7 +13,7 @@ import torch
 from triton_interp import CUDA, DEV
 
 from dsq.kernels import fp8_ref, gguf_ref, intq_ref, packed  # noqa: E402
-from dsq.kernels import triton_qlinear as tq  # noqa: E402
+from dsq.kernels import triton_common, triton_dequant, triton_gemm, triton_gemv_q8  # noqa: E402
 from test_kernels_ref import FORMATS, random_blocks  # noqa: E402
 
 from dsq.formats import awq_gptq as disk  # noqa: E402
@@ -29,7 +29,7 @@ def check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 def run(x: torch.Tensor, p: packed.Packed, bias=None, config=None) -> torch.Tensor:
     out = torch.full((x.shape[0], p.N), float("nan"), dtype=x.dtype, device=DEV)
-    y = tq.packed_linear(x.to(DEV), p.to(DEV), None if bias is None else bias.to(DEV), out=out, config=config)
+    y = triton_gemm.packed_linear(x.to(DEV), p.to(DEV), None if bias is None else bias.to(DEV), out=out, config=config)
     assert y.data_ptr() == out.data_ptr()
     return y
 
@@ -111,7 +111,7 @@ def test_unsupported_group_falls_back_to_the_reference():
 
     d = gptq_case(8, 192, 96, 4, False, True)  # a group of 96 is not a power of two
     p = packed.from_int(d["qweight"], d["scales"], d["zeros"], 4)
-    assert not tq.supported(p, torch.randn(1, 192))
+    assert not triton_common.supported(p, torch.randn(1, 192))
     x = torch.randn(2, 192)
     torch.testing.assert_close(dispatch.packed_linear(x, p), packed.linear_ref(x, p))
 
@@ -193,7 +193,7 @@ def test_dequantize_writes_every_weight_exactly(fmt):
     order; odd N, masked K tails (K 672 against 128-column tiles, FP8's 300)."""
     p = _dequant_case(fmt)
     out = torch.full((p.N, p.K), float("nan"), device=DEV)
-    w = tq.dequantize(p.to(DEV), torch.float32, out=out)
+    w = triton_dequant.dequantize(p.to(DEV), torch.float32, out=out)
     assert w.data_ptr() == out.data_ptr()
     torch.testing.assert_close(w.cpu(), packed.dequantize(p).float(), rtol=0, atol=0)
 
@@ -204,11 +204,12 @@ def test_dequant_linear_matches_the_reference(fmt, dtype):
     p = _dequant_case(fmt)
     x, bias = torch.randn(2, 3, p.K).to(dtype), torch.randn(p.N)
     ref = packed.linear_ref(x.double(), p, bias.double())
-    y = tq.dequant_linear(x.to(DEV), p.to(DEV), bias.to(DEV))
+    y = triton_dequant.dequant_linear(x.to(DEV), p.to(DEV), bias.to(DEV))
     assert y.shape == (2, 3, p.N)
     check(y.reshape(-1, p.N), ref.reshape(-1, p.N), dtype)
     out = torch.full((6, p.N), float("nan"), dtype=dtype, device=DEV)
-    check(tq.dequant_linear(x.reshape(6, -1).to(DEV), p.to(DEV), bias.to(DEV), out=out), ref.reshape(-1, p.N), dtype)
+    check(triton_dequant.dequant_linear(x.reshape(6, -1).to(DEV), p.to(DEV), bias.to(DEV), out=out),
+          ref.reshape(-1, p.N), dtype)
 
 
 @pytest.mark.skipif(not CUDA, reason="real shapes need a GPU")
@@ -224,7 +225,7 @@ def test_dequant_linear_real_shapes(fmt):
     else:
         p = packed.from_gguf(torch.from_numpy(random_blocks(fmt, N, K, rng)), fmt, K)
     x = torch.randn(M, K, dtype=torch.bfloat16)
-    check(tq.dequant_linear(x.cuda(), p.to("cuda")), packed.linear_ref(x.double(), p), torch.bfloat16)
+    check(triton_dequant.dequant_linear(x.cuda(), p.to("cuda")), packed.linear_ref(x.double(), p), torch.bfloat16)
 
 
 def test_dispatcher_writes_weights_out_from_the_set_row_count(monkeypatch):
@@ -272,7 +273,7 @@ def test_real_shapes_autotuned(fmt, M):
         p = packed.from_gguf(torch.from_numpy(random_blocks(fmt, N, K, rng)), fmt, K)
     x = torch.randn(M, K, dtype=torch.bfloat16)
     ref = x.double() @ packed.dequantize(p).double().t()
-    y = tq.packed_linear(x.cuda(), p.to("cuda"))
+    y = triton_gemm.packed_linear(x.cuda(), p.to("cuda"))
     check(y, ref, torch.bfloat16)
 
 
@@ -288,7 +289,7 @@ def q8_case(fmt: str, N: int, K: int) -> packed.Packed:
 
 def run_q8(x, p, bias=None, config=None):
     out = torch.full((x.shape[0], p.N), float("nan"), dtype=x.dtype, device=DEV)
-    y = tq.q8_linear(x.to(DEV), p.to(DEV), None if bias is None else bias.to(DEV), out=out, config=config)
+    y = triton_gemv_q8.q8_linear(x.to(DEV), p.to(DEV), None if bias is None else bias.to(DEV), out=out, config=config)
     assert y.data_ptr() == out.data_ptr()
     return y
 
@@ -334,15 +335,15 @@ def test_q8_x_quantizer_kernel_equals_torch():
         xw = torch.full((x.shape[1] // 4,), -1, dtype=torch.int32, device=DEV)
         sx = torch.full((7,), float("nan"), device=DEV)
         xs = torch.full((7,), float("nan"), device=DEV)
-        tq._quant_x[(2, 1)](x.to(DEV), x.to(DEV), xw, sx, xs, x.shape[1], x.shape[1], NIBBLES=codes == packed.NIB,
-                            NBLK=4)
+        triton_gemv_q8._quant_x[(2, 1)](x.to(DEV), x.to(DEV), xw, sx, xs, x.shape[1], x.shape[1],
+                                        NIBBLES=codes == packed.NIB, NBLK=4)
         assert torch.equal(xw.cpu(), want[0])
         torch.testing.assert_close(sx.cpu(), want[1], rtol=1e-6, atol=0)
         torch.testing.assert_close(xs.cpu(), want[2], rtol=1e-5, atol=1e-6)
         perm = torch.randperm(x.shape[1])  # act-order: read through the permutation
         want = packed.quantize_x_q8(x[0, perm], codes)
-        tq._quant_x[(2, 1)](x.to(DEV), perm.to(DEV), xw, sx, xs, x.shape[1], x.shape[1],
-                            NIBBLES=codes == packed.NIB, NBLK=4, HAS_PERM=True)
+        triton_gemv_q8._quant_x[(2, 1)](x.to(DEV), perm.to(DEV), xw, sx, xs, x.shape[1], x.shape[1],
+                                        NIBBLES=codes == packed.NIB, NBLK=4, HAS_PERM=True)
         assert torch.equal(xw.cpu(), want[0])
         torch.testing.assert_close(sx.cpu(), want[1], rtol=1e-6, atol=0)
 
@@ -375,7 +376,7 @@ def test_q8_rows_q6k_one_row_at_a_time(M):
     p = q8_case("Q6_K", N, K)
     x, bias = torch.randn(M, K) * 2, torch.randn(N)
     out = torch.full((M, N), float("nan"), device=DEV)
-    y = tq.q8_rows_linear(x.to(DEV), p.to(DEV), bias.to(DEV), out=out)
+    y = triton_gemv_q8.q8_rows_linear(x.to(DEV), p.to(DEV), bias.to(DEV), out=out)
     assert y.data_ptr() == out.data_ptr()
     check(y, packed.linear_ref_q8(x.double(), p, bias.double()).float(), torch.float32)
 
@@ -385,11 +386,11 @@ def test_q8_refuses_what_it_cannot_run():
     q6 = packed.from_gguf(torch.from_numpy(random_blocks("Q6_K", 4, 256, rng)), "Q6_K", 256)
     assert packed.q8_ok(q6) and not packed.q8_ok(q6, 3)
     with pytest.raises(ValueError):
-        tq.q8_linear(torch.randn(3, 256, device=DEV), q6.to(DEV))
+        triton_gemv_q8.q8_linear(torch.randn(3, 256, device=DEV), q6.to(DEV))
     assert not packed.q8_ok(packed.from_fp8(torch.randn(4, 64).to(torch.float8_e4m3fn), torch.ones(1)))
     p = q8_case("Q4_0", 8, 256)
     with pytest.raises(ValueError):
-        tq.q8_linear(torch.randn(17, 256, device=DEV), p.to(DEV))
+        triton_gemv_q8.q8_linear(torch.randn(17, 256, device=DEV), p.to(DEV))
 
 
 @pytest.mark.skipif(not CUDA, reason="real shapes and autotuning need a GPU")
@@ -399,7 +400,7 @@ def test_q8_refuses_what_it_cannot_run():
 def test_q8_real_shapes_autotuned(fmt, M):
     p = q8_case(fmt, 1024, 4096)
     x = torch.randn(M, 4096, dtype=torch.bfloat16)
-    check(tq.q8_linear(x.cuda(), p.to("cuda")), packed.linear_ref_q8(x.double(), p), torch.bfloat16)
+    check(triton_gemv_q8.q8_linear(x.cuda(), p.to("cuda")), packed.linear_ref_q8(x.double(), p), torch.bfloat16)
 
 
 @pytest.mark.skipif(not CUDA, reason="the dispatcher sends only CUDA tensors to Triton")
@@ -441,9 +442,10 @@ def test_dispatch_takes_int8_x_up_to_its_row_limit(M):
 
 def test_autotune_choices_name_each_key(monkeypatch):
     """The autotuner's picks as benchmark records write them: kernel -> "N=.., K=.., ..." -> config."""
-    tuned = tq._gemv_q8_tuned
+    tuned = triton_gemv_q8._gemv_q8_tuned
     monkeypatch.setattr(tuned, "cache", {(28672, 8192, 1, 0, 0, 128, False, 2, False, "torch.int32"):
-                                         tq.triton.Config({"BN": 1, "BK": 2048, "PERSIST": 32}, num_warps=1)})
-    picks = tq.autotune_choices()["gemv_q8"]
+                                         triton_gemv_q8.triton.Config({"BN": 1, "BK": 2048, "PERSIST": 32},
+                                                                      num_warps=1)})
+    picks = triton_common.autotune_choices()["gemv_q8"]
     (key, cfg), = picks.items()
     assert key.startswith("N=28672, K=8192, MR=1, CODES=0, HI_BITS=0, SUB=128") and "PERSIST: 32" in cfg

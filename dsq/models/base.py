@@ -162,13 +162,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cpu and (self.offset or x.dtype == self.weight.dtype == torch.float32):
             # on the CPU torch.rms_norm computes x * rsqrt(mean(x^2) + eps) * w bit for bit as the
-            # lines below do in float32, in one call (a decode step runs ~100 norms); small rows
-            # in eager mode (decode) take one C call each instead
-            xf, w = x.float(), self.scale_weight()
-            y = dispatch.rms_norm_cpu(xf, w, self.eps)
-            if y is None:
-                y = torch.rms_norm(xf, self.weight.shape, w, self.eps)
-            return _cast(y, x.dtype)
+            # lines below do in float32, in one call (a decode step runs ~100 norms)
+            return _cast(dispatch.rms_norm(x.float(), self.scale_weight(), self.eps), x.dtype)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:  # Gemma: scale in float32, then cast
@@ -237,58 +232,28 @@ class Attention(nn.Module):
             q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
             k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
             v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
-        if T == 1 and mask is not None and not self.softcap and x.is_cpu and type(cache) is KVCache \
-                and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # the eager CPU decode step: q/k norm, rope, the KV cache write and attention in one C
-            # call (kernels/cpu.py attn_step) instead of ~30 small torch ops
-            qw = kw = None
-            eps = 0.0
-            if self.qk_norm:
-                qw, kw, eps = self.q_norm.scale_weight(), self.k_norm.scale_weight(), self.q_norm.eps
-            if not self.qk_norm or self.k_norm.eps == eps:
-                kc = cache.k[self.layer]
-                o = dispatch.attn_step_cpu(q, k, v, qw, kw, eps, cos, sin, kc, cache.v[self.layer], slots,
-                                           kv_len if kv_len is not None else kc.shape[2], mask, self.scale)
-                if o is not None:
-                    return self.o_proj(o)
+        if type(cache) is KVCache:  # the one-call decode step writes the cache itself
+            o = dispatch.attention_step(q, k, v, self._fused_norms, cos, sin, cache.k[self.layer], cache.v[self.layer],
+                                        slots, kv_len, mask, self.scale, self.softcap)
+            if o is not None:
+                return self.o_proj(o)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        qt, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        kc, vc = cache.update(self.layer, k, v, slots)
+        kc, vc = cache.update(self.layer, k.transpose(1, 2), v.transpose(1, 2), slots)  # (B, Hk, S, D)
         if kv_len is not None:
             kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]
-        kc, vc = _cast(kc, q.dtype), _cast(vc, q.dtype)
-        if T == 1 and mask is not None and not self.softcap and q.is_cpu:
-            # the eager CPU decode step: one C call (kernels/cpu.py attn_decode) instead of SDPA,
-            # which costs several times more for one query (mask conversion, flash tiling)
-            o = dispatch.attn_decode_cpu(q, kc, vc, mask, self.scale)
-            if o is not None:
-                return self.o_proj(o)
-        q = qt
-        if self.softcap:
-            rep = self.n_head // self.n_kv
-            kr, vr = kc.repeat_interleave(rep, 1), vc.repeat_interleave(rep, 1)
-            s = torch.tanh((q.float() @ kr.float().transpose(-1, -2)) * self.scale / self.softcap) * self.softcap
-            if mask is None:
-                mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-            s = s.masked_fill(~mask, float("-inf"))
-            o = (s.softmax(-1) @ vr.float()).to(q.dtype)
-        elif T == 1 and mask is not None and q.is_cpu and torch.compiler.is_compiling():
-            # the CPU decode step under torch.compile: written out, inductor fuses it into two
-            # short loops, where SDPA stays an opaque call costing several times more
-            qg = q.reshape(B, self.n_kv, self.n_head // self.n_kv, 1, self.head_dim)  # query heads by KV head
-            s = (qg * kc[:, :, None]).sum(-1) * self.scale  # (B, Hk, rep, S)
-            p = s.masked_fill(~mask, float("-inf")).softmax(-1)
-            o = (p[..., None] * vc[:, :, None]).sum(-2).reshape(B, self.n_head, 1, self.head_dim)
-        elif T == 1 and q.is_cuda and (o := dispatch.attn_decode_gpu(q, kc, vc, mask, self.scale)) is not None:
-            # the GPU decode step: a split-cache Triton kernel (kernels/triton_attn.py), where SDPA
-            # runs one query token as a prefill with a mask conversion around it
-            return self.o_proj(o)
-        else:
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale, is_causal=mask is None,
-                                               enable_gqa=self.n_head != self.n_kv)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        o = dispatch.attention(q, _cast(kc, q.dtype), _cast(vc, q.dtype), mask, self.scale, self.softcap)
+        return self.o_proj(o)
+
+    def _fused_norms(self):
+        """The q/k norms as dispatch.attention_step takes them: (q weight, k weight, eps), (None,
+        None, 0.0) without q/k norms, None when the two differ in eps (one call takes one)."""
+        if not self.qk_norm:
+            return None, None, 0.0
+        if self.k_norm.eps != self.q_norm.eps:
+            return None
+        return self.q_norm.scale_weight(), self.k_norm.scale_weight(), self.q_norm.eps
 
 
 class MLP(nn.Module):

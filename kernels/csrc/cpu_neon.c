@@ -1,4 +1,4 @@
-/* the GGUF CPU kernels built for neon (aarch64; see gguf_cpu.inc): NEON row dots at M = 1, and
+/* dsq's CPU kernels built for neon (aarch64; the files as in cpu_avx2.c): NEON row dots at M = 1, and
  * integer dot products (SDOT) where the CPU has them, checked at run time */
 #define DSQ_ISA "neon"
 #define DSQ_NEON 1
@@ -8,3 +8,5 @@
 #include <arm_neon.h>
 #include "gguf_cpu.inc"
 #include "intq_cpu.inc"
+#include "norm_cpu.inc"
+#include "attn_cpu.inc"

@@ -1,0 +1,54 @@
+"""A packed weight written out in a float dtype (`dequantize`), and y = x W^T through it and one
+cuBLAS GEMM (`dequant_linear`): for many rows of x (prefill), where the GEMM's arithmetic
+outweighs writing W once (docs/benchmarks.md#prefill). Its tiles are the tl.dot GEMM's
+(triton_common.dequant_tile).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from dsq.kernels.packed import Packed
+from dsq.kernels.triton_common import dequant_tile, fmt_flags, plane_args, tiles_ok, x_rows
+
+
+@triton.jit
+def _dequant(w_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K, s_w,
+             s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+             CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
+             TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
+             BN: tl.constexpr, BK: tl.constexpr):
+    """W (N, K) in w's dtype, tile (program_id(0), program_id(1)): for a cuBLAS GEMM at many rows."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * BK
+    wf = dequant_tile(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn, k0, N, K, s_lo, s_hi, s_sc, s_d,
+                      s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS, BN, BK)
+    kk = k0 + tl.arange(0, BK)
+    tl.store(w_ptr + rn[:, None] * s_w + kk[None, :], wf.to(w_ptr.dtype.element_ty),
+             mask=(rn[:, None] < N) & (kk[None, :] < K))
+
+
+def dequantize(p: Packed, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """The weight (N, K) in `dtype` on p's device, in its stored column order (act-order permuted,
+    as x_rows permutes x): the same tile dequantization as the tl.dot GEMM, written out."""
+    if not tiles_ok(p):
+        raise ValueError(f"dequantize: groups of {p.fmt.sub} do not fit power-of-two tiles")
+    planes, strides = plane_args(p)
+    w = out if out is not None else torch.empty(p.N, p.K, dtype=dtype, device=p.lo.device)
+    cfg = {"BN": 32, "BK": 128, **(config or {})}
+    grid = (triton.cdiv(p.N, cfg["BN"]), triton.cdiv(p.K, cfg["BK"]))
+    _dequant[grid](w, *planes, p.N, p.K, w.stride(0), *strides, **fmt_flags(p.fmt), **cfg, num_warps=4)
+    return w
+
+
+def dequant_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) by writing W out in x's dtype (`dequantize`) and one cuBLAS GEMM: for
+    many rows of x (prefill), where the GEMM's arithmetic outweighs writing W once. `out` (M, N)
+    may be given."""
+    x2 = x_rows(x, p)
+    wt = dequantize(p, x.dtype).t()
+    y = torch.mm(x2, wt, out=out) if bias is None else torch.addmm(bias.to(x.dtype), x2, wt, out=out)
+    return y.reshape(*x.shape[:-1], p.N)
