@@ -1,23 +1,28 @@
-"""Batched decode on a GPU: decode_gpu's random model (no file, no tokenizer) in one format, B
-sequences at a time through NativeModel.generate_batch (each batch size's step captured once).
+"""Batched decode speed on a GPU: B sequences at a time through NativeModel.generate_batch.
+
+decode_gpu's model (random weights, no file, no tokenizer) in one format; each batch size's step
+is captured once.
 
     python -m benchmarks.batch_gpu [--format q4_k_m] [--batch 2,4,8,16] [--compile] [--q6k-gemm]
 
---q6k-gemm times each batch size a second time with Q5/Q6_K above one row sent to their tl.dot
-GEMM, as before session 8 (the step captured again for it), and then the current routes once more,
-so a machine's drift shows: how the Q6_K routes (one int8-x GEMV a row at 2-4 rows, the bf16
-weight through cuBLAS from 5) were measured (docs/benchmarks.md, session 8).
+--q6k-gemm times each batch size again with Q5/Q6_K above one row sent to their tl.dot GEMM
+instead of their routes in kernels/dispatch.py (one int8-x GEMV a row at 2-4 rows, the bf16 weight
+through cuBLAS from 5), the step captured again for it, and then the dispatcher's routes once
+more, so a machine's drift between the runs shows (docs/benchmarks.md#batched-decode).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from benchmarks.decode_gpu import FORMATS
+from dsq.bench.random_models import SHAPES
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--format", default="q4_k_m", choices=["awq-int4", "gptq-int4-actorder", "fp8", "q4_k_m"])
-    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--format", default="q4_k_m", choices=FORMATS)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--batch", default="2,4,8,16")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=48)
@@ -26,20 +31,21 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     import torch
 
-    from benchmarks.decode_gpu import NullTokenizer, quantize_model, random_model
+    from benchmarks.decode_gpu import NullTokenizer, to_format
+    from dsq.bench.random_models import random_transformer
     from dsq.kernels import dispatch
     from dsq.runtime.generate import GenStats
     from dsq.runtime.native import NativeModel
     from dsq.runtime.sampling import SamplingParams
 
-    model, _ = random_model(a.shape)
-    quantize_model(model, a.format)
+    model, _ = random_transformer(a.shape)
+    to_format(model, a.format)
     model.fuse_projections()
     nm = NativeModel.from_model(model, {"model_type": "llama"}, NullTokenizer(), n_ctx=max(1024, a.prompt_tokens + a.gen_tokens),
                                 gpu_layers=-1, cuda_graph=True, fuse=False, compile="default" if a.compile else False)
     current = dispatch.gpu_kernel
 
-    def gemm(p, rows, dtype):  # Q5/Q6_K above one row: their tl.dot GEMM (before session 8)
+    def gemm(p, rows, dtype):  # Q5/Q6_K above one row: their tl.dot GEMM
         kind = current(p, rows, dtype)
         return "float" if p.fmt.hi_bits and kind in ("q8_rows", "dequant") and rows < dispatch.DEQUANT_MIN_ROWS else kind
 

@@ -5,6 +5,13 @@
 A random bf16 model of the given shape is built on the GPU (no download); every variant of the
 native decode step and transformers' `generate` run in the same process on the same weights.
 Roofline = weight bytes read per token / measured device copy bandwidth.
+
+The quantized models (--formats) come from the same weights through dsq's own quantizers and the
+runtime's packing: awq-int4 (asymmetric, g128) and gptq-int4-actorder (symmetric, g128, a random
+column order shared by the Linears of one input) by round to nearest, fp8 per channel. q4_k_m is
+llama.cpp's type mix (dsq.bench.random_gguf.tensor_type) of random blocks: the same bytes and
+kernels as a quantized model, not its weights, so its logits are compared with its own
+dequantized weights only. Every format is checked that way, per layer too.
 """
 
 from __future__ import annotations
@@ -17,17 +24,7 @@ import time
 
 import torch
 
-SHAPES = {
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                      max_position_embeddings=131072,
-                      rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                       num_attention_heads=12, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
-                       max_position_embeddings=32768, rope={"rope_type": "default", "rope_theta": 1000000.0},
-                       attention_bias=True, tie_word_embeddings=True),
-}
+from dsq.bench.random_models import SHAPES, random_transformer
 
 
 class NullTokenizer:
@@ -66,24 +63,6 @@ def copy_bandwidth() -> float:
     return 2 * (4 << 30) / min(times)
 
 
-def random_model(shape: str, dtype=torch.bfloat16):
-    from dsq.models.base import ModelArgs, Transformer
-
-    args = ModelArgs(**SHAPES[shape])
-    with torch.device("meta"):
-        m = Transformer(args).to(dtype)
-    m = m.to_empty(device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.copy_(1 + 0.05 * torch.randn(p.shape, generator=g, device="cuda"))
-            else:
-                p.copy_(0.02 * torch.randn(p.shape, generator=g, device="cuda"))
-    m.tie_weights()
-    return m.eval(), args
-
-
 def weight_bytes_per_token(model) -> int:
     """Every Linear weight is read once per decoded token (the embedding only one row)."""
     from dsq.runtime.qmodules import PackedLinear
@@ -96,61 +75,6 @@ def weight_bytes_per_token(model) -> int:
         elif isinstance(mod, PackedLinear):
             n += mod.packed.nbytes()
     return n
-
-
-# -- round-to-nearest into each packed format (benchmarks on random models; not dsq's quantizers) --
-def _q4k(w: torch.Tensor, hi: int = 15):
-    """Q4_K/Q5_K-style codes: per 32 an asymmetric scale and min, both 6-bit under fp16 per-256 ones."""
-    N, K = w.shape
-    x = w.float().reshape(N, K // 32, 32)
-    mn = (-x.amin(-1)).clamp(min=0)
-    s = (x.amax(-1) + mn) / hi
-    d = (s.reshape(N, K // 256, 8).amax(-1) / 63).clamp(min=1e-8).half()
-    dmin = (mn.reshape(N, K // 256, 8).amax(-1) / 63).clamp(min=1e-8).half()
-    sc = (s.reshape(N, -1, 8) / d.float()[..., None]).round().clamp(0, 63).reshape(N, -1)
-    m6 = (mn.reshape(N, -1, 8) / dmin.float()[..., None]).round().clamp(0, 63).reshape(N, -1)
-    step = (sc.reshape(N, -1, 8) * d.float()[..., None]).reshape(N, -1, 1)
-    off = (m6.reshape(N, -1, 8) * dmin.float()[..., None]).reshape(N, -1, 1)
-    q = ((x + off) / step.clamp(min=1e-12)).round().clamp(0, hi).reshape(N, K)
-    return q, sc.to(torch.uint8), m6.to(torch.uint8), d, dmin
-
-
-def quantize_packed(w: torch.Tensor, fmt: str, perm: torch.Tensor | None = None):
-    """A Packed weight in `fmt` from a float weight (N, K) by round to nearest, on w's device
-    (int4-actorder: in the order `perm`, a random one if not given)."""
-    from dsq.kernels import intq_ref, packed
-
-    N, K = w.shape
-    if fmt in ("int4", "int4-actorder"):
-        if fmt == "int4":
-            perm = None
-        elif perm is None:
-            perm = torch.randperm(K, device=w.device)
-        x = (w[:, perm] if perm is not None else w).float().reshape(N, K // 128, 128)
-        lo, hi = x.amin(-1), x.amax(-1)
-        s = ((hi - lo) / 15).clamp(min=1e-8).half()
-        z = (-lo / s.float()).round().clamp(0, 15)
-        q = (x / s.float()[..., None] + z[..., None]).round().clamp(0, 15).reshape(N, K)
-        d = intq_ref.pack(q, s, z, 4, perm)
-        return packed.from_int(d["qweight"], d["scales"], d["zeros"], 4, d.get("perm"))
-    if fmt == "fp8":
-        s = (w.float().abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
-        return packed.from_fp8((w.float() / s).to(torch.float8_e4m3fn), s)
-    if fmt == "Q4_K":
-        q, sc, mn, d, dmin = _q4k(w)
-        return packed.Packed(packed.Fmt(sub=32, two_level=True, mins=True), N, K, lo=packed._pairs(q), sc=sc, d=d,
-                             mn=mn, dmin=dmin)
-    if fmt == "Q6_K":
-        x = w.float().reshape(N, K // 16, 16)
-        s = x.abs().amax(-1) / 31
-        d = (s.reshape(N, K // 256, 16).amax(-1) / 127).clamp(min=1e-8).half()
-        sc = (s.reshape(N, -1, 16) / d.float()[..., None]).round().clamp(1, 127)
-        step = (sc * d.float()[..., None]).reshape(N, -1, 1)
-        q = ((x / step).round() + 32).clamp(0, 63).reshape(N, K)
-        return packed.Packed(packed.Fmt(hi_bits=2, sub=16, two_level=True, zero=packed.Z_CONST, offset=32), N, K,
-                             lo=packed._pairs(q), hi=packed._plane(q.to(torch.int32), 2),
-                             sc=sc.reshape(N, -1).to(torch.int8), d=d)
-    raise ValueError(fmt)
 
 
 @contextlib.contextmanager
@@ -220,35 +144,86 @@ def layers_vs_dequantized(model, ids: torch.Tensor) -> list[float]:
     return errs
 
 
-def _more_bits(i: int, n: int) -> bool:  # llama.cpp's Q4_K_M rule for attn_v / ffn_down
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+# -- the quantized models: dsq's own quantizers and packing, or random GGUF blocks --
+FORMATS = ("awq-int4", "gptq-int4-actorder", "fp8", "q4_k_m")
+RANDOM_FORMATS = {"q4_k_m"}  # random blocks, no float weight behind them: checked only against themselves
+_SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # Linears fed the same x
 
 
-def quantize_model(model, fmt: str) -> None:
-    """Replace the decoder Linears (and for Q4_K_M the head) by PackedLinears in `fmt`, in place:
-    awq/gptq int4 g128 (gptq with act-order), fp8 per channel, or Q4_K_M's type mix."""
+def int4_weight(w: torch.Tensor, sym: bool, perm: torch.Tensor | None = None):
+    """A Packed int4 g128 weight from a float weight (N, K) by dsq's round to nearest, on w's
+    device; with `perm` (act-order) the columns are quantized in that order, as GPTQ does, and
+    the order is kept for the kernels. Packed as the runtime packs an AWQ/GPTQ checkpoint."""
+    from dsq.kernels import intq_ref, packed
+    from dsq.quant.rtn import rtn
+
+    iq = rtn(w if perm is None else w[:, perm], 4, 128, sym)
+    d = intq_ref.pack(iq.q, iq.scales.t(), iq.zeros.t(), 4, perm)
+    return packed.from_int(d["qweight"], d["scales"], d["zeros"], 4, d.get("perm"))
+
+
+def _int4_maker(act_order: bool):
+    """(name, w) -> (Packed, source): AWQ-like (asymmetric), or GPTQ with act-order (symmetric,
+    dsq's GPTQ default) in a random order shared by the Linears of one input, so they fuse."""
+    orders: dict = {}
+
+    def make(name: str, w: torch.Tensor):
+        if not act_order:
+            return int4_weight(w, sym=False), "int4"
+        parent, leaf = name.rsplit(".", 1)
+        key = (parent, _SHARED_INPUT.get(leaf, leaf))
+        if key not in orders:
+            orders[key] = torch.randperm(w.shape[1], device=w.device)
+        return int4_weight(w, sym=True, perm=orders[key]), "int4-actorder"
+
+    return make
+
+
+def _fp8(name: str, w: torch.Tensor):
+    from dsq.kernels import packed
+    from dsq.quant.fp8 import fp8_quantize
+
+    return packed.from_fp8(*fp8_quantize(w, "channel")), "fp8"
+
+
+def _q4_k_m_maker(n_layers: int, seed: int = 0):
+    """(name, w) -> (Packed, block type): random blocks of the type llama.cpp's Q4_K_M gives the
+    tensor (random_gguf.tensor_type), in w's shape and on its device; w's values are not used."""
+    import numpy as np
+
+    from dsq.bench import random_gguf
+    from dsq.kernels import packed
+    from dsq.models.registry import arch_for_model_type
+
+    names = arch_for_model_type("llama")
+    rng = np.random.default_rng(seed)
+
+    def make(name: str, w: torch.Tensor):
+        qtype = random_gguf.tensor_type("Q4_K_M", names.hf_to_gguf_name(name + ".weight"), n_layers)
+        N, K = w.shape
+        raw = torch.from_numpy(random_gguf.random_blocks(qtype, N, K, rng)).to(w.device)
+        return packed.from_gguf(raw, qtype, K), qtype
+
+    return make
+
+
+def to_format(model, fmt: str) -> None:
+    """Replace the decoder Linears (and for q4_k_m the head) by PackedLinears in `fmt`, in place.
+    awq-int4, gptq-int4-actorder (g128) and fp8 (per channel) quantize the model's own weights;
+    q4_k_m is llama.cpp's type mix of random blocks (RANDOM_FORMATS), the same bytes and kernels
+    as a quantized model but not its weights."""
     from dsq.runtime.qmodules import PackedLinear, set_module
 
-    n = len(model.model.layers)
-    perms: dict = {}  # act-order: one order per input (q/k/v share one, gate/up another), as GPTQ gives
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
+    make = {"awq-int4": lambda: _int4_maker(False), "gptq-int4-actorder": lambda: _int4_maker(True),
+            "fp8": lambda: _fp8, "q4_k_m": lambda: _q4_k_m_maker(len(model.model.layers))}[fmt]()
     for name, mod in list(model.named_modules()):
-        if not isinstance(mod, torch.nn.Linear) or (name == "lm_head" and fmt != "q4_k_m"):
-            continue
-        if fmt == "q4_k_m":
-            layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
-            more = name == "lm_head" or (name.endswith(("v_proj", "down_proj")) and _more_bits(layer, n))
-            f = "Q6_K" if more else "Q4_K"
-        else:
-            f = {"awq-int4": "int4", "gptq-int4-actorder": "int4-actorder", "fp8": "fp8"}[fmt]
-        perm = None
-        if f == "int4-actorder":
-            parent, leaf = name.rsplit(".", 1)
-            key = (parent, {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(leaf, leaf))
-            if key not in perms:
-                perms[key] = torch.randperm(mod.in_features, device=mod.weight.device)
-            perm = perms[key]
-        set_module(model, name, PackedLinear(quantize_packed(mod.weight.data, f, perm), mod.bias, f))
-    torch.cuda.empty_cache()
+        if isinstance(mod, torch.nn.Linear) and (name != "lm_head" or fmt == "q4_k_m"):
+            p, source = make(name, mod.weight.data)
+            set_module(model, name, PackedLinear(p, mod.bias, source))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def time_native(nm, prompt: list[int], gen: int, repeat: int) -> dict:
@@ -308,7 +283,7 @@ def profile_step(nm, slot: int, steps: int = 5) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--prompt-tokens", type=int, default=512)
@@ -316,7 +291,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--variants", default="eager,graph,graph+fused,compile+graph+fused")
     ap.add_argument("--transformers", default="eager", help="comma list of eager,static-compile ('' skips)")
-    ap.add_argument("--formats", default="awq-int4,gptq-int4-actorder,fp8,q4_k_m",
+    ap.add_argument("--formats", default=",".join(FORMATS),
                     help="quantized models to time after the bf16 variants (graph+fused, Triton kernels)")
     ap.add_argument("--quant-variants", default="graph+fused,compile+graph+fused,compile+graph+fused+fx",
                     help="how the quantized models run: graph+fused, compile+graph+fused (torch.compile around the "
@@ -325,62 +300,80 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="kernel-time breakdown of a decode step (compiled bf16 variants, every quantized one)")
     ap.add_argument("--json")
-    a = ap.parse_args(argv)
+    return ap
 
+
+def _split(s: str) -> list[str]:
+    return [v for v in s.split(",") if v]
+
+
+def transformers_rows(model, shape: str, prompt: list[int], modes: list[str], gen: int) -> list[dict]:
+    """transformers' model of `shape` loaded with `model`'s weights: its logits against ours (a
+    "check" row), then its `generate` timed in each mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    s = SHAPES[shape]
+    Config, Cls = (Qwen2Config, Qwen2ForCausalLM) if shape.startswith("qwen2") else (LlamaConfig, LlamaForCausalLM)
+    hcfg = Config(vocab_size=s["vocab_size"], hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+                  num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
+                  num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
+                  rms_norm_eps=s["rms_norm_eps"], max_position_embeddings=s["max_position_embeddings"],
+                  rope_parameters=s["rope"], tie_word_embeddings=s.get("tie_word_embeddings", False))
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        hf = Cls(hcfg)
+    torch.set_default_dtype(torch.float32)
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all("rotary" in k or k == "lm_head.weight" for k in missing), (missing, unexpected)
+    hf.tie_weights()
+    hf = hf.eval()
+    # correctness on the GPU: the same weights through both implementations
+    x = torch.tensor([prompt[:64]], device="cuda")
+    with torch.inference_mode():
+        ref = hf(x).logits.float()
+        ours = model(x).float()
+    rel = float((ours - ref).norm() / ref.norm())
+    top1 = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
+    print(f"logits vs transformers (bf16, 64 tokens): rel err {rel:.2e}, top-1 {top1:.3f}", flush=True)
+    rows = [{"name": "check", "rel_err": rel, "top1": top1}]
+    for mode in modes:
+        r = time_transformers(hf, prompt, gen, mode == "static-compile")
+        r["name"] = f"transformers {mode}"
+        rows.append(r)
+        print(r["name"], f"{r['decode_tok_s']:.1f} tok/s", flush=True)
+    del hf
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _compile_mode(parts: set[str]) -> str | None:
+    compile_mode = {"compile": "default", "compile-max": "max-autotune-no-cudagraphs"}
+    mode = next((compile_mode[p] for p in parts if p in compile_mode), None)
+    if mode == "max-autotune-no-cudagraphs":
+        import torch._inductor.config as ic
+
+        ic.coordinate_descent_tuning = True
+    return mode
+
+
+def graph_vs_eager(model, nm, prompt: list[int]) -> float:
+    """The captured step against the eager one, from the same cache state (relative error)."""
+    with torch.inference_mode():
+        tok = torch.tensor([prompt[-1]], device="cuda")
+        slot = len(nm.cached)
+        eager = model(tok[:, None], torch.tensor([slot], device="cuda"), nm.cache,
+                      torch.zeros(1, dtype=torch.long, device="cuda"), kv_len=slot + 1, last_only=True)
+        eager = eager[:, -1].float().clone()
+        graph = nm._graph(tok[:, None], slot, torch.zeros(1, dtype=torch.long, device="cuda"))[:, -1].float()
+    return float((graph - eager).norm() / eager.norm())
+
+
+def bf16_rows(model, a, prompt: list[int], roofline: float) -> list[dict]:
+    """Every native variant of `a.variants` on the bf16 model (fused ones after the unfused)."""
     from dsq.runtime.native import NativeModel
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    bw = copy_bandwidth()
-    model, args = random_model(a.shape)
-    cfg = {"model_type": "llama"}
-    roof_bytes = weight_bytes_per_token(model)
-    roofline = bw / roof_bytes
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, args.vocab_size, (a.prompt_tokens,), generator=g).tolist()
-    n_ctx = a.prompt_tokens + a.gen_tokens + 8
-    rows = []
-
-    hf = None
-    if a.transformers:
-        from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-        s = SHAPES[a.shape]
-        Config, Cls = (Qwen2Config, Qwen2ForCausalLM) if a.shape.startswith("qwen2") else (LlamaConfig, LlamaForCausalLM)
-        hcfg = Config(vocab_size=s["vocab_size"], hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
-                      num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
-                      num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
-                      rms_norm_eps=s["rms_norm_eps"], max_position_embeddings=s["max_position_embeddings"],
-                      rope_parameters=s["rope"], tie_word_embeddings=s.get("tie_word_embeddings", False))
-        torch.set_default_dtype(torch.bfloat16)
-        with torch.device("cuda"):
-            hf = Cls(hcfg)
-        torch.set_default_dtype(torch.float32)
-        missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
-        assert not unexpected and all("rotary" in k or k == "lm_head.weight" for k in missing), (missing, unexpected)
-        hf.tie_weights()
-        hf = hf.eval()
-        # correctness on the GPU: the same weights through both implementations
-        x = torch.tensor([prompt[:64]], device="cuda")
-        with torch.inference_mode():
-            ref = hf(x).logits.float()
-            ours = model(x).float()
-        rel = float((ours - ref).norm() / ref.norm())
-        top1 = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
-        print(f"logits vs transformers (bf16, 64 tokens): rel err {rel:.2e}, top-1 {top1:.3f}", flush=True)
-        rows.append({"name": "check", "rel_err": rel, "top1": top1})
-        for mode in [m for m in a.transformers.split(",") if m]:
-            r = time_transformers(hf, prompt, a.gen_tokens, mode == "static-compile")
-            r["name"] = f"transformers {mode}"
-            rows.append(r)
-            print(r["name"], f"{r['decode_tok_s']:.1f} tok/s", flush=True)
-        del hf
-        torch.cuda.empty_cache()
-
-    check_ids = torch.tensor([prompt[:64]], device="cuda")
-    with torch.inference_mode():
-        bf16_logits = model(check_ids).float()
-    done_fuse = False
-    for v in [v for v in a.variants.split(",") if v]:
+    rows, done_fuse = [], False
+    for v in _split(a.variants):
         parts = set(v.split("+"))
         if "fused" in parts and not done_fuse:
             model.fuse_projections()
@@ -388,13 +381,8 @@ def main(argv=None) -> None:
         if "fused" not in parts and done_fuse:
             continue
         t0 = time.perf_counter()
-        compile_mode = {"compile": "default", "compile-max": "max-autotune-no-cudagraphs"}
-        mode = next((compile_mode[p] for p in parts if p in compile_mode), None)
-        if mode == "max-autotune-no-cudagraphs":
-            import torch._inductor.config as ic
-
-            ic.coordinate_descent_tuning = True
-        nm = NativeModel.from_model(model, cfg, NullTokenizer(), n_ctx=n_ctx, gpu_layers=-1,
+        mode = _compile_mode(parts)
+        nm = NativeModel.from_model(model, {"model_type": "llama"}, NullTokenizer(), n_ctx=_n_ctx(a), gpu_layers=-1,
                                     cuda_graph="graph" in parts, fuse=False, compile=mode)
         setup_s = time.perf_counter() - t0
         r = time_native(nm, prompt, a.gen_tokens, a.repeat)
@@ -402,60 +390,73 @@ def main(argv=None) -> None:
         rows.append(r)
         print(r["name"], f"{r['decode_tok_s']:.1f} tok/s ({r['decode_tok_s'] / roofline:.0%} of roofline),",
               f"TTFT {r['ttft_ms']:.1f} ms, setup {setup_s:.1f}s", flush=True)
-        if "graph" in parts:  # the captured step against the eager one, from the same cache state
-            with torch.inference_mode():
-                tok = torch.tensor([prompt[-1]], device="cuda")
-                slot = len(nm.cached)
-                eager = model(tok[:, None], torch.tensor([slot], device="cuda"), nm.cache,
-                              torch.zeros(1, dtype=torch.long, device="cuda"), kv_len=slot + 1, last_only=True)
-                eager = eager[:, -1].float().clone()
-                graph = nm._graph(tok[:, None], slot, torch.zeros(1, dtype=torch.long, device="cuda"))[:, -1].float()
-                r["graph_vs_eager_rel_err"] = float((graph - eager).norm() / eager.norm())
-                print(f"  captured step vs eager: rel err {r['graph_vs_eager_rel_err']:.1e}", flush=True)
+        if "graph" in parts:
+            r["graph_vs_eager_rel_err"] = graph_vs_eager(model, nm, prompt)
+            print(f"  captured step vs eager: rel err {r['graph_vs_eager_rel_err']:.1e}", flush=True)
         if a.profile and mode is not None:
             profile_step(nm, a.prompt_tokens)
         del nm
         torch.cuda.empty_cache()
+    return rows
 
+
+def _n_ctx(a) -> int:
+    return a.prompt_tokens + a.gen_tokens + 8
+
+
+def format_rows(fmt: str, a, prompt: list[int], bw: float, bf16_logits: torch.Tensor) -> list[dict]:
+    """The model of `a.shape` in `fmt`, timed in every one of `a.quant_variants`, with its logits
+    and each layer checked against its own dequantized weights."""
+    from dsq.kernels import dispatch, triton_common
+    from dsq.runtime.native import NativeModel
+
+    model, _ = random_transformer(a.shape)  # the same seeded weights as the bf16 runs
+    to_format(model, fmt)
+    model.fuse_projections()
+    nbytes = weight_bytes_per_token(model)
+    check_ids = torch.tensor([prompt[:64]], device="cuda")
+    with torch.inference_mode():
+        q_logits = model(check_ids).float()
+    vs_bf16 = {} if fmt in RANDOM_FORMATS else {
+        "logits_rel_err_vs_bf16": float((q_logits - bf16_logits).norm() / bf16_logits.norm())}
+    rows = []
+    for qv in _split(a.quant_variants):
+        dispatch.ACT_Q8 = "fx" not in qv.split("+")  # fx: float x (no int8-activation GEMV)
+        t0 = time.perf_counter()
+        nm = NativeModel.from_model(model, {"model_type": "llama"}, NullTokenizer(), n_ctx=_n_ctx(a), gpu_layers=-1,
+                                    cuda_graph=True, fuse=False,
+                                    compile="default" if "compile" in qv.split("+") else False)
+        setup_s = time.perf_counter() - t0
+        r = time_native(nm, prompt, a.gen_tokens, a.repeat)
+        if a.profile:
+            profile_step(nm, a.prompt_tokens)
+        r.update(name=f"native {fmt} {qv}", setup_s=setup_s, bytes_per_token=nbytes, roofline_tok_s=bw / nbytes,
+                 **vs_bf16, autotuned=triton_common.autotune_choices())
+        rows.append(r)
+        del nm
+        # quantization error compounds over 32 random layers to O(1) against bf16, so the kernels
+        # are checked against their own weights: the same model with every packed weight
+        # dequantized into a plain bf16 Linear (cuBLAS)
+        r["logits_rel_err_vs_dequantized"] = kernels_vs_dequantized(model, check_ids, q_logits)
+        r["layer_rel_err_vs_dequantized"] = layers_vs_dequantized(model, check_ids)
+        _print_format_row(r, setup_s)
+        torch.cuda.empty_cache()
     del model
     torch.cuda.empty_cache()
-    from dsq.kernels import dispatch, triton_qlinear
+    return rows
 
-    for fmt in [f for f in a.formats.split(",") if f]:
-        model, _ = random_model(a.shape)  # the same seeded weights as the bf16 runs
-        quantize_model(model, fmt)
-        model.fuse_projections()
-        nbytes = weight_bytes_per_token(model)
-        with torch.inference_mode():
-            q_logits = model(check_ids).float()
-        rel = float((q_logits - bf16_logits).norm() / bf16_logits.norm())
-        for qv in [v for v in a.quant_variants.split(",") if v]:
-            dispatch.ACT_Q8 = "fx" not in qv.split("+")  # fx: float x (no int8-activation GEMV)
-            t0 = time.perf_counter()
-            nm = NativeModel.from_model(model, cfg, NullTokenizer(), n_ctx=n_ctx, gpu_layers=-1, cuda_graph=True,
-                                        fuse=False, compile="default" if "compile" in qv.split("+") else False)
-            setup_s = time.perf_counter() - t0
-            r = time_native(nm, prompt, a.gen_tokens, a.repeat)
-            if a.profile:
-                profile_step(nm, a.prompt_tokens)
-            roof = bw / nbytes
-            r.update(name=f"native {fmt} {qv}", setup_s=setup_s, bytes_per_token=nbytes, roofline_tok_s=roof,
-                     logits_rel_err_vs_bf16=rel, autotuned=triton_qlinear.autotune_choices())
-            rows.append(r)
-            del nm
-            # quantization error compounds over 32 random layers to O(1) against bf16, so the kernels
-            # are checked against their own weights: the same model with every packed weight
-            # dequantized into a plain bf16 Linear (cuBLAS)
-            r["logits_rel_err_vs_dequantized"] = rel_fake = kernels_vs_dequantized(model, check_ids, q_logits)
-            r["layer_rel_err_vs_dequantized"] = lay = layers_vs_dequantized(model, check_ids)
-            print(f"{r['name']}: {r['decode_tok_s']:.1f} tok/s = {r['decode_tok_s'] / roof:.0%} of its roofline "
-                  f"{roof:.0f} ({nbytes / 1e9:.2f} GB/token), TTFT {r['ttft_ms']:.1f} ms, logits vs its dequantized "
-                  f"weights rel err {rel_fake:.1e} (per layer at most {max(lay):.1e}; vs bf16 {rel:.2f}), "
-                  f"setup {setup_s:.1f}s", flush=True)
-            torch.cuda.empty_cache()
-        del model
-        torch.cuda.empty_cache()
 
+def _print_format_row(r: dict, setup_s: float) -> None:
+    roof, nbytes = r["roofline_tok_s"], r["bytes_per_token"]
+    vs_bf16 = f"; vs bf16 {r['logits_rel_err_vs_bf16']:.2f}" if "logits_rel_err_vs_bf16" in r else ""
+    print(f"{r['name']}: {r['decode_tok_s']:.1f} tok/s = {r['decode_tok_s'] / roof:.0%} of its roofline "
+          f"{roof:.0f} ({nbytes / 1e9:.2f} GB/token), TTFT {r['ttft_ms']:.1f} ms, logits vs its dequantized "
+          f"weights rel err {r['logits_rel_err_vs_dequantized']:.1e} (per layer at most "
+          f"{max(r['layer_rel_err_vs_dequantized']):.1e}{vs_bf16}), setup {setup_s:.1f}s", flush=True)
+
+
+def print_table(a, rows: list[dict], bw: float, roof_bytes: int) -> None:
+    roofline = bw / roof_bytes
     ref_tokens = next((r["tokens"] for r in rows if r.get("name", "").startswith("native eager")), None)
     print(f"\n{a.shape}, batch 1, {a.prompt_tokens}-token prompt, {a.gen_tokens} generated; "
           f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; "
@@ -468,12 +469,33 @@ def main(argv=None) -> None:
         roof = r.get("roofline_tok_s", roofline)
         print(f"{r['name']:36} {r['decode_tok_s']:12.1f} {r['decode_tok_s'] / roof:10.0%} "
               f"{r['ttft_ms']:9.1f} {same:>11}")
+
+
+def main(argv=None) -> None:
+    a = _parser().parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw = copy_bandwidth()
+    model, args = random_transformer(a.shape)
+    roof_bytes = weight_bytes_per_token(model)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, args.vocab_size, (a.prompt_tokens,), generator=g).tolist()
+    rows = []
+    if a.transformers:
+        rows += transformers_rows(model, a.shape, prompt, _split(a.transformers), a.gen_tokens)
+    with torch.inference_mode():
+        bf16_logits = model(torch.tensor([prompt[:64]], device="cuda")).float()
+    rows += bf16_rows(model, a, prompt, bw / roof_bytes)
+    del model
+    torch.cuda.empty_cache()
+    for fmt in _split(a.formats):
+        rows += format_rows(fmt, a, prompt, bw, bf16_logits)
+    print_table(a, rows, bw, roof_bytes)
     if a.json:
         for r in rows:
             r.pop("tokens", None)
         with open(a.json, "w") as f:
             json.dump({"shape": a.shape, "gpu": torch.cuda.get_device_name(), "copy_bw": bw,
-                       "bytes_per_token": roof_bytes, "roofline_tok_s": roofline, "rows": rows}, f, indent=2)
+                       "bytes_per_token": roof_bytes, "roofline_tok_s": bw / roof_bytes, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

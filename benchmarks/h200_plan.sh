@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
-# A GPU session's first runs, in device calls (each must finish inside the device tool's 600 s
-# limit; the machine has no dsq install): part 1, the GPU tests and the issue's kernel table (every
-# format at M=1 on its four shapes, autotuned); part 2, compiled decode end to end for the four
-# formats with a kernel-time profile; part 3, int4 at 2-64 rows through the three kernel families;
-# part 4, llama.cpp (CUDA) beside the native runtime on one random Llama-3-8B Q4_K_M GGUF.
-# Not yet measured at the end of session 8 (no device time left): part 2's GPTQ act-order with q/k/v and
-# gate/up fused (one shared order each), and part 4's batch sweep with Q5/Q6_K's new routes compiled
-# (or, without llama.cpp's build: python -m benchmarks.batch_gpu --compile --batch 1,2,4,8,16,64).
-# (Machines differ by up to ~10% between calls: compare a change against its baseline inside one
-# call, e.g. with DSQ_PDL=0 or DSQ_TRITON_ATTN=0.)
-# Each step has its own time limit so one overrun cannot eat the others.
+# The GPU device runs, one part a device call (each inside the device tool's 600 s limit). The
+# machine gets a plain copy of the repository and no dsq install: each part links kernels/ and
+# recipes/ in as dsq.kernels and dsq.recipes and runs with PYTHONPATH=$PWD (benchmarks/README.md).
+#   part 1 (<= 470 s): the GPU tests, then every format at M=1 on the four Llama-3-8B shapes,
+#     autotuned, with the configs that won (kernels.json)
+#   part 2 (<= 480 s): compiled decode end to end of a random Llama-3-8B in awq-int4, q4_k_m, fp8
+#     and gptq-int4-actorder (q/k/v and gate/up fused), with a kernel-time profile (decode.json)
+#   part 3 (<= 590 s): int4 at 2-64 rows through the three kernel families, Q4_K at 4-16 rows, and
+#     prefill's bf16-weight route against the tl.dot GEMM (kernels_m, kernels_q4k, kernels_dq.json)
+#   part 4 (<= 600 s on the x2 kind): llama.cpp (CUDA) beside the native runtime on one random
+#     Llama-3-8B Q4_K_M GGUF, then the native runtime's batched decode on it (peer_*.json); without
+#     llama.cpp's build, batched decode alone: python -m benchmarks.batch_gpu --compile --batch 1,2,4,8,16,64
+# Machines differ by up to ~10% between calls: compare a change against its baseline inside one
+# call (e.g. with DSQ_PDL=0 or DSQ_TRITON_ATTN=0). Each step has its own time limit so one overrun
+# cannot eat the others.
 # Usage (from the developer machine, through the device tool):
-#   bash benchmarks/h200_plan.sh 1     # <= 470 s
-#   bash benchmarks/h200_plan.sh 2     # <= 480 s
-#   bash benchmarks/h200_plan.sh 3     # <= 590 s
-#   LLSRC=.llsrc/llama_cpp_python.tar.gz bash benchmarks/h200_plan.sh 4   # <= 600 s on the x2 kind
+#   bash benchmarks/h200_plan.sh 1
+#   bash benchmarks/h200_plan.sh 2
+#   bash benchmarks/h200_plan.sh 3
+#   LLSRC=.llsrc/llama_cpp_python.tar.gz bash benchmarks/h200_plan.sh 4
 #     (carry the sdist, trimmed of vendor/llama.cpp/{models,docs,benches,media}, and a gguf wheel in
 #     .whl: the image has no gguf; the build takes ~3 min on 32 cores, ~9 on 16)
 # Results land in $OUT (the device tool's output folder) as JSON and text.
 set -u
-PART=${1:?usage: h200_session.sh 1|2|3|4}
+PART=${1:?usage: h200_plan.sh 1|2|3|4}
 ln -sfn ../kernels dsq/kernels; ln -sfn ../recipes dsq/recipes
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
@@ -31,7 +35,7 @@ step() {  # step NAME SECONDS COMMAND...
 if [ "$PART" = 1 ]; then
   step tests 250 python -m pytest -q tests/test_native_cuda.py tests/test_kernels_triton.py tests/test_attn_triton.py \
     tests/test_mma_triton.py -k "cuda or real_shapes or dispatch or attn or sdpa or mma"
-  # the issue's table at M=1: every format on its four shapes, autotuned (which config won is printed)
+  # the kernel table at M=1: every format on its four shapes, autotuned (which config won is printed)
   step kernels 220 env TRITON_PRINT_AUTOTUNING=1 python -m benchmarks.kernels_gpu --m 1 \
     --shapes 4096x4096,14336x4096,4096x14336,28672x8192 \
     --formats int4-g128+q8,Q4_K+q8,Q5_K+q8,Q5_K,Q6_K+q8,Q8_0+q8,fp8-channel,fp8-block --json "$OUT/kernels.json"
