@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# GPU + CPU split runs on the H200 machine, through the device tool, from the repo root.
+#
+#   bash benchmarks/h200_split.sh build    # llama.cpp's llama-bench (CUDA) from the vendored sources in
+#                                          # .llsrc/llama-src.tar.gz; binaries back under $OUT as
+#                                          # llbin.tar.xz.* parts (carry them as .llbin/ next time)
+#   bash benchmarks/h200_split.sh sweep    # random 8B Q4_K_M GGUF; llama-bench and dsq at each split
+#
+# The machine has no dsq install: the C kernels are built in place and dsq.kernels is linked to
+# kernels/. Wheels the image lacks (gguf, diskcache) travel in .whl/.
+set -uo pipefail
+PART=${1:?build or sweep}
+OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+ROOT=$PWD
+LL=/tmp/ll/llama.cpp
+SPLITS=${SPLITS:-0,8,16,24,99}
+
+setup_python() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$ROOT"/.whl/*.whl >/dev/null 2>&1 || echo "wheels: install failed"
+  [ -e dsq/kernels ] || ln -sfn ../kernels dsq/kernels
+  ls kernels/_cpu_*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace >/tmp/build_ext.log 2>&1 ||
+    tail -5 /tmp/build_ext.log
+  mkdir -p /tmp/ll && [ -d /tmp/ll/llama_cpp_py ] || tar xzf "$ROOT"/.llsrc/llama-src.tar.gz -C /tmp/ll
+  mkdir -p /tmp/llpy && ln -sfn /tmp/ll/llama_cpp_py /tmp/llpy/llama_cpp
+  export PYTHONPATH=$ROOT:/tmp/llpy:/tmp/site
+  export LLAMA_CPP_LIB_PATH=$LL/build/bin
+}
+
+llama_bins() {  # unpack carried binaries, or build them
+  if [ -x "$LL/build/bin/llama-bench" ]; then return 0; fi
+  if ls "$ROOT"/.llbin/llbin.tar.xz.* >/dev/null 2>&1; then
+    mkdir -p "$LL/build/bin" && cat "$ROOT"/.llbin/llbin.tar.xz.* | xz -d | tar x -C "$LL/build/bin" && return 0
+  fi
+  (cd "$LL" && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF \
+     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_SERVER=OFF \
+     "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL" >/tmp/llcfg.log 2>&1 &&
+   cmake --build build -j"$(nproc)" --target llama-bench llama >/tmp/llbuild.log 2>&1) ||
+    { tail -30 /tmp/llcfg.log /tmp/llbuild.log; return 1; }
+}
+
+setup_python
+if [ "$PART" = build ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node|L3"
+  t=$(date +%s); llama_bins || exit 1; echo "llama.cpp built in $(( $(date +%s) - t )) s"
+  ls -la "$LL/build/bin"
+  (cd "$LL/build/bin" && strip --strip-unneeded ./*.so* llama-bench 2>/dev/null;
+   tar c ./*.so* llama-bench | xz -6 -T0 | split -b 15M - "$OUT/llbin.tar.xz.")
+  ls -la "$OUT"
+  exit 0
+fi
+
+llama_bins || exit 1
+GGUF=/tmp/r8b.gguf
+[ -f $GGUF ] || python3 -m dsq.bench.random_gguf $GGUF --shape llama3-8b --mix Q4_K_M | tail -1
+THREADS=${THREADS:-$(lscpu -p=CORE | grep -v '^#' | sort -u | wc -l)}
+echo "== llama-bench, $THREADS threads"
+timeout 300 "$LL/build/bin/llama-bench" -m $GGUF -ngl "$SPLITS" -fa 1 -p 64 -n 32 -r 2 -t "$THREADS" -o md \
+  2>&1 | grep -E "^\|" | tee "$OUT/llama_bench.md"
+echo "== dsq split profile"
+timeout 300 python3 -m benchmarks.split_profile $GGUF --gpu-layers "${DSQ_SPLITS:-0,8,16,24,all}" \
+  --threads "$THREADS" --json "$OUT/split_profile.json" ${PROFILE:+--profile} 2>&1 | grep -v -i warn | tail -60
