@@ -42,3 +42,7 @@ class MissingDependency(DsqError):
 
 class BackendError(DsqError):
     pass
+
+
+class DiskFull(DsqError):
+    """Not enough free space for what a command writes."""

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import Force, ModelArg, Threads, command
+from dsq.quant.spec import EVAL_TOKENS
 
 
 class Method(str, Enum):
@@ -53,7 +54,7 @@ def quantize(
     recipe: Annotated[Optional[str], typer.Option("--recipe", help="Apply a recipe from recipes/ (see recipes/).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Held-out tokens for the model card's "
-                                                                   "eval (0 skips).")] = 2048,
+                                                                   "eval (0 skips).")] = EVAL_TOKENS,
     threads: Threads = None,
     force: Force = False,
 ) -> None:
@@ -61,8 +62,9 @@ def quantize(
 
     gguf: dsq converts an HF directory to GGUF, then llama.cpp's quantizer makes the K-quants (a
     float GGUF is accepted too). rtn/awq/gptq/fp8: layer by layer into an HF directory with its
-    quantization_config, which vLLM, SGLang and dsq's native runtime load. Interrupted runs of
-    the calibrated methods resume from the last finished block.
+    quantization_config, which vLLM, SGLang and dsq's native runtime load, evaluated against the
+    source for its model card before it appears at --out. A killed run resumes when the same
+    command runs again (from the last finished block, or the GGUF pipeline's finished steps).
     """
     from dsq import quant
     from dsq.quant.registry import spec_from_options
@@ -79,8 +81,9 @@ def quantize(
     target = Path(out) if out else Path.cwd() / f"{name}-{spec.impl.output_name(spec)}"
     t0 = time.perf_counter()
     with _Bars(con) as bars:
-        quant.quantize(src, target, spec, device=device, force=force, threads=threads, progress=bars)
-    evals = _card_eval(target, src, eval_tokens, spec, con) if eval_tokens and spec.impl.writes_card else None
+        quant.quantize(src, target, spec, device=device, force=force, threads=threads, progress=bars,
+                       eval_tokens=eval_tokens)
+    evals = quant.evals_of(target) if spec.impl.writes_card else None
     con.print(f"[green]wrote[/green] {target} ({spec.impl.describe(target)}) in {time.perf_counter() - t0:.1f}s"
               + (f"; held-out perplexity {evals['perplexity']:.3f} (source {evals['source perplexity']:.3f}), "
                  f"KLD {evals['KLD']:.4f}" if evals else ""))
@@ -137,16 +140,3 @@ class _Bars:
             self._close()
         else:
             self.stack.__exit__(*exc)
-
-
-def _card_eval(target: Path, source: Path, tokens: int, spec, con) -> dict:
-    """Evaluate the artifact against its source and put the numbers in its model card."""
-    from dsq.eval.quality import evaluate
-    from dsq.quant.driver import write_card
-
-    with con.status("evaluating on held-out text"):
-        r = evaluate(str(target), str(source), ctx=min(512, tokens), max_tokens=tokens)
-    evals = {"perplexity": r["perplexity"], "source perplexity": r["reference_perplexity"], "KLD": r["kld"],
-             "top-1 agreement": r["top1_agreement"], "tokens": r["tokens"]}
-    write_card(target, source, spec, {k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in evals.items()})
-    return evals

@@ -2,12 +2,13 @@
 importance matrix (dsq.quant.imatrix) -> llama.cpp's own quantizer (`llama_model_quantize`).
 
 `quantize_gguf` is the last step: a float GGUF (F32/F16/BF16) in, the output appearing only when
-the quantizer succeeded (temp file + rename); progress follows the bytes written.
+the quantizer succeeded (temp file + rename); progress follows the bytes written. `GGUF.quantize`
+keeps the steps' files in a work folder beside the output (dsq.quant.gguf_work), which the next
+run of the same command reuses and a successful run removes.
 """
 
 from __future__ import annotations
 
-import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -18,12 +19,15 @@ if TYPE_CHECKING:
 
     from dsq.runtime.model_ref import ModelRef
 
-from dsq.errors import BackendError, DsqError
+from dsq.errors import BackendError, DiskFull, DsqError
 from dsq.formats.gguf_file import GGUFFile
 from dsq.formats.gguf_types import FLOAT_TYPES, FTYPES, parse_gguf_type
 from dsq.formats.hf import atomic_output_file
-from dsq.quant.method import Method, check_target
-from dsq.quant.spec import GGUFSpec, OnStep, Step, no_progress
+from dsq.quant import faults
+from dsq.quant.gguf_work import Work
+from dsq.quant.method import Method, calib_stamp, check_target, run_key
+from dsq.quant.space import check_free, free_bytes, full_disk_error, is_disk_full
+from dsq.quant.spec import EVAL_TOKENS, GGUFSpec, OnStep, Step, no_progress
 
 # bits per weight of each whole-file type (for the progress estimate and reports)
 APPROX_BPW = {"Q8_0": 8.5, "Q6_K": 6.56, "Q5_K_M": 5.7, "Q5_K_S": 5.5, "Q5_0": 5.5, "Q4_K_M": 4.9,
@@ -56,50 +60,76 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, threads: int | N
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[qtype]
     params.nthread = threads or default_threads()
-    keep = []  # the ctypes array and its buffers must outlive the call
-    if imatrix:
-        import ctypes
-
-        import numpy as np
-
-        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
-        for i, (name, vals) in enumerate(sorted(imatrix.items())):
-            arr = np.ascontiguousarray(vals, dtype=np.float32)
-            keep.append(arr)
-            entries[i].name = name.encode()
-            entries[i].data = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            entries[i].size = arr.size
-        entries[len(imatrix)].name = None  # terminator
-        keep.append(entries)
-        params.imatrix = ctypes.cast(entries, type(params.imatrix))
-
+    buffers = _set_imatrix(llama_cpp, params, imatrix) if imatrix else []
     with atomic_output_file(Path(out), force=force) as tmp:
-        result: dict = {}
-
-        def work():
-            try:
-                result["rc"] = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
-            except Exception as e:  # ctypes errors
-                result["error"] = e
-
-        th = threading.Thread(target=work, daemon=True)
-        th.start()
-        while th.is_alive():
-            th.join(0.2)
-            if progress:
-                try:
-                    progress(min(tmp.stat().st_size, expected), expected)
-                except OSError:
-                    pass
+        result = _run_quantizer(llama_cpp, params, Path(src), tmp, expected, progress)
         if "error" in result or result.get("rc", 1) != 0:
             detail = result.get("error") or last_log() or f"return code {result.get('rc')}"
-            raise BackendError(f"llama.cpp's quantizer failed ({detail})",
-                               "check the input GGUF and the free disk space")
+            _check_space(detail, tmp, expected, out)
+            raise BackendError(f"llama.cpp's quantizer failed ({detail})", "check the input GGUF")
         if progress:
             progress(expected, expected)
-        # llama.cpp writes the output itself: check it is a complete GGUF before it goes live
-        GGUFFile(tmp)
+        try:  # llama.cpp writes the output itself: check it is a complete GGUF before it goes live
+            GGUFFile(tmp)
+        except DsqError as e:
+            _check_space(e, tmp, expected, out)
+            raise
+    del buffers  # the quantizer read the importance matrix through them
     return Path(out)
+
+
+def _set_imatrix(llama_cpp, params, imatrix: dict[str, "np.ndarray"]) -> list:
+    """Point `params` at the importance matrix; returns the ctypes array and its buffers, which
+    must outlive the quantizer's call."""
+    import ctypes
+
+    import numpy as np
+
+    keep = []
+    entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
+    for i, (name, vals) in enumerate(sorted(imatrix.items())):
+        arr = np.ascontiguousarray(vals, dtype=np.float32)
+        keep.append(arr)
+        entries[i].name = name.encode()
+        entries[i].data = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        entries[i].size = arr.size
+    entries[len(imatrix)].name = None  # terminator
+    keep.append(entries)
+    params.imatrix = ctypes.cast(entries, type(params.imatrix))
+    return keep
+
+
+def _run_quantizer(llama_cpp, params, src: Path, tmp: Path, expected: int,
+                   progress: Callable[[int, int], None] | None) -> dict:
+    """llama_model_quantize(src -> tmp) in a thread, its progress the bytes written so far.
+    Returns {"rc": its return code} or {"error": what it raised}."""
+    result: dict = {}
+
+    def work():
+        try:
+            faults.point("gguf:quantize")
+            result["rc"] = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+        except Exception as e:  # ctypes errors
+            result["error"] = e
+
+    th = threading.Thread(target=work, daemon=True)
+    th.start()
+    while th.is_alive():
+        th.join(0.2)
+        if progress:
+            try:
+                progress(min(tmp.stat().st_size, expected), expected)
+            except OSError:
+                pass
+    return result
+
+
+def _check_space(failure: BaseException | str, tmp: Path, expected: int, out: str | Path) -> None:
+    """A quantizer failure that a full disk explains is a DiskFull."""
+    written = tmp.stat().st_size if tmp.exists() else 0
+    if is_disk_full(failure) or free_bytes(tmp.parent) < expected - written:
+        raise DiskFull(f"llama.cpp's quantizer ran out of disk space writing {out} ({failure})",
+                       "free up space and run it again")
 
 
 class GGUF(Method):
@@ -120,25 +150,28 @@ class GGUF(Method):
 
     def quantize(self, source: Path, out: Path, spec: GGUFSpec, *, device: str = "auto", force: bool = False,
                  threads: int | None = None, progress: OnStep = no_progress, batch: int = 8,
-                 compute_dtype: "torch.dtype | None" = None) -> Path:
-        """An HF directory (or a float GGUF) -> `spec.type` at `out`, through a float GGUF."""
+                 compute_dtype: "torch.dtype | None" = None, eval_tokens: int = EVAL_TOKENS) -> Path:
+        """An HF directory (or a float GGUF) -> `spec.type` at `out`, through a float GGUF; the
+        steps in between are kept in .NAME.dsq-work (dsq.quant.gguf_work) until `out` is in place."""
+        ref = _source(source, spec)
+        work = Work(out, _keys(ref, spec, device, batch, compute_dtype), spec.type in FLOAT_TYPES)
+        if work.published():  # the last run was stopped between its rename and its cleanup
+            work.close()
+            return out
         check_target(out, force)
         if out.is_dir():
             raise DsqError(f"{out} is a directory", "pass a file path to --out")
-        ref = _source(source, spec)
-        imat = None
-        if spec.imatrix:
-            from dsq.quant.imatrix import compute_imatrix
-
-            imat = compute_imatrix(ref.path, spec.calib, device, progress, batch, compute_dtype)
-        with tempfile.TemporaryDirectory(prefix=".dsq-", dir=out.parent if out.parent.exists() else None) as td:
-            src = _float_gguf(ref, out if spec.type in FLOAT_TYPES else Path(td) / "float.gguf", spec.type, force,
-                              progress)
-            if spec.type not in FLOAT_TYPES:
-                task = f"quantizing to {spec.type} (llama.cpp)"
-                progress(Step(task, unit="bytes"))
-                quantize_gguf(src, out, spec.type, threads=threads, force=force, imatrix=imat,
-                              progress=lambda done, total: progress(Step(task, done, total, unit="bytes")))
+        check_free(out, _expected_bytes(ref, spec) - work.bytes())
+        try:
+            work.begin()
+            if not work.ready():
+                _make(work, ref, spec, device, threads, batch, compute_dtype, progress)
+            work.publish()
+        except BaseException as e:
+            kept = work.tidy(keep=isinstance(e, KeyboardInterrupt) or is_disk_full(e))
+            if is_disk_full(e):
+                raise full_disk_error(out, _expected_bytes(ref, spec) - work.bytes(), kept) from e
+            raise
         return out
 
     def describe(self, out: Path) -> str:
@@ -165,15 +198,67 @@ def _source(source: Path, spec: GGUFSpec) -> "ModelRef":
     return ref
 
 
-def _float_gguf(ref: "ModelRef", dst: Path, qtype: str, force: bool, progress: OnStep) -> Path:
-    """The float GGUF the quantizer reads: a GGUF source as it is, an HF one converted to `dst`
-    (in `qtype` when that is a float type, else in the model's own float type)."""
-    if ref.kind != "hf":
-        return ref.path
+def _make(work: Work, ref: "ModelRef", spec: GGUFSpec, device: str, threads: int | None, batch: int,
+          compute_dtype: "torch.dtype | None", progress: OnStep) -> None:
+    """The importance matrix, the float GGUF and the quantized product in `work`, each step
+    skipped where the last run finished it."""
+    imat = None
+    if spec.imatrix:
+        from dsq.quant.imatrix import compute_imatrix
+
+        imat = work.imatrix(lambda: compute_imatrix(ref.path, spec.calib, device, progress, batch, compute_dtype))
+    src = work.float_gguf(lambda dst: _convert(ref, dst, spec.type, progress)) if ref.kind == "hf" else ref.path
+    if spec.type not in FLOAT_TYPES:
+        task = f"quantizing to {spec.type} (llama.cpp)"
+        progress(Step(task, unit="bytes"))
+        quantize_gguf(src, work.product, spec.type, threads=threads, force=True, imatrix=imat,
+                      progress=lambda done, total: progress(Step(task, done, total, unit="bytes")))
+    work.finish()
+
+
+def _convert(ref: "ModelRef", dst: Path, qtype: str, progress: OnStep) -> None:
+    """The HF source as a float GGUF at `dst`: in `qtype` when that is a float type, else in the
+    model's own float type."""
     from dsq.convert.hf_to_gguf import hf_to_gguf
 
     task = f"{ref.path.name} -> GGUF"
     progress(Step(task))
-    hf_to_gguf(ref.path, dst, qtype if qtype in FLOAT_TYPES else "auto", force=force,
-               progress=lambda name, i, total: progress(Step(task, i, total, item=name)))
-    return dst
+
+    def step(name: str, i: int, total: int) -> None:
+        faults.point("gguf:convert")
+        progress(Step(task, i, total, item=name))
+
+    hf_to_gguf(ref.path, dst, qtype if qtype in FLOAT_TYPES else "auto", force=True, progress=step)
+
+
+def _keys(ref: "ModelRef", spec: GGUFSpec, device: str, batch: int, compute_dtype) -> dict[str, str | None]:
+    """The keys of what this run makes (dsq.quant.gguf_work): the float GGUF, the importance
+    matrix (its calibration, and where and in what it computes), the product."""
+    imat = None
+    if spec.imatrix:
+        from dsq.quant.blocks import default_dtype, device_for
+
+        dev = device_for(device)
+        imat = run_key(ref.path, "imatrix", calib_stamp(spec.calib), dev.type, str(compute_dtype or default_dtype(dev)),
+                       batch)
+    float_key = run_key(ref.path, "float", spec.type if spec.type in FLOAT_TYPES else "auto")
+    return {"float": float_key if ref.kind == "hf" else None, "imatrix": imat,
+            "product": run_key(ref.path, "gguf", spec.type, imat)}
+
+
+def _expected_bytes(ref: "ModelRef", spec: GGUFSpec) -> int:
+    """About the bytes the pipeline writes: an HF source's float GGUF, and the quantized output."""
+    import math
+
+    if ref.kind == "hf":
+        from dsq.formats.hf import HFModelDir
+
+        hf = HFModelDir(ref.path)
+        n = sum(math.prod(hf.tensor_shape(name)) for name in hf.tensor_names())
+    else:
+        n = sum(t.n_elements for t in GGUFFile(ref.path).tensors)
+    quantized = int(n * APPROX_BPW.get(spec.type, 8) / 8)
+    if ref.kind != "hf":
+        return quantized
+    converted = n * (4 if spec.type == "F32" else 2)
+    return converted + (0 if spec.type in FLOAT_TYPES else quantized)

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dsq.quant import faults
 from dsq.quant.blocks import (Capture, block_tensors, default_dtype, device_for, embed_calibration, linears,
                               materialize, meta_model, run_block)
 from dsq.quant.calib import calibration_for
@@ -57,5 +58,6 @@ def compute_imatrix(src: str | Path, calib: CalibSpec, device: str = "auto", pro
             hidden = run_block(layer, hidden, ctx, dev, dtype, batch)
         out.update({arch.hf_to_gguf_name(f"model.layers.{i}.{name}.weight"): acc.mean() for name, acc in cap.data.items()})
         layer.to("meta")
+        faults.point("gguf:imatrix")
         progress(Step(TASK, i + 1, n))
     return out

@@ -6,11 +6,13 @@ driver ask it instead of comparing method names.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsq.errors import DsqError, OutputExists
-from dsq.quant.spec import OnStep, QuantSpec, no_progress
+from dsq.quant.spec import EVAL_TOKENS, OnStep, QuantSpec, no_progress
 
 if TYPE_CHECKING:
     import torch
@@ -25,6 +27,26 @@ def check_target(out: Path, force: bool) -> None:
 
 def dir_size(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def run_key(source: Path, *settings) -> str:
+    """What a run's saved work is valid for: dsq's version, the source (its path and the name, size
+    and mtime of its files) and the settings."""
+    from dsq import __version__
+
+    key = [__version__, str(source.resolve()), _stamp(source), *settings]
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def calib_stamp(calib) -> list:
+    """The calibration settings, with the stamp of a calibration file."""
+    path = Path(calib.source)
+    return [calib.source, calib.samples, calib.seq_len, _stamp(path) if path.is_file() else None]
+
+
+def _stamp(path: Path) -> list:
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
 
 
 class Method:
@@ -51,7 +73,7 @@ class Method:
 
     def quantize(self, source: Path, out: Path, spec, *, device: str = "auto", force: bool = False,
                  threads: int | None = None, progress: OnStep = no_progress, batch: int = 8,
-                 compute_dtype: "torch.dtype | None" = None) -> Path:
+                 compute_dtype: "torch.dtype | None" = None, eval_tokens: int = EVAL_TOKENS) -> Path:
         raise NotImplementedError
 
     def describe(self, out: Path) -> str:
@@ -101,6 +123,12 @@ class LayerMethod(Method):
     def check_shape(self, name: str, n_out: int, n_in: int, spec: QuantSpec) -> None:
         """Refuse, before any work, a Linear the format cannot hold."""
 
+    def packed_bytes(self, n_out: int, n_in: int, spec: QuantSpec) -> int:
+        """About the bytes the checkpoint stores for one quantized (n_out, n_in) Linear: its
+        codes, a scale and a zero point per group, the group index."""
+        groups = 1 if spec.group_size <= 0 else -(-n_in // spec.group_size)
+        return n_out * n_in * self.weight_bits(spec) // 8 + n_out * groups * 4 + n_in * 4
+
     def quantize_block(self, block: "Block", spec: QuantSpec) -> dict:
         """Quantize the block's Linears in place; the tensors to write, by name inside the block."""
         raise NotImplementedError
@@ -117,7 +145,7 @@ class LayerMethod(Method):
 
     def quantize(self, source: Path, out: Path, spec: QuantSpec, *, device: str = "auto", force: bool = False,
                  threads: int | None = None, progress: OnStep = no_progress, batch: int = 8,
-                 compute_dtype: "torch.dtype | None" = None) -> Path:
+                 compute_dtype: "torch.dtype | None" = None, eval_tokens: int = EVAL_TOKENS) -> Path:
         from dsq.quant.driver import quantize_layers
         from dsq.runtime.model_ref import resolve_model
 
@@ -125,7 +153,7 @@ class LayerMethod(Method):
         if ref.kind != "hf":
             raise DsqError(f"{self.name} quantizes HF safetensors models", "convert the GGUF first: dsq convert IN OUT")
         quantize_layers(ref.path, out, spec, device=device, force=force, progress=progress, batch=batch,
-                        compute_dtype=compute_dtype)
+                        compute_dtype=compute_dtype, eval_tokens=eval_tokens)
         return out
 
     def describe(self, out: Path) -> str:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 # flat option names (the CLI's flags, a recipe's keys) -> CalibSpec fields
 _CALIB_OPTIONS = {"calib": "source", "calib_samples": "samples", "calib_seq_len": "seq_len"}
 _LAYER_OPTIONS = ("bits", "group_size", "sym", "act_order", "damp", "fp8_scheme", "fp8_format", "skip")
+EVAL_TOKENS = 2048  # held-out tokens the model card's evaluation reads by default
 
 
 def _fields(options: dict, names: dict[str, str]) -> dict:
