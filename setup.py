@@ -23,55 +23,39 @@ FLAGS = {
 }
 ISAS = [isa for isa in FLAGS if isa == "generic" or (X86 and isa in ("avx512", "avx2")) or (ARM64 and isa == "neon")]
 
-_OMP_TEST = """#include <omp.h>
-int main(void) {
-    int n = 0;
-#pragma omp parallel reduction(+ : n)
-    n += 1;
-    return n > 0 && omp_get_max_threads() > 0 ? 0 : 1;
-}
-"""
+_SIMD_TEST = "int f(int *x) {\n#pragma omp simd\n  for (int i = 0; i < 8; i++) x[i]++;\n  return 0;\n}\n"
 
 
-def _accepts(compiler, flags: list[str], link: bool) -> bool:
-    """Whether the build's C compiler compiles (and links) the OpenMP test program with `flags`."""
+def _accepts(compiler, flags: list[str]) -> bool:
+    """Whether the build's C compiler compiles a loop under `#pragma omp simd` with `flags`."""
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "omp_test.c")
+        src = os.path.join(tmp, "simd_test.c")
         with open(src, "w") as f:
-            f.write(_OMP_TEST if link else "int f(int *x) {\n#pragma omp simd\n  for (int i = 0; i < 8; i++) x[i]++;\n"
-                    "  return 0;\n}\n")
+            f.write(_SIMD_TEST)
         try:
-            objs = compiler.compile([src], output_dir=tmp, extra_postargs=flags)
-            if link:
-                compiler.link_executable(objs, os.path.join(tmp, "omp_test"), extra_postargs=flags)
+            compiler.compile([src], output_dir=tmp, extra_postargs=flags)
         except Exception:
             return False
     return True
 
 
 class BuildExt(build_ext):
-    """OpenMP where the compiler has it (GCC; clang with its runtime). Else (macOS's clang has no
-    -fopenmp by default) the kernels build without it and run on one thread, keeping `omp simd`
-    through -fopenmp-simd where the compiler knows it."""
+    """The kernels run their parallel loops on their own thread pool (kernels/csrc/pool.inc,
+    pthreads), not OpenMP: -pthread, and `omp simd` through -fopenmp-simd where the compiler knows
+    it (GCC, clang, Apple's clang included; it needs no OpenMP runtime)."""
 
     def build_extensions(self):
-        if _accepts(self.compiler, ["-fopenmp"], link=True):
-            cflags, lflags = ["-fopenmp"], ["-fopenmp"]
-        elif _accepts(self.compiler, ["-fopenmp-simd"], link=False):
-            cflags, lflags = ["-fopenmp-simd"], []
-        else:
-            cflags, lflags = [], []
-        if cflags != ["-fopenmp"]:
-            print(f"dsq: no OpenMP in this C compiler: the CPU kernels will run on one thread ({cflags or 'no flags'})")
+        simd = ["-fopenmp-simd"] if _accepts(self.compiler, ["-fopenmp-simd"]) else []
         for ext in self.extensions:
-            ext.extra_compile_args = [*ext.extra_compile_args, *cflags]
-            ext.extra_link_args = [*ext.extra_link_args, *lflags]
+            ext.extra_compile_args = [*ext.extra_compile_args, *simd, "-pthread"]
+            ext.extra_link_args = [*ext.extra_link_args, "-pthread"]
         super().build_extensions()
 
 
 exts = [
     Extension(f"dsq.kernels._cpu_{isa}", [f"kernels/csrc/cpu_{isa}.c"],
-              depends=[f"kernels/csrc/{f}.inc" for f in ("gguf_cpu", "gguf_gemm_cpu", "intq_cpu", "norm_cpu", "attn_cpu")],
+              depends=[f"kernels/csrc/{f}.inc" for f in ("pool", "gguf_cpu", "gguf_avx2_cpu", "gguf_gemm_cpu", "intq_cpu",
+                                                         "norm_cpu", "attn_cpu")],
               extra_compile_args=["-O3", "-std=c11", *FLAGS[isa]], optional=True)
     for isa in ISAS
 ]

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from dsq.runtime.threads import quiet_openmp as _quiet_openmp  # noqa: E402
+
+_quiet_openmp()  # before anything imports torch: OpenMP read its wait policy when it loads
+
 _API = {
     "resolve_model": "dsq.runtime.model_ref",
     "builtin_model_path": "dsq.runtime.builtin",

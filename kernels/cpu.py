@@ -1,6 +1,11 @@
 """The C CPU kernels (kernels/csrc), built at install time once per instruction set; the best one
 this CPU runs is loaded with ctypes. `available()` is False when no build exists (no compiler at
-install time): the dispatcher then keeps the torch reference."""
+install time): the dispatcher then keeps the torch reference.
+
+`DSQ_CPU_ISA=avx512|avx2|neon|generic` forces a build, as if this CPU had nothing better (tests
+and measurements of what other CPUs run); a build this CPU cannot run, or one not built, is an
+error. Each kernel call runs on the caller's torch.get_num_threads() threads (the kernels' own
+pool, csrc/pool.inc)."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ GGML_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 1
 INT_BITS = (4, 8)  # dsq's integer layout (kernels/intq_ref.py)
 FP8_SCALE_KINDS = {"tensor": 0, "channel": 1, "block": 2}  # kernels/fp8_ref.py scale_kind
 FP8_BLOCK = 128
+ISAS = ("avx512", "avx2", "neon", "generic")  # every build there is, best first
 
 
 def _cpu_flags(key: str = "flags") -> set[str]:
@@ -50,9 +56,25 @@ def _candidates() -> list[str]:
     return out
 
 
+def forced_isa() -> str | None:
+    """The build DSQ_CPU_ISA asks for, or None. Raises ValueError for a name that is no build and
+    RuntimeError for a build this CPU cannot run."""
+    isa = os.environ.get("DSQ_CPU_ISA", "").strip().lower()
+    if not isa:
+        return None
+    if isa not in ISAS:
+        raise ValueError(f"DSQ_CPU_ISA={isa!r}: no such build (choose from {', '.join(ISAS)})")
+    if isa not in _candidates():
+        raise RuntimeError(f"DSQ_CPU_ISA={isa}: this CPU cannot run the {isa} build "
+                           f"(it runs {', '.join(_candidates())})")
+    return isa
+
+
 def supported_isas() -> list[str]:
-    """Builds this CPU can run, best first."""
-    return _candidates()
+    """Builds this CPU can run, best first; with DSQ_CPU_ISA, the forced one and those below it."""
+    runs = _candidates()
+    isa = forced_isa()
+    return runs[runs.index(isa):] if isa else runs
 
 
 @lru_cache(maxsize=None)
@@ -83,6 +105,11 @@ def load(isa: str):
                                           ctypes.c_void_p, ctypes.c_float, *[ctypes.c_void_p] * 4,
                                           ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                           ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+        if hasattr(lib, "dsq_set_threads"):  # builds older than the thread pool lack it
+            lib.dsq_set_threads.restype = None
+            lib.dsq_set_threads.argtypes = [ctypes.c_int]
+            lib.dsq_get_threads.restype = ctypes.c_int
+            lib.dsq_get_threads.argtypes = []
         if hasattr(lib, "dsq_int_gemm"):  # builds older than the integer / FP8 kernels lack them
             lib.dsq_int_gemm.restype = ctypes.c_int
             lib.dsq_int_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -101,6 +128,12 @@ def library():
     """(ctypes library, ISA name) of the best build for this CPU, or (None, reason)."""
     if os.environ.get("DSQ_NO_CPU_KERNELS"):
         return None, "disabled by DSQ_NO_CPU_KERNELS"
+    isa = forced_isa()
+    if isa:
+        if load(isa) is None:
+            raise RuntimeError(f"DSQ_CPU_ISA={isa}: the {isa} build of the CPU kernels was not built "
+                               f"(reinstall dsq with a C compiler)")
+        return load(isa), isa
     for isa in _candidates():
         lib = load(isa)
         if lib is not None:
@@ -113,9 +146,11 @@ def available() -> bool:
 
 
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_features: int,
-                bias: torch.Tensor | None = None, out: torch.Tensor | None = None, lib=None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, out: torch.Tensor | None = None, lib=None,
+                threads: int | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) for GGUF blocks `raw` (N, row_bytes), float32 x on the CPU.
-    `out` (M, N) float32 may be given (the tests poison it); `lib` picks a build."""
+    `out` (M, N) float32 may be given (the tests poison it); `lib` picks a build; `threads`
+    (default torch.get_num_threads()) the threads the call may use."""
     # The decode step makes ~130 of these calls per token: skip every no-op conversion (a float32
     # contiguous x is used as it is, the output is allocated in its final shape).
     fn = (lib or library()[0]).dsq_gguf_gemm
@@ -129,7 +164,8 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_features: int
         assert y.shape == (M, N) and y.dtype == torch.float32 and y.is_contiguous()
     if not raw.is_contiguous():
         raw = raw.contiguous()
-    if fn(raw.data_ptr(), GGML_TYPES[qtype], N, in_features, xf.data_ptr(), M, y.data_ptr(), torch.get_num_threads()):
+    if fn(raw.data_ptr(), GGML_TYPES[qtype], N, in_features, xf.data_ptr(), M, y.data_ptr(),
+          threads or torch.get_num_threads()):
         raise ValueError(f"dsq_gguf_gemm refused {qtype} with {in_features} inputs")
     if bias is not None:
         y += bias.float()
@@ -145,6 +181,14 @@ def gguf_rows(ids: torch.Tensor, raw: torch.Tensor, qtype: str, dim: int) -> tor
     if lib.dsq_gguf_rows(raw.data_ptr(), GGML_TYPES[qtype], dim, flat.data_ptr(), flat.numel(), out.data_ptr()):
         raise ValueError(f"dsq_gguf_rows refused {qtype}")
     return out
+
+
+def set_threads(n: int, lib=None) -> None:
+    """Threads the kernels use for this thread's later calls that pass none (attention); GEMM calls
+    pass torch.get_num_threads() themselves. The count is per OS thread, as torch's is per process."""
+    lib = lib or library()[0]
+    if lib is not None and hasattr(lib, "dsq_set_threads"):
+        lib.dsq_set_threads(n)
 
 
 def has(fn: str) -> bool:
@@ -170,11 +214,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib=None, check:
 
 
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                lib=None) -> torch.Tensor:
+                lib=None, threads: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence: q (B, H, D) (any shape whose memory is that, e.g.
     (B, 1, H, D)), k and v (B, Hk, S, D) float32 with rows of D contiguous (a slice of the KV
     cache), mask (B, S) bool (True = attend; any shape of B * S contiguous values) or None.
-    Returns softmax(q k^T * scale) v as (B, 1, H * D) float32, in one C call."""
+    Returns softmax(q k^T * scale) v as (B, 1, H * D) float32, in one C call on `threads` threads
+    (default torch.get_num_threads())."""
     lib = _lib_with(lib, "dsq_attn_decode")
     B, Hk, S, D = k.shape
     H = q.numel() // (B * D)
@@ -186,6 +231,7 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     if mask is not None and (mask.dtype != torch.bool or mask.numel() != B * S or not mask.is_contiguous()):
         raise ValueError(f"attn_decode: mask must be a contiguous bool tensor of {B} x {S} values, got {_desc(mask)}")
     out = torch.empty(B, 1, H * D)
+    set_threads(threads or torch.get_num_threads(), lib)
     if lib.dsq_attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
                            B, H, Hk, S, D, k.stride(0), k.stride(1), scale, out.data_ptr()):
         raise ValueError(f"dsq_attn_decode refused q {_desc(q)}, k {_desc(k)} (or ran out of memory)")
@@ -195,14 +241,16 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 def attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
               k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, S: int,
-              mask: torch.Tensor | None, scale: float, lib=None, check: bool = True) -> torch.Tensor:
+              mask: torch.Tensor | None, scale: float, lib=None, check: bool = True,
+              threads: int | None = None) -> torch.Tensor:
     """The eager decode step's attention for one new token per sequence, in one C call:
     q (B, 1, H, D), k and v (B, 1, Hk, D) float32 (heads of D contiguous; views of a fused
     projection's output are fine), RMS-normed per head by q_weight / k_weight (D,) (rms_norm; None:
     no norm), rotated by HF's rotate-half rope with cos / sin (B, 1, 1, D) (apply_rope), k and v
     written into k_cache / v_cache (B, Hk, >= S, D) at column slots[0] (KVCache.update), then
     attn_decode over the first S columns with mask (B, S values, bool) or None.
-    Returns (B, 1, H * D) float32. check=False skips the argument checks (the dispatcher made them)."""
+    Returns (B, 1, H * D) float32. check=False skips the argument checks (the dispatcher made them);
+    `threads` as in attn_decode."""
     lib = _lib_with(lib, "dsq_attn_step")
     B, _, H, D = q.shape
     Hk = k.shape[2]
@@ -226,6 +274,7 @@ def attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch
                                  or not mask.is_cpu):
             raise ValueError(f"attn_step: mask must be a contiguous bool tensor of {B} x {S} values, got {_desc(mask)}")
     out = torch.empty(B, 1, H * D)
+    set_threads(threads or torch.get_num_threads(), lib)
     if lib.dsq_attn_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), B, H, Hk,
                          D, None if q_weight is None else q_weight.data_ptr(),
                          None if k_weight is None else k_weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
@@ -277,11 +326,12 @@ def _finish(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, N: int,
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                perm: torch.Tensor | None = None, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               lib=None) -> torch.Tensor:
+               lib=None, threads: int | None = None) -> torch.Tensor:
     """y = x[..., perm] W^T (+ bias) for dsq's integer layout (kernels/intq_ref.py): qweight uint8
     (N, K/2) for 4 bits or (N, K) for 8, scales float16 (N, G), zeros uint8 (N, G), groups of
     K/G columns (even for 4 bits). Returns x's dtype; `out` (M, N) float32 may be given (the
-    tests poison it); `lib` picks a build. Bad input raises TypeError / ValueError."""
+    tests poison it); `lib` picks a build; `threads` as in gguf_linear. Bad input raises TypeError /
+    ValueError."""
     lib = _lib_with(lib, "dsq_int_gemm")
     if bits not in INT_BITS:
         raise ValueError(f"int_linear: bits must be 4 or 8, got {bits!r}")
@@ -306,16 +356,16 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if xf.shape[0] and N:
         qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
         if lib.dsq_int_gemm(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), bits, N, K, G, xf.data_ptr(),
-                            xf.shape[0], y.data_ptr(), torch.get_num_threads()):
+                            xf.shape[0], y.data_ptr(), threads or torch.get_num_threads()):
             raise ValueError(f"dsq_int_gemm refused int{bits} ({N}, {K}) in {G} groups (or ran out of memory)")
     return _finish(x, y, bias, N, what)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, lib=None) -> torch.Tensor:
+               out: torch.Tensor | None = None, lib=None, threads: int | None = None) -> torch.Tensor:
     """y = x (weight * scale)^T (+ bias) for float8_e4m3fn weight (N, K) and a float scale per
     tensor (1,), per output channel (N, 1) or per 128x128 block (ceil(N/128), ceil(K/128))
-    (kernels/fp8_ref.py). Returns x's dtype; `out` and `lib` as in int_linear."""
+    (kernels/fp8_ref.py). Returns x's dtype; `out`, `lib` and `threads` as in int_linear."""
     from dsq.kernels.fp8_ref import scale_kind
 
     lib = _lib_with(lib, "dsq_fp8_gemm")
@@ -335,6 +385,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
         w = weight.contiguous().view(torch.uint8)
         s = scale.to(torch.float32).contiguous()
         if lib.dsq_fp8_gemm(w.data_ptr(), s.data_ptr(), FP8_SCALE_KINDS[kind], N, K, xf.data_ptr(), xf.shape[0],
-                            y.data_ptr(), torch.get_num_threads()):
+                            y.data_ptr(), threads or torch.get_num_threads()):
             raise ValueError(f"dsq_fp8_gemm refused ({N}, {K}) with a {kind} scale (or ran out of memory)")
     return _finish(x, y, bias, N, "fp8_linear")

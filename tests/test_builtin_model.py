@@ -34,20 +34,41 @@ def test_readme_main_command(runner):
     assert "decode" in r2.stderr and "tok/s" in r2.stderr
 
 
-def test_greedy_continuation_matches_transformers(builtin_llama, builtin_hf):
-    """Coherence, checked by an independent implementation on the same (dequantized) weights."""
-    import torch
-    from transformers import AutoModelForCausalLM
+WINDOW = 300_000  # where the teacher-forced window's text starts in the corpus
 
-    from dsq.runtime.engine import generate
 
-    ours = generate(builtin_llama, PROMPT, max_tokens=32, temperature=0).token_ids
-    ids = builtin_llama.tokenize(PROMPT)
-    hf = AutoModelForCausalLM.from_pretrained(builtin_hf, dtype=torch.float32)
-    ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0][len(ids):].tolist()
-    agree = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ref))
-    print(f"greedy agreement with transformers: {agree}/32 tokens")
-    assert agree >= 16
+@pytest.mark.parametrize("engine", ["llama.cpp", "native"])
+def test_teacher_forced_agreement_with_transformers(engine, builtin_llama, builtin_gguf, builtin_hf):
+    """Coherence, checked by an independent implementation on the same (dequantized) weights:
+    PROMPT and 89 tokens of fixed text, teacher-forced (each position predicts from the true
+    tokens before it), scored over the text by top-1 agreement and KLD against transformers.
+    llama.cpp runs it one token a call, as it decodes; native through its batched forward.
+
+    Not a greedy continuation: that splits for good at the first near-tie, and where it splits
+    depends on the instruction set (llama.cpp built without AVX-512 agreed for 11 tokens of 32).
+    Tolerances from the measured spread over six such windows (corpus offsets 300k-350k) and
+    every build: llama.cpp with and without AVX-512, top-1 0.955-0.989, KLD 0.0039-0.0094 (its
+    activations are rounded to 8 bits); native with DSQ_CPU_ISA avx512, avx2 and generic, top-1
+    0.989-1.0, KLD <= 1e-4. The bounds leave ~2x on KLD and ~4 tokens (llama.cpp) or ~2 (native)
+    on top-1."""
+    from dsq.runtime.native import NativeModel
+
+    ids = builtin_llama.tokenize(PROMPT + " " + corpus()[WINDOW:WINDOW + 2000])[:96]
+    n = len(builtin_llama.tokenize(PROMPT))
+    if engine == "llama.cpp":
+        builtin_llama.llm.reset()
+        builtin_llama.llm.eval(ids[:n])
+        for t in ids[n:]:
+            builtin_llama.llm.eval([t])
+        ours = builtin_llama.llm.scores[:len(ids)].copy()
+    else:
+        ours = NativeModel(builtin_gguf, "gguf", n_ctx=256).logits(ids)
+    kld, top1, _ = kld_top1(hf_logits(builtin_hf, ids)[n:], ours[n:])
+    print(f"{engine} teacher-forced against transformers: top-1 {top1:.3f}, KLD {kld:.4f}")
+    if engine == "llama.cpp":
+        assert top1 >= 0.91 and kld < 0.02
+    else:
+        assert top1 >= 0.97 and kld < 1e-3
 
 
 def test_logits_against_transformers(builtin_llama, builtin_hf):

@@ -23,6 +23,18 @@ def random_blocks(qtype: str, rows: int, row_len: int, rng) -> np.ndarray:
     return b.reshape(rows, -1)
 
 
+# (build, format) whose M = 1 row dots round x to 16-bit integers per 32 values (the avx2 build's
+# integer dots, kernels/csrc/gguf_avx2_cpu.inc; DSQ_NO_VNNI=1 turns them off): each x_k is then off
+# by at most max|x| / 65534 over its block, so an output by at most x16_bound beyond float rounding
+X16_ROW_DOTS = {("avx2", "Q4_K"), ("avx2", "Q6_K")}
+
+
+def x16_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_k |w_nk| max|x_mb| / 65534 (b: k's block of 32 values), float64 (M, N)."""
+    m = x.double().abs().reshape(*x.shape[:-1], -1, 32).amax(-1).repeat_interleave(32, -1)
+    return (m / 65534) @ w.double().abs().T
+
+
 def oracle(b: np.ndarray, qtype: str, row_len: int) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as np_dequantize

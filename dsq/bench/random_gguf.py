@@ -2,6 +2,7 @@
 
     python -m dsq.bench.random_gguf llama3-8b.Q4_K_M.gguf --shape llama3-8b --mix Q4_K_M
 
+A shape's layout is Llama's, or Qwen2's (q/k/v biases, tied or untied embeddings: arch qwen2).
 For side-by-side speed runs of the native runtime and llama.cpp on one file
 (`dsq bench FILE --backend native,llama.cpp`) where no real checkpoint can be had: the quantized
 blocks are random bytes with their scales set so weights stay in a trained model's range
@@ -32,15 +33,16 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def tensor_type(mix: str, name: str, n_layers: int) -> str:
-    """The block type llama.cpp's quantizer gives tensor `name` (GGUF naming) in file type `mix`."""
-    if name.endswith("norm.weight") or name == "rope_freqs.weight":
+def tensor_type(mix: str, name: str, n_layers: int, tied: bool = False) -> str:
+    """The block type llama.cpp's quantizer gives tensor `name` (GGUF naming) in file type `mix`;
+    `tied`: the file has no output.weight, token_embd is the output head too."""
+    if name.endswith(("norm.weight", ".bias")) or name == "rope_freqs.weight":
         return "F32"
     if mix in _ALL_SAME:
         return mix
     if mix != "Q4_K_M":
         raise ValueError(f"unknown mix {mix!r}; choose from {', '.join(MIXES)}")
-    if name == "output.weight":
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
         return "Q6_K"
     if name.endswith(("attn_v.weight", "ffn_down.weight")):
         return "Q6_K" if _more_bits(int(name.split(".")[1]), n_layers) else "Q4_K"
@@ -90,19 +92,30 @@ def synthetic_vocab(n: int):
 
 
 def _plan(cfg: dict, mix: str) -> list[tuple[str, tuple[int, ...], str]]:
-    """[(GGUF name, (rows, cols) or (n,), type)] in llama.cpp's file order."""
+    """[(GGUF name, (rows, cols) or (n,), type)] in llama.cpp's file order: the Llama layout, with
+    q/k/v biases (attention_bias: qwen2) and without output.weight (tie_word_embeddings)."""
     h, f, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    hd = cfg["head_dim"]
+    hd, tied = cfg["head_dim"], bool(cfg.get("tie_word_embeddings"))
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     shapes = [("token_embd.weight", (cfg["vocab_size"], h))]
     for i in range(L):
-        shapes += [(f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.attn_q.weight", (q, h)),
-                   (f"blk.{i}.attn_k.weight", (kv, h)), (f"blk.{i}.attn_v.weight", (kv, h)),
+        qkv = [(f"blk.{i}.attn_{p}.weight", (n, h)) for p, n in (("q", q), ("k", kv), ("v", kv))]
+        if cfg.get("attention_bias"):
+            qkv = [t for p, n in (("q", q), ("k", kv), ("v", kv))
+                   for t in ((f"blk.{i}.attn_{p}.weight", (n, h)), (f"blk.{i}.attn_{p}.bias", (n,)))]
+        shapes += [(f"blk.{i}.attn_norm.weight", (h,)), *qkv,
                    (f"blk.{i}.attn_output.weight", (h, q)), (f"blk.{i}.ffn_norm.weight", (h,)),
                    (f"blk.{i}.ffn_gate.weight", (f, h)), (f"blk.{i}.ffn_up.weight", (f, h)),
                    (f"blk.{i}.ffn_down.weight", (h, f))]
-    shapes += [("output_norm.weight", (h,)), ("output.weight", (cfg["vocab_size"], h))]
-    return [(n, s, tensor_type(mix, n, L)) for n, s in shapes]
+    shapes += [("output_norm.weight", (h,))] + ([] if tied else [("output.weight", (cfg["vocab_size"], h))])
+    return [(n, s, tensor_type(mix, n, L, tied)) for n, s in shapes]
+
+
+def _f32_values(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Norm weights 1; biases N(0, 0.02), a trained model's range."""
+    if name.endswith(".bias"):
+        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    return np.ones(shape, dtype=np.float32)
 
 
 def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_K_M", seed: int = 0,
@@ -123,8 +136,6 @@ def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
     cfg = dict(SHAPES[shape])
-    if cfg.get("attention_bias") or cfg.get("tie_word_embeddings"):
-        raise ValueError(f"shape {shape!r} is not a plain Llama layout")
     cfg["rope_parameters"] = cfg.pop("rope")
     if layers is not None:
         cfg["num_hidden_layers"] = layers
@@ -134,7 +145,7 @@ def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_
     if cfg["rope_parameters"].get("rope_type") == "llama3":
         extra.append(("rope_freqs.weight", llama3_rope_factors(cfg["rope_parameters"], cfg["head_dim"]).numpy()))
 
-    arch = arch_for_model_type("llama")
+    arch = arch_for_model_type("qwen2" if cfg.get("attention_bias") else "llama")  # the two layouts of SHAPES
     with atomic_output_file(Path(out), force=force) as tmp:
         w = GGUFWriter(str(tmp), arch.gguf_arch)
         w.add_name(f"random {shape} {mix}")
@@ -157,7 +168,7 @@ def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_
         total = len(plan) + len(extra)
         for i, (name, shp, t) in enumerate(plan):
             if t == "F32":
-                w.write_tensor_data(np.ones(shp, dtype=np.float32))
+                w.write_tensor_data(_f32_values(name, shp, rng))
             else:
                 w.write_tensor_data(random_blocks(t, shp[0], shp[1], rng))
             if progress:

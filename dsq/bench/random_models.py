@@ -1,6 +1,7 @@
 """Random-weight models of named shapes, for benchmarks and tests where no checkpoint can be had.
 
-- `SHAPES`: model shapes by name (ModelArgs fields), from a tiny one to Llama-3-8B.
+- `SHAPES`: model shapes by name (ModelArgs fields), from a tiny one to Llama-3-8B and Qwen2-7B
+  (qwen2 shapes: q/k/v biases; 1.5B and tiny-qwen2 tie the embeddings).
 - `random_transformer`: a torch model of a shape, built on a device (seconds for 8B on a GPU).
 - `write_random_hf`: the same as an HF safetensors directory (what the quantizers read).
 - `random_packed`: one weight in the GPU kernels' packed layout, random codes and sane scales.
@@ -27,6 +28,15 @@ SHAPES = {
     "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                        num_attention_heads=12, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
                        max_position_embeddings=32768, rope={"rope_type": "default", "rope_theta": 1000000.0},
+                       attention_bias=True, tie_word_embeddings=True),
+    "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                     max_position_embeddings=32768, rope={"rope_type": "default", "rope_theta": 1000000.0},
+                     attention_bias=True, tie_word_embeddings=False),
+    # the qwen2 layout (q/k/v biases, tied embeddings) at the tiny shape's size, for tests
+    "tiny-qwen2": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                       max_position_embeddings=2048, rope={"rope_type": "default", "rope_theta": 1000000.0},
                        attention_bias=True, tie_word_embeddings=True),
 }
 
@@ -100,7 +110,7 @@ def write_random_hf(shape: str, out: Path, layers: int | None = None, seed: int 
         flush()
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     s = SHAPES[shape]
-    qwen = shape.startswith("qwen2")
+    qwen = bool(s.get("attention_bias"))  # the qwen2 layout (every shape is llama or qwen2)
     cfg = {"model_type": "qwen2" if qwen else "llama",
            "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
            "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
