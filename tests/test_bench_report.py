@@ -14,3 +14,40 @@ def test_summary_median_and_tail():
     assert row["decode_tok_s_p99"] == pytest.approx(10.2)  # slow tail of a rate: its 1st percentile
     assert row["ttft_ms_p99"] == pytest.approx(79.2)  # slow tail of a latency: its 99th percentile
     assert row["peak_rss_mb"] == 7 and row["runs"] == 3
+
+
+def _row(backend, gl, decode, prefill=100.0):
+    return {"backend": backend, "gpu_layers": gl, "gpu_layers_effective": -1 if gl == "all" else int(gl), "batch": 1,
+            "decode_tok_s_median": decode, "prefill_tok_s_median": prefill}
+
+
+def test_rows_grouped_by_split_with_ratios():
+    from dsq.bench.report import by_split, ratios
+
+    rows = [_row("native", "0", 20), _row("native", "all", 300), _row("llama.cpp", "0", 10, 50),
+            _row("llama.cpp", "all", 250)]
+    assert [(r["backend"], r["gpu_layers"]) for r in by_split(rows)] == [
+        ("native", "0"), ("llama.cpp", "0"), ("native", "all"), ("llama.cpp", "all")]
+    assert ratios(rows, "native", "llama.cpp") == [
+        {"gpu_layers": "0", "batch": 1, "decode": 2.0, "prefill": 2.0},
+        {"gpu_layers": "all", "batch": 1, "decode": 1.2, "prefill": 1.0}]
+
+
+def test_plot_draws_the_prediction_dashed(tmp_path, monkeypatch):
+    """One dashed line per backend at the splits it ran, in the colour of its measured line."""
+    import matplotlib.pyplot as plt
+
+    from dsq.bench.report import plot
+
+    rows = [{**r, "prefill_tok_s_median": 1.0} for r in
+            [_row("native", "0", 20), _row("native", "8", 30), _row("llama.cpp", "0", 10), _row("llama.cpp", "8", 15)]]
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    predicted = {("native", "0"): 22.0, ("native", "8"): 33.0, ("llama.cpp", "0"): 11.0, ("llama.cpp", "8"): 14.0}
+    plot(rows, tmp_path / "p.png", "t", predicted)
+    decode = figs[0].axes[0]
+    dashed = [ln for ln in decode.get_lines() if ln.get_linestyle() == "--"]
+    assert [list(ln.get_ydata()) for ln in dashed] == [[22.0, 33.0], [11.0, 14.0]]
+    solid = [ln for ln in decode.get_lines() if ln.get_linestyle() == "-"]
+    assert [ln.get_color() for ln in solid] == [ln.get_color() for ln in dashed]
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

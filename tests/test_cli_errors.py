@@ -163,3 +163,53 @@ def test_debug_shows_traceback(runner, tmp_path, monkeypatch):
     from dsq.errors import ModelNotFound
 
     assert isinstance(r.exception, ModelNotFound)
+
+
+# -- --gpu-layers and --vram that cannot be met ---------------------------------------------------------
+@pytest.mark.parametrize("cmd", [["run", "-p", "hi"], ["bench"], ["offload", "--measure"], ["offload", "--vram", "8G"]])
+def test_negative_gpu_layers_without_a_gpu(cmd, runner, tiny_gguf, monkeypatch):
+    import dsq.runtime.placement as placement
+
+    monkeypatch.setattr(placement, "detect_gpu", lambda: None)
+    r = runner.invoke(app, cmd[:1] + [str(tiny_gguf("llama", "Q8_0"))] + cmd[1:] + ["--gpu-layers", "-3"])
+    one_line_error(r, "--gpu-layers must be >= 0, got -3", "Use 'all' or 'auto'", "no GPU here")
+
+
+def test_negative_gpu_layers_says_what_fits_the_gpu(runner, monkeypatch):
+    """With a GPU: how many of the model's layers its free memory holds (the backend's plan)."""
+    import re
+
+    import dsq.runtime.placement as placement
+
+    monkeypatch.setattr(placement, "detect_gpu", lambda: placement.GpuInfo("NVIDIA H200", 140 << 30, 760 << 20))
+    line = one_line_error(runner.invoke(app, ["run", "-b", "native", "-p", "hi", "-g", "-3"]), "(760 MiB)")
+    assert re.search(r"about \d+ of 18 layers fit", line), line
+
+
+@pytest.mark.parametrize("backend,head", [("llama.cpp", ""), ("native", " with the output head")])
+def test_vram_below_one_layer(backend, head, runner):
+    r = runner.invoke(app, ["offload", "--vram", "100M", "-b", backend, "--gpu-bw", "1000", "--cpu-bw", "20"])
+    one_line_error(r, "--vram 100M holds no layer of built-in Gemma 3 270M", "one layer needs ~",
+                   f"its weights{head}", "nothing goes on the GPU", "--vram 0")
+    r = runner.invoke(app, ["offload", "--vram", "0", "-b", backend, "--gpu-bw", "1000", "--cpu-bw", "20"])
+    assert r.exit_code == 0, r.output  # the CPU alone is a plan
+
+
+def test_gpu_layers_past_the_last_layer_means_all(runner, tiny_gguf, tmp_path):
+    """--gpu-layers 99 on a smaller model: run, bench and offload all read it as every layer and
+    the output head, and llama.cpp is handed -1."""
+    path = str(tiny_gguf("llama", "Q8_0"))
+    r = runner.invoke(app, ["run", path, "-p", "hi", "-n", "2", "-g", "99", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["gpu_layers"] == -1
+    for backend in ("llama.cpp", "native"):
+        r = runner.invoke(app, ["offload", path, "-b", backend, "-g", "99", "--vram", "8G", "--json",
+                                "--gpu-bw", "1000", "--cpu-bw", "20"])
+        plan = json.loads(r.stdout)
+        assert plan["gpu_layers_arg"] == "all" and plan["output_device"] == "GPU"
+        assert {layer["device"] for layer in plan["layers"]} == {"GPU"}
+    jp = tmp_path / "b.json"
+    r = runner.invoke(app, ["bench", path, "-g", "99", "--prompt-tokens", "8", "--gen-tokens", "2", "--repeat", "1",
+                            "--json", str(jp)])
+    assert r.exit_code == 0, r.output
+    assert [x["gpu_layers_effective"] for x in json.loads(jp.read_text())["runs"]] == [-1]

@@ -219,5 +219,64 @@ def test_gpu_layers_auto(monkeypatch, builtin_gguf):
     monkeypatch.setattr(backend, "supports_gpu_offload", lambda: True)
     want = placement.plan_placement(builtin_gguf, vram=gpu.free_bytes, ctx=2048).gpu_layers
     assert 0 < want < 19
-    got = auto.resolve(builtin_gguf, 2048)
+    got = auto.resolve(builtin_gguf, 2048, backend="llama.cpp")
     assert got.n_gpu_layers == want and str(got) == "auto"  # records keep what was asked
+    # native: the head goes with the first layer, the embedding with the last
+    native = placement.plan_placement(builtin_gguf, vram=gpu.free_bytes, ctx=2048, backend="native")
+    assert native.gpu_layers_arg == "all" and auto.resolve(builtin_gguf, 2048).n_gpu_layers == -1
+    small = placement.GpuInfo("NVIDIA H200", 140 << 30, 750 << 20)
+    monkeypatch.setattr(placement, "detect_gpu", lambda: small)
+    native = placement.plan_placement(builtin_gguf, vram=small.free_bytes, ctx=2048, backend="native")
+    assert auto.resolve(builtin_gguf, 2048, backend="native").n_gpu_layers == native.gpu_layers
+    assert 0 < native.gpu_layers < 18 and native.output_device == "GPU"
+
+
+def test_offload_measure_on_the_cpu(runner, tmp_path, monkeypatch, builtin_gguf):
+    """--measure on the built-in model at split 0 (no GPU here), with a calibration of this machine:
+    the prediction comes from it, the measurement from dsq bench's runner."""
+    import dsq.runtime.machine as machine
+    from dsq.runtime.placement import plan_placement
+
+    monkeypatch.setenv("DSQ_CACHE", str(tmp_path))
+    cal = machine.Calibration(taken="2100-01-01T00:00:00+00:00", machine=machine.machine_identity(None), threads=2,
+                              cpu_read_bw=20e9)
+    machine.save_calibration(cal)
+    monkeypatch.setattr(machine, "detect_gpu", lambda: None)
+    import dsq.runtime.placement as placement
+
+    monkeypatch.setattr(placement, "detect_gpu", lambda: None)
+    args = ["offload", "--measure", "--prompt-tokens", "16", "--gen-tokens", "4", "--repeat", "1"]
+    r = runner.invoke(app, args + ["--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    (split,) = rep["splits"]
+    assert split["gpu_layers"] == "0" and split["measured_tok_s"] > 0 and rep["backend"] == "native"
+    assert rep["bandwidths"]["cpu"] == 20e9 and rep["bandwidths"]["source"].startswith("calibrated")
+    bw = machine.Bandwidths(20e9, rep["bandwidths"]["gpu"], rep["bandwidths"]["split_overhead_s"], "")
+    want = plan_placement(builtin_gguf, vram=0, ctx=28, backend="native", gpu_layers=0, kv_tokens=18, bandwidths=bw)
+    assert split["predicted_tok_s"] == round(want.predicted_tok_s, 2)
+    err = 100 * (split["predicted_tok_s"] - split["measured_tok_s"]) / split["measured_tok_s"]
+    assert split["error_pct"] == pytest.approx(err, abs=0.1)
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    for needle in ("predicted tok/s", "measured tok/s", "error", "Largest error", "calibrated"):
+        assert needle in r.stdout, needle
+
+
+def test_bench_two_backends_side_by_side(runner, tmp_path, monkeypatch):
+    """Both engines at each split with their ratio; --plot draws the offload model's prediction too."""
+    import dsq.runtime.machine as machine
+
+    monkeypatch.setattr(machine, "measure_cpu_read", lambda threads, *a, **k: 20e9)
+    jp, pp = tmp_path / "race.json", tmp_path / "race.png"
+    r = runner.invoke(app, ["bench", "-b", "native,llama.cpp", "-g", "0", "--prompt-tokens", "16", "--gen-tokens", "4",
+                            "--repeat", "1", "--json", str(jp), "--plot", str(pp)])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(jp.read_text())
+    native, llama = rep["summary"]
+    (ratio,) = rep["ratios"]
+    assert ratio["gpu_layers"] == "0"
+    assert ratio["decode"] == round(native["decode_tok_s_median"] / llama["decode_tok_s_median"], 3)
+    assert ratio["prefill"] == round(native["prefill_tok_s_median"] / llama["prefill_tok_s_median"], 3)
+    assert "decode ratio" in r.stdout and f"{ratio['decode']:.2f}x" in r.stdout and "native / llama.cpp" in r.stdout
+    assert pp.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -108,3 +108,160 @@ def test_kv_cache_grows_with_context(builtin_gguf):
     window = plan_placement(builtin_gguf, vram=0, ctx=8192, gpu_bw=1e12, cpu_bw=20e9, swa_full=False)
     assert window.layers[0].kv_bytes < big.layers[0].kv_bytes  # sliding layer
     assert window.layers[5].kv_bytes == big.layers[5].kv_bytes  # global layer
+
+
+# -- the plan per backend ----------------------------------------------------------------------------
+def h200():
+    """The H200 machine's figures (docs/benchmarks.md#offload-model), fixed so no test measures."""
+    from dsq.runtime.machine import Bandwidths
+
+    return Bandwidths(cpu=93e9, gpu=4.2e12, split_overhead_s=50e-6, source="test")
+
+
+def test_native_plan_puts_the_head_with_the_first_layer():
+    """native: the output head on the GPU with any layer, the embedding only with all of them;
+    a budget that holds the head but no layer beside it leaves everything on the CPU."""
+    shape = llama3_8b_q4_k_m()
+    one = plan_placement(shape, vram=0, ctx=512, backend="native", gpu_layers=1, bandwidths=h200())
+    assert one.output_device == "GPU" and one.embed_device == "CPU" and one.gpu_layers == 1
+    assert one.min_gpu_bytes == one.gpu_total_bytes
+    head_only = one.gpu_total_bytes - one.layers[-1].weight_bytes - one.layers[-1].kv_bytes
+    plan = plan_placement(shape, vram=head_only, ctx=512, backend="native", bandwidths=h200())
+    assert plan.gpu_layers == 0 and plan.gpu_total_bytes == 0 and plan.output_device == "CPU"
+    assert "not even one layer fits" in plan.notes[0]
+    llama = plan_placement(shape, vram=head_only, ctx=512, backend="llama.cpp", bandwidths=h200())
+    assert llama.gpu_layers > 0 and llama.output_device == "CPU"  # llama.cpp: layers first, the head last
+    full = plan_placement(shape, vram=64 * GiB, ctx=512, backend="native", bandwidths=h200())
+    assert full.gpu_layers == shape.n_layer and full.gpu_layers_arg == "all"
+    assert full.embed_device == full.output_device == "GPU" and full.bytes_per_token_cpu == shape.misc_bytes
+    assert full.split_overhead_s == 0 and one.split_overhead_s == 50e-6
+
+
+@pytest.mark.parametrize("backend", ["native", "llama.cpp"])
+def test_plan_choice_against_every_split(backend):
+    """Over a sweep of budgets: the plan fits; native's is the fastest predicted split that fits,
+    llama.cpp's the most layers that fit (its own rule, unchanged)."""
+    shape = llama3_8b_q4_k_m()
+    splits = [plan_placement(shape, vram=0, ctx=2048, backend=backend, gpu_layers=n, bandwidths=h200())
+              for n in range(shape.n_layer + 2)]
+    for vram_gib in [x / 2 for x in range(0, 16)]:
+        vram = int(vram_gib * GiB)
+        plan = plan_placement(shape, vram=vram, ctx=2048, backend=backend, bandwidths=h200())
+        assert plan.gpu_total_bytes <= vram
+        fits = [s for s in splits if s.gpu_total_bytes <= vram]
+        if backend == "native":
+            assert plan.predicted_tok_s == pytest.approx(max(s.predicted_tok_s for s in fits))
+        else:
+            assert plan.gpu_layers == max(s.gpu_layers for s in fits)
+
+
+def test_llama_cpp_plan_keeps_its_placement():
+    """llama.cpp's plan for a budget: the last N layers, the head only past n_layer, as before."""
+    shape = llama3_8b_q4_k_m()
+    got = [plan_placement(shape, vram=int(g * GiB), ctx=512, backend="llama.cpp", bandwidths=h200()).gpu_layers
+           for g in (1, 1.5, 2, 3, 4, 5, 6)]
+    assert got == [0, 4, 8, 16, 24, 31, 33]
+
+
+def test_native_kv_cache_sits_with_its_layer():
+    """native: a GPU layer's cache in bf16, a CPU layer's in float32, each sized by --ctx; a
+    longer context leaves room for fewer layers."""
+    shape = llama3_8b_q4_k_m()
+    plan = plan_placement(shape, vram=0, ctx=4096, backend="native", gpu_layers=8, bandwidths=h200())
+    per_token = shape.n_head_kv * (shape.head_dim_k + shape.head_dim_v)
+    assert [lc.kv_bytes for lc in plan.layers[:1] + plan.layers[-1:]] == [4096 * per_token * 4, 4096 * per_token * 2]
+    short = plan_placement(shape, vram=3 * GiB, ctx=1024, backend="native", bandwidths=h200())
+    long = plan_placement(shape, vram=3 * GiB, ctx=131072, backend="native", bandwidths=h200())
+    assert long.gpu_layers < short.gpu_layers
+
+
+def test_native_plan_of_a_tied_model_counts_the_embedding_once():
+    """Tied head and embedding: a split copies the head to the GPU; all on the GPU shares one tensor."""
+    import dataclasses
+
+    shape = dataclasses.replace(llama3_8b_q4_k_m(), output_bytes=282_000_000, tied=True)
+    split = plan_placement(shape, vram=0, ctx=512, backend="native", gpu_layers=31, bandwidths=h200())
+    full = plan_placement(shape, vram=0, ctx=512, backend="native", gpu_layers="all", bandwidths=h200())
+    layer = full.layers[0].weight_bytes + full.layers[0].kv_bytes
+    assert full.gpu_total_bytes - split.gpu_total_bytes < layer + 64 * MiB  # no second embedding
+    assert split.cpu_total_bytes > shape.embed_bytes  # the embedding itself stays on the CPU
+
+
+def test_prediction_is_bytes_over_bandwidth_plus_the_split_exchange():
+    from dsq.runtime.placement import EFFICIENCY
+
+    shape, bw = llama3_8b_q4_k_m(), h200()
+    for backend in ("native", "llama.cpp"):
+        eff = EFFICIENCY[backend]
+        p = plan_placement(shape, vram=0, ctx=512, backend=backend, gpu_layers=16, kv_tokens=100, bandwidths=bw)
+        seconds = (p.bytes_per_token_gpu / (bw.gpu * eff.gpu) + p.bytes_per_token_cpu / (bw.cpu * eff.cpu)
+                   + bw.split_overhead_s)
+        assert p.predicted_tok_s == pytest.approx(1 / seconds)
+    # the KV cache read per token follows the tokens in it, not the context it could hold
+    a = plan_placement(shape, vram=0, ctx=8192, backend="native", gpu_layers=0, kv_tokens=100, bandwidths=bw)
+    b = plan_placement(shape, vram=0, ctx=8192, backend="native", gpu_layers=0, bandwidths=bw)
+    assert a.bytes_per_token_cpu < b.bytes_per_token_cpu
+
+
+def test_native_cpu_layers_hold_float_weights_as_float32():
+    import dataclasses
+
+    shape = dataclasses.replace(llama3_8b_q4_k_m(), layers=[{"F16": 100 * MiB, "F32": MiB}] * 32)
+    native = plan_placement(shape, vram=0, ctx=512, backend="native", gpu_layers=16, bandwidths=h200())
+    assert native.layers[0].weight_bytes == 201 * MiB and native.layers[-1].weight_bytes == 101 * MiB
+    llama = plan_placement(shape, vram=0, ctx=512, backend="llama.cpp", gpu_layers=16, bandwidths=h200())
+    assert llama.layers[0].weight_bytes == 101 * MiB
+
+
+# -- the calibration -----------------------------------------------------------------------------------
+def _calibration(days_old: float = 0, **machine):
+    import datetime
+
+    from dsq.runtime.machine import Calibration, machine_identity
+
+    taken = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=days_old)
+    return Calibration(taken=taken.isoformat(timespec="seconds"), machine={**machine_identity(None), **machine},
+                       threads=2, cpu_read_bw=12e9, gpu_copy_bw=None, h2d_bw=None, split_overhead_s=None)
+
+
+def test_calibration_fresh_stale_and_other_machine(tmp_path, monkeypatch):
+    import dsq.runtime.machine as machine
+
+    path = tmp_path / "calibration.json"
+    monkeypatch.setattr(machine, "measure_cpu_read", lambda threads, *a, **k: 7e9)
+    cal = _calibration()
+    machine.save_calibration(cal, path)
+    assert machine.load_calibration(path) == cal
+    fresh = machine.machine_bandwidths(None, path=path)
+    assert fresh.cpu == 12e9 and fresh.notes == [] and fresh.source.startswith("calibrated")
+    assert fresh.split_overhead_s == machine.SPLIT_OVERHEAD_S  # no GPU was calibrated
+    machine.save_calibration(_calibration(days_old=machine.CALIBRATION_MAX_AGE_DAYS + 5), path)
+    stale = machine.machine_bandwidths(None, path=path)
+    assert stale.cpu == 12e9 and "days old" in stale.notes[0]
+    machine.save_calibration(_calibration(cores=999), path)
+    other = machine.machine_bandwidths(None, path=path)
+    assert other.cpu == 7e9 and "another machine" in other.notes[0]  # measured for this call instead
+    path.unlink()
+    none = machine.machine_bandwidths(None, path=path)
+    assert none.cpu == 7e9 and "not kept" in none.source and not path.exists()
+    assert machine.machine_bandwidths(None, path=path, measure=False).cpu == machine.NOMINAL_CPU_BW
+
+
+def test_calibrate_command_keeps_the_figures(runner, tmp_path, monkeypatch):
+    import json
+
+    import dsq.runtime.machine as machine
+    from dsq.cli import app
+
+    monkeypatch.setenv("DSQ_CACHE", str(tmp_path))
+    monkeypatch.setattr(machine, "measure_cpu_read", lambda threads, *a, **k: 21e9)
+    monkeypatch.setattr(machine, "_cuda_available", lambda: False)
+    r = runner.invoke(app, ["offload", "--calibrate", "--json"])
+    assert r.exit_code == 0, r.output
+    saved = json.loads((tmp_path / "calibration.json").read_text())
+    assert saved == json.loads(r.stdout)
+    assert saved["cpu_read_bw"] == 21e9 and saved["gpu_copy_bw"] is None
+    assert set(saved["machine"]) == {"cpu", "cores", "gpu"} and saved["taken"].endswith("+00:00")
+    r = runner.invoke(app, ["offload", "--vram", "8G", "-b", "native", "--gpu-bw", "1000"])
+    assert r.exit_code == 0, r.output
+    assert "calibrated" in r.stdout and "21.0 GB/s" in r.stdout

@@ -46,6 +46,38 @@ def gpu_used_bytes() -> int | None:
     return _nvml.used()
 
 
+def _retain_primary_context() -> bool | None:
+    """Retain GPU 0's primary CUDA context (the one torch and llama.cpp share) through the driver
+    API, making it if there is none: True if it was made now, False if it existed, None without a
+    driver or a GPU."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, flags, active, ctx = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int(), ctypes.c_void_p()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0:
+        return None
+    if cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) != 0:
+        return None
+    if active.value:
+        return False
+    return True if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0 else None
+
+
+_context: dict[str, int | None] = {}
+
+
+def cuda_context_bytes() -> int | None:
+    """Make this process's CUDA context now (once), so that it lands in no configuration's peak
+    VRAM: its size in bytes, 0 where the process had one already (size unknown), None without an
+    NVIDIA driver and GPU."""
+    if "bytes" not in _context:
+        before = gpu_used_bytes()
+        made = _retain_primary_context() if before is not None else None
+        _context["bytes"] = None if made is None else ((gpu_used_bytes() or before) - before if made else 0)
+    return _context["bytes"]
+
+
 class PeakMemory:
     """Context manager sampling RSS and GPU memory every `interval` s; peaks in bytes.
 

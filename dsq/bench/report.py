@@ -39,26 +39,84 @@ def _fmt(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
 
 
-def table(rows: list[dict], title: str):
+def by_split(rows: list[dict]) -> list[dict]:
+    """The rows grouped by split (and batch), each group's backends in the order they ran."""
+    keys = list(dict.fromkeys(_split_key(r) for r in rows))
+    return sorted(rows, key=lambda r: keys.index(_split_key(r)))
+
+
+def _split_key(row: dict) -> tuple[str, int]:
+    return str(row["gpu_layers"]), row.get("batch", 1)
+
+
+def ratios(rows: list[dict], first: str, second: str) -> list[dict]:
+    """first / second median tok/s (decode, prefill) at each split and batch both backends ran."""
+    other = {_split_key(r): r for r in rows if r["backend"] == second}
+    out = []
+    for r in rows:
+        o = other.get(_split_key(r))
+        if r["backend"] == first and o is not None:
+            out.append({"gpu_layers": str(r["gpu_layers"]), "batch": r.get("batch", 1),
+                        "decode": _ratio(r, o, "decode_tok_s"), "prefill": _ratio(r, o, "prefill_tok_s")})
+    return out
+
+
+def _ratio(a: dict, b: dict, metric: str) -> float | None:
+    den = b[f"{metric}_median"]
+    return round(a[f"{metric}_median"] / den, 3) if den else None
+
+
+def vram_caption(context_bytes: int | None) -> str:
+    """What the peak VRAM column counts (bench.metrics.cuda_context_bytes: the CUDA context is made
+    before the first configuration, so it is in no row)."""
+    if context_bytes is None:
+        return "peak VRAM: GPU memory in use above what the process held before the configuration"
+    held = f" ({context_bytes / 2**20:.0f} MiB)" if context_bytes else ""
+    return (f"peak VRAM: above the CUDA context{held}, made before the first configuration; one-time "
+            "library workspaces count where first made")
+
+
+def table(rows: list[dict], title: str, context_bytes: int | None = None):
+    """Median / p99 per configuration; with two backends, grouped by split with their ratio."""
     from rich.table import Table
 
     batched = any(r.get("batch", 1) > 1 for r in rows)
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    pair = backends[:2] if len(backends) >= 2 else None
     caption = "median / p99 over the runs (p99: the slow tail)"
     if batched:
         caption += "; with a batch, tok/s count every sequence and TPOT is one step"
-    t = Table(title=title, title_justify="left", caption=caption)
+    if pair:
+        caption += f"; ratio: {pair[0]} / {pair[1]} tok/s at the same split"
+    t = Table(title=title, title_justify="left", caption=f"{caption}\n{vram_caption(context_bytes)}")
     cols = ["backend", "gpu layers"] + (["batch"] if batched else []) + [
         "prefill tok/s", "decode tok/s", "TTFT ms", "TPOT ms", "peak RSS MiB", "peak VRAM MiB"]
+    cols += ["decode ratio", "prefill ratio"] if pair else []
     for col in cols:
         t.add_column(col, justify="left" if col == "backend" else "right")
-    for r in rows:
-        gl = str(r["gpu_layers"])
-        if gl != str(r["gpu_layers_effective"]) and r["gpu_layers_effective"] >= 0:
-            gl += f" ({r['gpu_layers_effective']})"
+    ratio_of = {(x["gpu_layers"], x["batch"]): x for x in ratios(rows, *pair)} if pair else {}
+    for r in by_split(rows) if pair else rows:
         cells = [f"{_fmt(r[m + '_median'])} / {_fmt(r[m + '_p99'])}" for m in METRICS]
-        t.add_row(r["backend"], gl, *([str(r.get("batch", 1))] if batched else []), *cells,
-                  f"{r['peak_rss_mb']:.0f}", f"{r['peak_vram_mb']:.0f}")
+        t.add_row(r["backend"], _gpu_layers_cell(r), *([str(r.get("batch", 1))] if batched else []), *cells,
+                  f"{r['peak_rss_mb']:.0f}", f"{r['peak_vram_mb']:.0f}", *_ratio_cells(r, pair, ratio_of))
     return t
+
+
+def _gpu_layers_cell(row: dict) -> str:
+    """--gpu-layers as asked, with what it became where that differs ("auto (24)", "99 (all)")."""
+    gl, eff = str(row["gpu_layers"]), row["gpu_layers_effective"]
+    shown = "all" if eff < 0 else str(eff)
+    return gl if shown == gl else f"{gl} ({shown})"
+
+
+def _ratio_cells(row: dict, pair: list[str] | None, ratio_of: dict) -> list[str]:
+    """The ratio columns of a row: filled on the first backend's row of each split."""
+    if pair is None:
+        return []
+    ratio = ratio_of.get(_split_key(row)) if row["backend"] == pair[0] else None
+    if ratio is None:
+        return ["", ""]
+    return [f"{ratio[k]:.2f}x" if ratio[k] is not None else "" for k in ("decode", "prefill")]
 
 
 def write_json(path: Path, report: dict) -> None:
@@ -68,9 +126,10 @@ def write_json(path: Path, report: dict) -> None:
         tmp.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def plot(rows: list[dict], path: Path, title: str, predicted: dict[tuple[str, str], float] | None = None) -> None:
     """Decode and prefill tok/s against --gpu-layers (or against --batch, when only it varies),
-    one line per backend."""
+    one line per backend; `predicted` ((backend, gpu layers) -> decode tok/s, the offload model)
+    as a dashed line beside each backend's measured decode."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,9 +145,11 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             rs = [r for r in rows if r["backend"] == backend]
             xs = [str(r.get(key, 1)) for r in rs]
             ys = [r[f"{metric}_median"] for r in rs]
-            ax.plot(xs, ys, marker="o", label=backend)
+            (line,) = ax.plot(xs, ys, marker="o", label=backend)
             for x, y in zip(xs, ys):
                 ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+            if metric == "decode_tok_s" and predicted and not by_batch:
+                _plot_predicted(ax, backend, xs, predicted, line.get_color())
         ax.set_xlabel(label)
         ax.set_ylabel(metric.replace("_tok_s", " tok/s"))
         ax.set_ylim(bottom=0)
@@ -99,3 +160,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     with atomic_output_file(Path(path), force=True) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
+
+
+def _plot_predicted(ax, backend: str, xs: list[str], predicted: dict[tuple[str, str], float], color) -> None:
+    pts = [(x, predicted[(backend, x)]) for x in xs if (backend, x) in predicted]
+    if pts:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="--", color=color, alpha=0.7,
+                label=f"{backend} predicted")

@@ -84,12 +84,13 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
     """Benchmark one model (a path, or None for the built-in) across backends x gpu_layers (each a
     GpuLayers, or what GpuLayers.parse takes) x batch sizes (above 1: the native backend's batched
     decode, prompts of the same length)."""
-    from dsq.bench.metrics import PeakMemory, gpu_used_bytes
+    from dsq.bench.metrics import PeakMemory, cuda_context_bytes, gpu_used_bytes
     from dsq.runtime.engine import load
     from dsq.runtime.gpu_layers import GpuLayers
 
     _check_settings(backends, prompt_tokens, gen_tokens, repeat, batch)
-    n_ctx = max(ctx or 0, prompt_tokens + gen_tokens + 8)
+    n_ctx = bench_ctx(ctx, prompt_tokens, gen_tokens)
+    cuda_context_bytes()  # made before the first baseline: no configuration counts it
     say = on_status or (lambda s: None)
     records: list[BenchRecord] = []
     for backend in backends:
@@ -107,7 +108,25 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
                     if on_record:
                         on_record(rec)
             del m, loaded
+            _release_gpu_memory()
     return records
+
+
+def bench_ctx(ctx: int | None, prompt_tokens: int, gen_tokens: int) -> int:
+    """The context a bench run loads with: `ctx`, and at least the prompt and the generated tokens."""
+    return max(ctx or 0, prompt_tokens + gen_tokens + 8)
+
+
+def _release_gpu_memory() -> None:
+    """Free what the last configuration held before the next one takes its baseline, so each
+    one's peak VRAM is its own (torch's allocator keeps freed blocks until asked)."""
+    import gc
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _check_settings(backends, prompt_tokens: int, gen_tokens: int, repeat: int, batch: tuple[int, ...]) -> None:
@@ -174,17 +193,31 @@ def machine_info() -> dict:
     import os
 
     from dsq.runtime.llama_cpp_backend import supports_gpu_offload
+    from dsq.runtime.machine import cpu_model
     from dsq.runtime.placement import detect_gpu
 
     gpu = detect_gpu()
-    cpu = platform.processor() or platform.machine()
+    return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "gpu": gpu.name if gpu else None,
+            "llama_cpp_gpu_offload": supports_gpu_offload(), "python": platform.python_version(), **cpu_builds()}
+
+
+def cpu_builds() -> dict:
+    """What computes on the CPU: the native kernels' build (DSQ_CPU_ISA forces one) and the
+    instruction sets llama.cpp was compiled with, from its libraries (LLAMA_CPP_LIB_PATH's, if set)."""
+    import os
+
+    from dsq.kernels import cpu
+    from dsq.runtime.llama_cpp_backend import system_info
+
     try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "gpu": gpu.name if gpu else None,
-            "llama_cpp_gpu_offload": supports_gpu_offload(), "python": platform.python_version()}
+        lib, isa = cpu.library()
+        native = isa if lib is not None else f"none ({isa})"
+    except (RuntimeError, ValueError) as e:
+        native = f"none ({e})"
+    flags = [kv.split("=")[0].replace("CPU :", "").strip() for kv in system_info().split("|")
+             if kv.strip().endswith("= 1")]
+    return {"native_cpu_kernels": native, "llama_cpp_cpu": " ".join(flags),
+            "llama_cpp_lib": os.environ.get("LLAMA_CPP_LIB_PATH") or "llama_cpp's own"}
 
 
 def run_chat_bench(model, *, backends=("llama.cpp",), turns: int = 8, user_tokens: int = 64, gen_tokens: int = 16,

@@ -15,6 +15,7 @@ from dsq.cli.common import Compile, Dtype, KvDtype, ModelArg, Threads, backend_o
     "dsq bench model.gguf --gpu-layers 0,8,16,all --json sweep.json --plot sweep.png",
     "dsq bench --prompt-tokens 128 --gen-tokens 64 --repeat 5",
     "dsq bench --backend native,llama.cpp --gen-tokens 64",
+    "dsq bench model.gguf --backend native,llama.cpp --gpu-layers 0,8,16,24,all --plot race.png",
     "dsq bench model.gguf --backend native --gpu-layers all --batch 1,4,16 --plot batch.png",
 ])
 def bench(
@@ -30,7 +31,8 @@ def bench(
     threads: Threads = None,
     ctx: Annotated[Optional[int], typer.Option("--ctx", help="Context size (default: prompt + gen).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the records to this JSON file.")] = None,
-    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Plot tok/s against --gpu-layers (PNG).")] = None,
+    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Plot tok/s against --gpu-layers (PNG), with "
+                                                                     "the offload model's prediction dashed.")] = None,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One untimed run of the prompt first (autotuning, compiling).")] = True,
     dtype: Dtype = None,
     kv_dtype: KvDtype = None,
@@ -41,14 +43,16 @@ def bench(
     """Benchmark speed and memory: tokens/s, TTFT, TPOT, peak RSS/VRAM, --gpu-layers sweeps.
 
     Prefill and decode tok/s, TTFT and TPOT are reported as median and p99 over --repeat runs;
-    the table goes to stdout, records to --json, a sweep plot to --plot.
+    the table goes to stdout, records to --json, a sweep plot to --plot. Two backends are shown
+    side by side at each --gpu-layers with the ratio of the first to the second.
     """
     import datetime
 
-    from dsq.bench.report import plot, summarize, table, write_json
-    from dsq.bench.runner import machine_info, run_bench
+    from dsq.bench.metrics import cuda_context_bytes
+    from dsq.bench.report import plot, ratios, summarize, table, write_json
+    from dsq.bench.runner import cpu_builds, machine_info, run_bench
     from dsq.runtime.engine import BACKENDS
-    from dsq.runtime.gpu_layers import GpuLayers
+    from dsq.runtime.gpu_layers import GpuLayers, parse_for
     from dsq.runtime.model_ref import resolve_model
     from dsq.runtime.llama_cpp_backend import supports_gpu_offload
     from dsq.errors import DsqError
@@ -59,12 +63,13 @@ def bench(
     for b in backends:
         if b not in BACKENDS:
             raise DsqError(f"unknown backend {b!r}", f"choose from: {', '.join(BACKENDS)}")
-    sweep = [GpuLayers.parse(g) for g in gpu_layers.split(",") if g.strip()]
     try:
         batches = tuple(int(b) for b in batch.split(",") if b.strip())
     except ValueError:
         raise DsqError(f"--batch {batch!r} is not a list of whole numbers", "e.g. --batch 1,4,16") from None
     ref = resolve_model(model, con)
+    sweep = [parse_for(g, ref.path, ctx or 4096, backends[0] if backends else "native")
+             for g in gpu_layers.split(",") if g.strip()]
     if "llama.cpp" in backends and any(g != GpuLayers.NONE for g in sweep) and not supports_gpu_offload():
         con.print("[yellow]note:[/yellow] this llama.cpp build has no GPU support; --gpu-layers has no effect")
     opts = {b: backend_options(b, dtype if b == "native" else None, kv_dtype, compile and b == "native")
@@ -78,19 +83,38 @@ def bench(
     recs = [r.as_dict() for r in records]
     rows = summarize(recs)
     title = f"{ref.label}: {prompt_tokens} prompt + {gen_tokens} generated tokens, {repeat} runs"
-    out_console().print(table(rows, title))
+    context = cuda_context_bytes()
+    out_console().print(table(rows, title, context))
+    builds = cpu_builds()
+    con.print(f"CPU code: native kernels {builds['native_cpu_kernels']}; llama.cpp {builds['llama_cpp_cpu']} "
+              f"({builds['llama_cpp_lib']})")
     if json_path:
         report = {"model": str(ref.path), "label": ref.label, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                   "machine": machine_info(),
                   "settings": {"prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeat": repeat,
                                "backends": backends, "gpu_layers": [str(g) for g in sweep], "batch": list(batches or (1,)),
-                               "threads": records[0].threads},
-                  "runs": recs, "summary": rows}
+                               "threads": records[0].threads,
+                               "cuda_context_mb": None if context is None else round(context / 2**20, 1)},
+                  "runs": recs, "summary": rows, "ratios": ratios(rows, *backends[:2]) if len(backends) > 1 else []}
         write_json(json_path, report)
         con.print(f"wrote {json_path}")
     if plot_path:
-        plot(rows, plot_path, title)
+        predicted = _predicted(ref.path, rows, ctx, prompt_tokens, gen_tokens, threads)
+        plot(rows, plot_path, title, {k: p.predicted_tok_s for k, p in predicted.items()})
         con.print(f"wrote {plot_path}")
+
+
+def _predicted(model, rows, ctx, prompt_tokens: int, gen_tokens: int, threads) -> dict:
+    """The offload model's plan at each row's split (dsq.bench.prediction), with this machine's
+    bandwidths (its calibration, else the CPU measured now)."""
+    from dsq.bench.prediction import predicted_plans
+    from dsq.bench.runner import bench_ctx
+    from dsq.runtime.machine import machine_bandwidths
+    from dsq.runtime.placement import detect_gpu
+
+    bw = machine_bandwidths(detect_gpu(), threads=threads)
+    return predicted_plans(model, rows, ctx=bench_ctx(ctx, prompt_tokens, gen_tokens),
+                           kv_tokens=prompt_tokens + gen_tokens // 2, bandwidths=bw)
 
 
 def _chat_bench(ref, backends, turns, gen_tokens, threads, ctx, opts, json_path, con) -> None:

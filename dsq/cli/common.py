@@ -84,7 +84,9 @@ MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x 
 RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", help="Penalty for recent tokens; 1 = off.")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling (reproducible output).")]
 Ctx = Annotated[int, typer.Option("--ctx", "-c", help="Context length in tokens (prompt + reply).")]
-Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: physical cores).")]
+Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: the physical cores this "
+                                                                   "process may run on, one per core, not per SMT "
+                                                                   "thread).")]
 GpuLayersOption = Annotated[str, typer.Option(
     "--gpu-layers", "-g", help="Layers to put on the GPU: a number, 'all', or 'auto' (fit the free VRAM).")]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]

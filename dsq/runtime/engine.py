@@ -16,7 +16,7 @@ from dsq.errors import DsqError
 from dsq.runtime.backend import Backend
 from dsq.runtime.chat_template import ChatTemplate, pick_template
 from dsq.runtime.generate import GenStats, StopMatcher
-from dsq.runtime.gpu_layers import GpuLayers
+from dsq.runtime.gpu_layers import GpuLayers, parse_for
 from dsq.runtime.sampling import SamplingParams
 
 BACKENDS = ("native", "llama.cpp")
@@ -29,16 +29,19 @@ def load(model: str | Path | None = None, *, backend: str = "llama.cpp", ctx: in
 
     backend "llama.cpp" runs GGUF (HF directories are converted once, cached); "native" runs
     both formats in dsq's own torch engine (kwargs: dtype, kv_dtype, cuda_graph).
-    gpu_layers: a number, "all" or "auto" (GpuLayers.parse).
+    gpu_layers: a number, "all" or "auto" (GpuLayers.parse). threads: CPU threads (default:
+    runtime/threads.py default_threads, the physical cores).
     """
     from dsq.runtime.model_ref import ensure_gguf, resolve_model
+    from dsq.runtime.threads import default_threads
 
+    threads = threads or default_threads()  # one default for both backends
     if backend not in BACKENDS:
         raise DsqError(f"unknown backend {backend!r}", f"choose one of: {', '.join(BACKENDS)}")
     if ctx < 16:
         raise DsqError(f"--ctx must be at least 16, got {ctx}")
     ref = resolve_model(model, console)
-    ngl = GpuLayers.parse(gpu_layers)
+    ngl = parse_for(gpu_layers, ref.path, ctx, backend)
     if backend == "native":
         from dsq.runtime.native import NativeModel
 

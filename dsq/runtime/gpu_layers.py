@@ -1,8 +1,9 @@
 """--gpu-layers as one value: how much of a model sits on the GPU, counted as llama.cpp counts it.
 
-A number N puts the last N layers on the GPU, and N > n_layer the output head too; "all" is every
-layer and the head; "auto" fits the GPU's free memory (the placement plan) once `resolve` knows the
-model. `str()` gives the value as the user typed it; `n_gpu_layers` is llama.cpp's number (-1: all).
+A number N puts the last N layers on the GPU, and N > n_layer the output head too (the native
+backend puts the head there with any layer); "all" is every layer and the head; "auto" fits the
+GPU's free memory (the backend's placement plan) once `resolve` knows the model and the backend.
+`str()` gives the value as the user typed it; `n_gpu_layers` is llama.cpp's number (-1: all).
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from pathlib import Path
 from typing import ClassVar
 
 from dsq.errors import DsqError
+
+
+class NegativeGpuLayers(DsqError):
+    """--gpu-layers below 0 (parse_for adds what fits to the hint)."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class GpuLayers:
         except ValueError:
             raise DsqError(f"--gpu-layers takes a number, 'all' or 'auto', got {value!r}") from None
         if n < 0:
-            raise DsqError(f"--gpu-layers must be >= 0, got {n}", "use 'all' for every layer")
+            raise NegativeGpuLayers(f"--gpu-layers must be >= 0, got {n}", "use 'all' for every layer")
         return cls(n, text=text)
 
     def __str__(self) -> str:
@@ -58,15 +63,17 @@ class GpuLayers:
             raise ValueError("--gpu-layers auto is not resolved yet (GpuLayers.resolve)")
         return self.n
 
-    def resolve(self, gguf: Path | None, ctx: int) -> GpuLayers:
-        """'auto' as a layer count: the placement plan of the GGUF `gguf` for the GPU's free memory
-        (0 without a GPU or without llama.cpp's GPU offload); every layer where there is no GGUF to
-        plan (HF weights on the native backend). Any other value stays as it is."""
-        if not self.auto:
-            return self
-        if gguf is None:
+    def resolve(self, model: Path | None, ctx: int, backend: str = "native") -> GpuLayers:
+        """This value for the model file `model` (a GGUF, or an HF directory) on `backend`: 'auto' as
+        the layer count that backend's placement plan picks for the GPU's free memory (0 without a
+        GPU or without llama.cpp's GPU offload; every layer where no file is named), and a count
+        past the model's layers and output head as all of it. Other values stay as they are."""
+        if self.auto:
+            n = -1 if model is None else _planned_layers(model, ctx, backend)
+            return GpuLayers(n, text=self.text)
+        if model is not None and self.n > 0 and self.n > _n_layer(model):
             return GpuLayers(-1, text=self.text)
-        return GpuLayers(_planned_layers(gguf, ctx), text=self.text)
+        return self
 
     def on(self, gpu: object | None) -> GpuLayers:
         """What this becomes on a machine whose GPU is `gpu`: without one, nothing is placed on it
@@ -96,11 +103,53 @@ GpuLayers.NONE = GpuLayers(0, text="0")
 GpuLayers.ALL = GpuLayers(-1, text="all")
 
 
-def _planned_layers(gguf: Path, ctx: int) -> int:
-    from dsq.runtime.llama_cpp_backend import supports_gpu_offload
+def _n_layer(model: Path) -> int:
+    from dsq.runtime.model_shape import n_layer_of
+
+    return n_layer_of(model)
+
+
+def _planned_layers(model: Path, ctx: int, backend: str) -> int:
+    """The --gpu-layers count of `backend`'s placement plan for this GPU's free memory (nominal
+    bandwidths: the choice hardly depends on them, and nothing is measured at load)."""
+    from dsq.runtime.machine import machine_bandwidths
     from dsq.runtime.placement import detect_gpu, plan_placement
 
     gpu = detect_gpu()
-    if gpu is None or not supports_gpu_offload():
+    if gpu is None or (backend == "llama.cpp" and not _llama_cpp_offloads()):
         return 0
-    return plan_placement(gguf, vram=gpu.free_bytes, ctx=ctx).gpu_layers
+    plan = plan_placement(model, vram=gpu.free_bytes, ctx=ctx, backend=backend,
+                          bandwidths=machine_bandwidths(gpu, measure=False))
+    return -1 if plan.gpu_layers_arg == "all" else plan.gpu_layers
+
+
+def _llama_cpp_offloads() -> bool:
+    from dsq.runtime.llama_cpp_backend import supports_gpu_offload
+
+    return supports_gpu_offload()
+
+
+def parse_for(value: GpuLayers | str | int | None, model: Path | None, ctx: int, backend: str) -> GpuLayers:
+    """GpuLayers.parse, where a negative count's error also says what fits this GPU for `model`."""
+    try:
+        return GpuLayers.parse(value)
+    except NegativeGpuLayers as e:
+        raise NegativeGpuLayers(e.message, f"use 'all' or 'auto'; {_what_fits(model, ctx, backend)}") from None
+
+
+def _what_fits(model: Path | None, ctx: int, backend: str) -> str:
+    """How many layers this machine's GPU holds for `model`, in words."""
+    from dsq.runtime.placement import MiB, detect_gpu
+
+    gpu = detect_gpu()
+    if gpu is None:
+        return "there is no GPU here, so every layer runs on the CPU"
+    if backend == "llama.cpp" and not _llama_cpp_offloads():
+        return "this llama.cpp build has no GPU support, so every layer runs on the CPU"
+    free = f"with this GPU's free memory ({gpu.free_bytes / MiB:.0f} MiB)"
+    if model is None:
+        return f"{free} 'auto' picks the count"
+    n = _planned_layers(model, ctx, backend)
+    if n == 0:
+        return f"{free} no layer fits, so 'auto' keeps them on the CPU"
+    return f"{free} {'every layer fits' if n < 0 else f'about {n} of {_n_layer(model)} layers fit'}"

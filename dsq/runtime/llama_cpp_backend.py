@@ -27,6 +27,7 @@ from dsq.runtime.generate import GenStats, TokenEvent
 from dsq.runtime.gpu_layers import GpuLayers
 from dsq.runtime.model_ref import ModelRef
 from dsq.runtime.sampling import SamplingParams
+from dsq.runtime.threads import default_threads  # noqa: F401 - also this module's name for it (quant.gguf)
 
 
 _LIVE: "weakref.WeakSet[LlamaCppModel]" = weakref.WeakSet()
@@ -139,21 +140,6 @@ def supports_gpu_offload() -> bool:
     return bool(import_llama_cpp().llama_supports_gpu_offload())
 
 
-def default_threads() -> int:
-    try:
-        import psutil
-
-        n = psutil.cpu_count(logical=False)
-    except Exception:
-        n = None
-    n = n or os.cpu_count() or 1
-    try:
-        n = min(n, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        pass
-    return max(1, n)
-
-
 @contextmanager
 def _model_params(**fields):
     """Set llama_model_params fields that Llama.__init__ does not expose."""
@@ -210,7 +196,7 @@ class LlamaCppModel:
         self.gguf = GGUFFile(self.path)  # validates (truncation, magic) before llama.cpp sees it
         llama_cpp = import_llama_cpp()
         self.n_threads = n_threads or default_threads()
-        self.gpu_layers = GpuLayers.parse(gpu_layers).resolve(self.path, n_ctx)
+        self.gpu_layers = GpuLayers.parse(gpu_layers).resolve(self.path, n_ctx, backend="llama.cpp")
         kwargs = dict(n_ctx=n_ctx, n_threads=self.n_threads, n_threads_batch=self.n_threads,
                       n_gpu_layers=self.gpu_layers.n_gpu_layers, logits_all=logits_all, verbose=False,
                       vocab_only=vocab_only, n_batch=min(512, n_ctx), n_ubatch=min(512, n_ctx),

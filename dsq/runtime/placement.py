@@ -1,35 +1,59 @@
-"""Placement plan: which layers go to the GPU for a memory budget, and what decode speed to expect.
+"""Placement plan: what goes on the GPU for a memory budget, and the decode speed to expect.
 
-Bytes per layer come from the file itself (each tensor at its actual quant type), KV cache from
-the context length (sliding-window layers hold only their window), plus compute buffers. The
-plan uses llama.cpp's `--gpu-layers` semantics: the last N repeating layers go to the GPU, and
-N = n_layer + 1 also moves the output head. Decode speed is a bandwidth model: every weight byte
-is read once per token, GPU bytes at GPU bandwidth and CPU bytes at CPU bandwidth.
+Bytes per layer come from the file itself (each tensor at its actual quant type), the KV cache from
+the context length, plus compute buffers. Each backend places a `--gpu-layers N` its own way:
+- llama.cpp: the last N layers on the GPU, and N = n_layer + 1 the output head too; the token
+  embedding stays on the CPU. Its plan is the largest N that fits.
+- native: the last N layers, the output head whenever any layer is there, the token embedding only
+  with every layer; each layer's KV cache on its layer's device (float32 for the CPU layers of a
+  split). Its plan is the N that fits with the fastest predicted decode.
+Decode speed is a bandwidth model: every weight byte is read once per token, GPU bytes at the GPU's
+bandwidth and CPU bytes at the CPU's (machine.Bandwidths, calibrated by `dsq offload --calibrate`),
+each scaled by the backend's achieved share of it, plus a split's per-token exchange.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
-import subprocess
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dsq.errors import DsqError
 from dsq.runtime.gpu_layers import GpuLayers
+from dsq.runtime.machine import Bandwidths, GpuInfo, detect_gpu, machine_bandwidths
+from dsq.runtime.model_shape import ModelShape, load_shape
+
+__all__ = ["GpuInfo", "ModelShape", "Plan", "detect_gpu", "parse_size", "plan_placement"]
 
 GiB, MiB = 1 << 30, 1 << 20
-# Achieved fraction of bandwidth in llama.cpp batch-1 decode, calibrated on measurements
-# (docs/anchors: H200 Q4_K_M 8B 293.5 tok/s of a 920 roofline; its 16-core host 13.2 tok/s at
-# ~66%); with these the model reproduces the measured --gpu-layers 8/16 sweep within 2%.
-GPU_EFFICIENCY = 0.32
-CPU_EFFICIENCY = 0.66
 GPU_RESERVE = 512 * MiB  # CUDA context, cuBLAS workspace, fragmentation
-_KNOWN_GPU_BW = {"H200": 4.25e12, "H100": 3.0e12, "A100": 1.8e12, "L40S": 0.78e12, "4090": 0.9e12,
-                 "3090": 0.85e12, "A10": 0.54e12, "L4": 0.27e12, "T4": 0.28e12}
+BACKENDS = ("native", "llama.cpp")
+# Rows of one native prompt chunk (runtime/native.py PREFILL_CHUNK), what its GPU buffers hold.
+NATIVE_CHUNK_ROWS = 512
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The share of a memory's measured bandwidth a backend's batch-1 decode reaches."""
+
+    cpu: float
+    gpu: float
+
+
+EFFICIENCY = {
+    # H200 Q4_K_M 8B: 293.5 tok/s of a 920 roofline; its 16-core host 13.2 tok/s at ~66%
+    # (docs/benchmarks.md#offload-model).
+    "llama.cpp": Efficiency(cpu=0.66, gpu=0.32),
+    # The C kernels' float32 decode and the captured GPU step, to be fitted against
+    # `dsq offload --measure` on the H200 machine (docs/benchmarks.md#offload-model).
+    "native": Efficiency(cpu=0.75, gpu=0.45),
+}
+# Bytes per K/V element by device: llama.cpp keeps f16 everywhere; native keeps the GPU layers' bf16
+# and the CPU layers' float32, the C attention kernels' dtype (docs/benchmarks.md#split-between-gpu-and-cpu).
+_KV_ELEMENT = {"llama.cpp": {"GPU": 2, "CPU": 2}, "native": {"GPU": 2, "CPU": 4}}
+# Weights the native runtime holds in float32 on the CPU (its C kernels' dtype), twice their bytes
+# in the file; quantized blocks stay as stored (docs/benchmarks.md#split-between-gpu-and-cpu).
+_NATIVE_CPU_WIDENED = {"F16", "BF16"}
 
 
 def parse_size(text: str | int | float | None) -> int | None:
@@ -47,82 +71,6 @@ def parse_size(text: str | int | float | None) -> int | None:
 
 
 @dataclass
-class GpuInfo:
-    name: str
-    total_bytes: int
-    free_bytes: int
-
-
-def detect_gpu() -> GpuInfo | None:
-    """The first NVIDIA GPU via nvidia-smi (no torch import), or None."""
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return None
-    try:
-        out = subprocess.run([exe, "--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout.strip().splitlines()
-        name, total, free = [x.strip() for x in out[0].split(",")]
-        return GpuInfo(name, int(float(total)) * MiB, int(float(free)) * MiB)
-    except Exception:
-        return None
-
-
-def gpu_bandwidth(gpu: GpuInfo | None) -> float:
-    """Bytes/s the GPU streams weights at: a known figure for the card, else a quick copy test."""
-    if gpu is not None:
-        for key, bw in _KNOWN_GPU_BW.items():
-            if key in gpu.name:
-                return bw
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            x = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
-            y = torch.empty_like(x)
-            y.copy_(x)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(10):
-                y.copy_(x)
-            torch.cuda.synchronize()
-            return 2 * 10 * x.numel() / (time.perf_counter() - t)
-    except Exception:
-        pass
-    return 0.5e12
-
-
-def cpu_bandwidth(cache: Path | None = None) -> float:
-    """Bytes/s this machine's CPUs read memory at (torch sum over 256 MiB), cached per machine."""
-    from dsq.runtime.builtin import cache_dir
-
-    path = cache or (cache_dir() / "cpu_bandwidth.json")
-    key = f"{os.uname().nodename}:{os.cpu_count()}"
-    try:
-        data = json.loads(path.read_text())
-        if key in data:
-            return float(data[key])
-    except (OSError, ValueError):
-        data = {}
-    import torch
-
-    x = torch.ones(64 * MiB, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    bw = x.numel() * 4 / best
-    data[key] = bw
-    try:
-        path.write_text(json.dumps(data))
-    except OSError:
-        pass
-    return bw
-
-
-# ---------------------------------------------------------------------------------------------
-@dataclass
 class LayerCost:
     name: str
     weight_bytes: int
@@ -132,138 +80,12 @@ class LayerCost:
 
 
 @dataclass
-class ModelShape:
-    """What the planner needs to know about a model, read from GGUF or HF."""
-
-    name: str
-    arch: str
-    n_layer: int
-    n_ctx_train: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim_k: int
-    head_dim_v: int
-    n_vocab: int
-    n_ff: int
-    layers: list[dict[str, int]]  # per block: type -> bytes
-    embed_bytes: int
-    output_bytes: int  # the output head (tied models: a copy of the embedding)
-    output_type: str
-    misc_bytes: int  # norms and other small non-block tensors
-    swa_layers: list[bool]
-    sliding_window: int = 0
-
-
-def shape_from_gguf(path: Path) -> ModelShape:
-    from dsq.formats.gguf_file import GGUFFile
-
-    g = GGUFFile(path)
-    a = g.arch_field
-    n_layer = g.n_layers
-    layers: list[dict[str, int]] = [dict() for _ in range(n_layer)]
-    embed = output = misc = 0
-    out_type = ""
-    for t in g.tensors:
-        m = re.match(r"blk\.(\d+)\.", t.name)
-        if m and int(m.group(1)) < n_layer:
-            d = layers[int(m.group(1))]
-            d[t.type_name] = d.get(t.type_name, 0) + t.n_bytes
-        elif t.name == "token_embd.weight":
-            embed = t.n_bytes
-            if not out_type:
-                out_type = t.type_name
-        elif t.name == "output.weight":
-            output, out_type = t.n_bytes, t.type_name
-        else:
-            misc += t.n_bytes
-    if output == 0:  # tied: llama.cpp duplicates the embedding as the output head
-        output = embed
-    n_embd = int(a("embedding_length", 0))
-    n_head = int(a("attention.head_count", 1) or 1)
-    if isinstance(a("attention.head_count"), list):
-        n_head = max(a("attention.head_count"))
-    n_head_kv = a("attention.head_count_kv", n_head)
-    n_head_kv = max(n_head_kv) if isinstance(n_head_kv, list) else int(n_head_kv)
-    hk = int(a("attention.key_length", n_embd // max(1, n_head)))
-    hv = int(a("attention.value_length", hk))
-    window = int(a("attention.sliding_window", 0) or 0)
-    swa = _gguf_sliding_layers(g, window, n_layer)
-    tokens = g.field("tokenizer.ggml.tokens")
-    ff = a("feed_forward_length", 0)
-    return ModelShape(g.name, g.arch, n_layer, int(a("context_length", 4096)), n_embd, n_head, n_head_kv,
-                      hk, hv, len(tokens) if tokens else 0, max(ff) if isinstance(ff, list) else int(ff),
-                      layers, embed, output, out_type, misc, swa, window)
-
-
-def _gguf_sliding_layers(g, window: int, n_layer: int) -> list[bool]:
-    """Per layer: sliding-window attention? A pattern list says; else the architecture's period."""
-    from dsq.models.arch import sliding_from_gguf
-    from dsq.models.registry import find_gguf
-
-    pattern = g.arch_field("attention.sliding_window_pattern")
-    entry = find_gguf(g.arch)
-    period = entry.sliding_period if entry else 0
-    if isinstance(pattern, list) or (window and period):
-        return sliding_from_gguf(pattern, n_layer, period)[:n_layer]
-    return [False] * n_layer
-
-
-def _hf_sliding_layers(cfg: dict, window: int, n_layer: int) -> list[bool]:
-    from dsq.models.registry import find_model_type
-
-    arch = find_model_type(cfg.get("model_type", ""))
-    if window and arch and arch.sliding_layers:
-        return arch.sliding_layers(cfg)
-    return [False] * n_layer
-
-
-def shape_from_hf(path: Path) -> ModelShape:
-    from dsq.formats.hf import HFModelDir
-    from dsq.models.arch import head_dim
-
-    hf = HFModelDir(path)
-    cfg = hf.config
-    hf.require("num_hidden_layers", "hidden_size", "num_attention_heads")
-    n_layer = cfg["num_hidden_layers"]
-    layers: list[dict[str, int]] = [dict() for _ in range(n_layer)]
-    embed = output = misc = 0
-    out_type = ""
-    for name in hf.tensor_names():
-        sl = hf._handle(name).get_slice(name)
-        dtype = sl.get_dtype()
-        n = 1
-        for d in sl.get_shape():
-            n *= d
-        nbytes = n * {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I32": 4, "I8": 1, "U8": 1}.get(dtype, 2)
-        m = re.match(r"model\.layers\.(\d+)\.", name)
-        if m and int(m.group(1)) < n_layer:
-            d = layers[int(m.group(1))]
-            d[dtype] = d.get(dtype, 0) + nbytes
-        elif name.endswith("embed_tokens.weight"):
-            embed, out_type = nbytes, out_type or dtype
-        elif name == "lm_head.weight":
-            output, out_type = nbytes, dtype
-        else:
-            misc += nbytes
-    output = output or embed
-    hd = head_dim(cfg)
-    window = int(cfg.get("sliding_window") or 0)
-    swa = _hf_sliding_layers(cfg, window, n_layer)
-    return ModelShape(path.name, cfg.get("model_type", "?"), n_layer, int(cfg.get("max_position_embeddings", 4096)),
-                      cfg["hidden_size"], cfg["num_attention_heads"],
-                      cfg.get("num_key_value_heads") or cfg["num_attention_heads"], hd, hd,
-                      int(cfg.get("vocab_size", 0)), int(cfg.get("intermediate_size", 0)), layers, embed, output,
-                      out_type, misc, swa, window)
-
-
-@dataclass
 class Plan:
     model: str
     ctx: int
     vram_budget: int
     ram_budget: int | None
-    gpu_layers: int  # llama.cpp --gpu-layers value
+    gpu_layers: int  # --gpu-layers N of the backend (llama.cpp: n_layer + 1 is everything; native: n_layer)
     n_layer: int
     layers: list[LayerCost]
     output_bytes: int
@@ -281,6 +103,12 @@ class Plan:
     predicted_tok_s: float
     fits_ram: bool | None
     notes: list[str] = field(default_factory=list)
+    backend: str = "llama.cpp"
+    gpu_layers_arg: str = "0"  # what to pass as --gpu-layers for this placement ("all" for everything)
+    embed_device: str = "CPU"
+    min_gpu_bytes: int = 0  # GPU memory the smallest placement with a layer on the GPU needs
+    split_overhead_s: float = 0.0  # per token, counted where the CPU and the GPU each hold a part
+    bandwidth_source: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -292,80 +120,207 @@ def _kv_len(ctx: int, swa: bool, window: int, n_ubatch: int = 512, swa_full: boo
     return ctx
 
 
+@dataclass(frozen=True)
+class _Option:
+    """One placement: per layer on the GPU?, the output head, the token embedding."""
+
+    n: int  # the backend's --gpu-layers count for it
+    on_gpu: tuple[bool, ...]
+    head_gpu: bool
+    embed_gpu: bool
+
+    @property
+    def split(self) -> bool:
+        """The CPU and the GPU each hold a part of the per-token work (one exchange each way)."""
+        return any(self.on_gpu) and not (all(self.on_gpu) and self.head_gpu)
+
+
+def _option(shape: ModelShape, backend: str, n: int) -> _Option:
+    """The placement `--gpu-layers n` makes on `backend` (n counted as GpuLayers.count counts)."""
+    if backend == "llama.cpp":
+        on, head = GpuLayers(n).split(shape.n_layer)
+        return _Option(n, tuple(on), head, False)
+    k = min(n, shape.n_layer)
+    on = tuple(i >= shape.n_layer - k for i in range(shape.n_layer))
+    return _Option(k, on, k > 0, k > 0 and k == shape.n_layer)
+
+
+def _options(shape: ModelShape, backend: str) -> list[_Option]:
+    """Every placement the backend can make, from nothing on the GPU to everything."""
+    top = shape.n_layer + 1 if backend == "llama.cpp" else shape.n_layer
+    return [_option(shape, backend, n) for n in range(top + 1)]
+
+
+class _Costs:
+    """Bytes one model at one context needs on each device, and reads per token, on one backend."""
+
+    def __init__(self, shape: ModelShape, ctx: int, backend: str, n_ubatch: int, swa_full: bool,
+                 kv_tokens: int | None, reserve: int):
+        self.shape, self.backend, self.reserve = shape, backend, reserve
+        self.kv_el = _KV_ELEMENT[backend]
+        full = swa_full or backend == "native"  # the native cache holds every slot on every layer
+        per_slot = shape.n_head_kv * (shape.head_dim_k + shape.head_dim_v)
+        lens = [_kv_len(ctx, i < len(shape.swa_layers) and shape.swa_layers[i], shape.sliding_window, n_ubatch, full)
+                for i in range(shape.n_layer)]
+        self.weights = [sum(t.values()) for t in shape.layers]
+        self.cpu_weights = [_cpu_weight(t, backend) for t in shape.layers]
+        self.kv_slots = [per_slot * n for n in lens]  # elements held
+        self.kv_read = [per_slot * min(kv_tokens or ctx, n) for n in lens]  # elements read per token
+        ub = min(n_ubatch, ctx)
+        # a micro-batch's activations (f32) on the CPU; on the GPU also its logits and attention scores
+        self.compute_cpu = ub * 4 * (8 * shape.n_embd + 2 * shape.n_ff)
+        self.llama_compute_gpu = self.compute_cpu + ub * 4 * shape.n_vocab + ub * shape.n_head * min(ctx, 4096) * 4
+
+    def compute_gpu(self, opt: _Option) -> int:
+        if self.backend == "llama.cpp":
+            return self.llama_compute_gpu
+        return _native_compute_bytes(self.shape, max(self.weights, default=0), opt.split)
+
+    def layer_kv(self, i: int, on_gpu: bool) -> int:
+        return self.kv_slots[i] * self.kv_el["GPU" if on_gpu else "CPU"]
+
+    def gpu_bytes(self, opt: _Option) -> int:
+        """GPU memory the placement needs (0 with nothing on the GPU)."""
+        if not any(opt.on_gpu) and not opt.head_gpu:
+            return 0
+        s = self.shape
+        layers = sum(w + self.layer_kv(i, True) for i, w in enumerate(self.weights) if opt.on_gpu[i])
+        head = s.output_bytes if opt.head_gpu else 0
+        embed = s.embed_bytes if opt.embed_gpu and not (s.tied and opt.head_gpu) else 0
+        return layers + head + embed + self.compute_gpu(opt) + self.reserve
+
+    def cpu_bytes(self, opt: _Option) -> int:
+        s = self.shape
+        layers = sum(w + self.layer_kv(i, False) for i, w in enumerate(self.cpu_weights) if not opt.on_gpu[i])
+        head = s.output_bytes if not opt.head_gpu and not s.tied else 0
+        embed = 0 if opt.embed_gpu else s.embed_bytes
+        return layers + head + embed + s.misc_bytes + self.compute_cpu
+
+    def per_token(self, opt: _Option) -> tuple[int, int]:
+        """(GPU bytes, CPU bytes) read per decoded token: every weight once, the KV cache it
+        attends over, the output head; one embedding row is too small to count."""
+        el, s = self.kv_el, self.shape
+        gpu = cpu = 0
+        for i, g in enumerate(opt.on_gpu):
+            if g:
+                gpu += self.weights[i] + self.kv_read[i] * el["GPU"]
+            else:
+                cpu += self.cpu_weights[i] + self.kv_read[i] * el["CPU"]
+        if opt.head_gpu:
+            gpu += s.output_bytes
+        else:
+            cpu += s.output_bytes
+        return gpu, cpu + s.misc_bytes
+
+    def seconds(self, opt: _Option, bw: Bandwidths) -> float:
+        """Predicted seconds per decoded token."""
+        eff = EFFICIENCY[self.backend]
+        gpu, cpu = self.per_token(opt)
+        return _transfer(gpu, bw.gpu * eff.gpu) + _transfer(cpu, bw.cpu * eff.cpu) + (
+            bw.split_overhead_s if opt.split else 0.0)
+
+    def roofline_seconds(self, opt: _Option, bw: Bandwidths) -> float:
+        gpu, cpu = self.per_token(opt)
+        return _transfer(gpu, bw.gpu) + _transfer(cpu, bw.cpu)
+
+
+def _cpu_weight(types: dict[str, int], backend: str) -> int:
+    """A layer's weight bytes in CPU memory on `backend` (types: stored type -> bytes in the file)."""
+    if backend != "native":
+        return sum(types.values())
+    return sum(n * (2 if t.upper() in _NATIVE_CPU_WIDENED else 1) for t, n in types.items())
+
+
+def _transfer(nbytes: int, rate: float) -> float:
+    return nbytes / rate if nbytes and rate > 0 else 0.0
+
+
+def _native_compute_bytes(shape: ModelShape, widest_layer: int, split: bool) -> int:
+    """GPU memory the native runtime uses beyond weights and cache: a prompt chunk's bf16
+    activations, one row of float32 logits, the fused gate and up projections written out in bf16
+    for a long prompt's cuBLAS matmul, and in a split two CPU layers streamed in for a prompt chunk
+    (docs/benchmarks.md#split-between-gpu-and-cpu)."""
+    acts = NATIVE_CHUNK_ROWS * 2 * (8 * shape.n_embd + 2 * shape.n_ff)
+    dequant = 2 * 2 * shape.n_ff * shape.n_embd
+    return acts + 4 * shape.n_vocab + dequant + (2 * widest_layer if split else 0)
+
+
+def _choose(costs: _Costs, options: list[_Option], vram: int, bw: Bandwidths) -> _Option:
+    """llama.cpp: the most layers that fit. native: of those that fit, the fastest predicted."""
+    fits = [o for o in options if costs.gpu_bytes(o) <= vram]
+    if costs.backend == "llama.cpp":
+        return max(fits, key=lambda o: o.n)
+    return min(fits, key=lambda o: (costs.seconds(o, bw), o.n))
+
+
+def _bandwidths(cpu_bw: float | None, gpu_bw: float | None, vram: int, notes: list[str]) -> Bandwidths:
+    """The machine's figures (machine_bandwidths), noting a GPU budget planned on a machine without one."""
+    gpu = None if cpu_bw and gpu_bw else detect_gpu()
+    if gpu is None and not gpu_bw and vram:
+        notes.append("no GPU detected here: GPU bandwidth assumed 500 GB/s (set --gpu-bw)")
+    bw = machine_bandwidths(gpu, cpu_bw=cpu_bw, gpu_bw=gpu_bw)
+    notes.extend(bw.notes)
+    return bw
+
+
 def plan_placement(model: str | Path | ModelShape, vram: int, ctx: int = 4096, ram: int | None = None,
                    gpu_bw: float | None = None, cpu_bw: float | None = None, n_ubatch: int = 512,
-                   reserve: int = GPU_RESERVE, swa_full: bool = True) -> Plan:
-    """Choose llama.cpp's --gpu-layers for `vram` bytes; predict decode tok/s.
+                   reserve: int = GPU_RESERVE, swa_full: bool = True, *, backend: str = "llama.cpp",
+                   gpu_layers: GpuLayers | int | str | None = None, kv_tokens: int | None = None,
+                   bandwidths: Bandwidths | None = None) -> Plan:
+    """Choose what `backend` puts on the GPU for `vram` bytes (or take `gpu_layers` as given; 'auto'
+    chooses) and predict decode tok/s.
 
-    swa_full: sliding-window layers keep a full-context KV cache (what dsq's llama.cpp backend
-    does, so that chat turns can reuse the cached prefix); False sizes them to the window.
+    swa_full: llama.cpp's sliding-window layers keep a full-context KV cache (what dsq's llama.cpp
+    backend does, so that chat turns can reuse the cached prefix); False sizes them to the window.
+    kv_tokens: tokens in the cache while decoding (default: a full context), what attention reads.
+    bandwidths: the machine's figures (default: machine_bandwidths, with gpu_bw / cpu_bw first).
     """
-    if isinstance(model, ModelShape):
-        shape = model
-    else:
-        p = Path(model)
-        shape = shape_from_hf(p) if p.is_dir() else shape_from_gguf(p)
+    shape = load_shape(model)
     if ctx < 1:
         raise DsqError(f"--ctx must be positive, got {ctx}")
-    kv_el = 2  # f16 K and V
-    layers = []
-    for i, types in enumerate(shape.layers):
-        kv = shape.n_head_kv * (shape.head_dim_k + shape.head_dim_v) * kv_el * _kv_len(
-            ctx, shape.swa_layers[i] if i < len(shape.swa_layers) else False, shape.sliding_window, n_ubatch,
-            swa_full)
-        layers.append(LayerCost(f"blk.{i}", sum(types.values()), kv, dict(types)))
-    ub = min(n_ubatch, ctx)
-    # logits + a handful of activations + attention scores for one micro-batch (f32)
-    compute = ub * 4 * (shape.n_vocab + 8 * shape.n_embd + 2 * shape.n_ff) + ub * shape.n_head * min(ctx, 4096) * 4
-    compute_cpu = ub * 4 * (8 * shape.n_embd + 2 * shape.n_ff)
+    if backend not in BACKENDS:
+        raise DsqError(f"unknown backend {backend!r}", f"choose one of: {', '.join(BACKENDS)}")
+    notes: list[str] = []
+    bw = bandwidths or _bandwidths(cpu_bw, gpu_bw, vram, notes)
+    costs = _Costs(shape, ctx, backend, n_ubatch, swa_full, kv_tokens, reserve)
+    given = None if gpu_layers is None else GpuLayers.parse(gpu_layers)
+    if given is None or given.auto:
+        opt = _choose(costs, _options(shape, backend), vram, bw)
+    else:
+        opt = _option(shape, backend, given.count(shape.n_layer))
+    return _plan(shape, costs, opt, bw, vram, ctx, ram, notes, chosen=given is None or given.auto)
 
-    def gpu_need(ngl: int) -> int:
-        if ngl == 0:
-            return 0
-        on, head = GpuLayers(ngl).split(shape.n_layer)
-        need = sum(lc.weight_bytes + lc.kv_bytes for lc, g in zip(layers, on) if g) + compute + reserve
-        return need + (shape.output_bytes if head else 0)
 
-    ngl = 0
-    for cand in range(shape.n_layer + 1, 0, -1):
-        if gpu_need(cand) <= vram:
-            ngl = cand
-            break
-    on_gpu, head_on_gpu = GpuLayers(ngl).split(shape.n_layer)
-    for lc, g in zip(layers, on_gpu):
-        lc.device = "GPU" if g else "CPU"
-    out_dev = "GPU" if head_on_gpu else "CPU"
-    gpu_w = sum(lc.weight_bytes for lc in layers if lc.device == "GPU")
-    gpu_kv = sum(lc.kv_bytes for lc in layers if lc.device == "GPU")
-    cpu_w = sum(lc.weight_bytes for lc in layers if lc.device == "CPU")
-    cpu_kv = sum(lc.kv_bytes for lc in layers if lc.device == "CPU")
-    out_gpu = shape.output_bytes if out_dev == "GPU" else 0
-    out_cpu = shape.output_bytes if out_dev == "CPU" else 0
-    gpu_total = gpu_need(ngl)
-    cpu_total = shape.embed_bytes + shape.misc_bytes + cpu_w + cpu_kv + compute_cpu + (
-        out_cpu if shape.output_bytes != shape.embed_bytes else 0)
-
-    notes = []
-    gpu = None
-    if gpu_bw is None:
-        gpu = detect_gpu()
-        gpu_bw = gpu_bandwidth(gpu) if (gpu or vram) else 0.0
-        if gpu is None and vram:
-            notes.append("no GPU detected here: GPU bandwidth assumed 500 GB/s (set --gpu-bw)")
-    if cpu_bw is None:
-        cpu_bw = cpu_bandwidth()
-    # per decoded token: every weight byte once, the KV cache at this context, one embedding row
-    tok_gpu = gpu_w + gpu_kv + out_gpu
-    tok_cpu = cpu_w + cpu_kv + out_cpu + shape.misc_bytes
-    t_roof = (tok_gpu / gpu_bw if tok_gpu else 0.0) + (tok_cpu / cpu_bw if tok_cpu else 0.0)
-    t_pred = (tok_gpu / (gpu_bw * GPU_EFFICIENCY) if tok_gpu else 0.0) + (
-        tok_cpu / (cpu_bw * CPU_EFFICIENCY) if tok_cpu else 0.0)
+def _plan(shape: ModelShape, costs: _Costs, opt: _Option, bw: Bandwidths, vram: int, ctx: int,
+          ram: int | None, notes: list[str], chosen: bool) -> Plan:
+    layers = [LayerCost(f"blk.{i}", costs.weights[i] if g else costs.cpu_weights[i], costs.layer_kv(i, g),
+                        dict(shape.layers[i]), "GPU" if g else "CPU") for i, g in enumerate(opt.on_gpu)]
+    tok_gpu, tok_cpu = costs.per_token(opt)
+    t_pred, t_roof = costs.seconds(opt, bw), costs.roofline_seconds(opt, bw)
+    gpu_total, cpu_total = costs.gpu_bytes(opt), costs.cpu_bytes(opt)
+    min_gpu = costs.gpu_bytes(_option(shape, costs.backend, 1)) if shape.n_layer else 0
     fits_ram = None if ram is None else cpu_total <= ram
+    notes += _plan_notes(opt, vram, gpu_total, min_gpu, fits_ram, chosen, costs.backend)
+    everything = all(opt.on_gpu) and opt.head_gpu
+    return Plan(shape.name, ctx, vram, ram, opt.n, shape.n_layer, layers, shape.output_bytes,
+                "GPU" if opt.head_gpu else "CPU", shape.embed_bytes, costs.compute_gpu(opt) if gpu_total else 0,
+                costs.compute_cpu, gpu_total, cpu_total, bw.gpu, bw.cpu, tok_gpu, tok_cpu,
+                1.0 / t_roof if t_roof else 0.0, 1.0 / t_pred if t_pred else 0.0, fits_ram, notes,
+                backend=costs.backend, gpu_layers_arg="all" if everything else str(opt.n),
+                embed_device="GPU" if opt.embed_gpu else "CPU", min_gpu_bytes=min_gpu,
+                split_overhead_s=bw.split_overhead_s if opt.split else 0.0, bandwidth_source=bw.source)
+
+
+def _plan_notes(opt: _Option, vram: int, gpu_total: int, min_gpu: int, fits_ram: bool | None, chosen: bool,
+                backend: str) -> list[str]:
+    notes = []
     if fits_ram is False:
         notes.append("the CPU share does not fit the --ram budget")
-    if ngl == 0 and vram:
-        notes.append("not even one layer fits the VRAM budget")
-    return Plan(shape.name, ctx, vram, ram, ngl, shape.n_layer, layers, shape.output_bytes, out_dev,
-                shape.embed_bytes, compute if ngl else 0, compute_cpu, gpu_total, cpu_total, gpu_bw, cpu_bw,
-                tok_gpu, tok_cpu, 1.0 / t_roof if t_roof else 0.0, 1.0 / t_pred if t_pred else 0.0,
-                fits_ram, notes)
+    if chosen and opt.n == 0 and vram:
+        head = " with the output head" if backend == "native" else ""
+        notes.append(f"not even one layer fits the VRAM budget (the first needs ~{min_gpu / MiB:.0f} MiB{head})")
+    if not chosen and vram and gpu_total > vram:
+        notes.append(f"this placement needs ~{gpu_total / MiB:.0f} MiB of GPU memory, more than the "
+                     f"{vram / MiB:.0f} MiB budget")
+    return notes
