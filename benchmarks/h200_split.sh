@@ -5,6 +5,9 @@
 #                                          # .llsrc/llama-src.tar.gz; binaries back under $OUT as
 #                                          # llbin.tar.xz.* parts (carry them as .llbin/ next time)
 #   bash benchmarks/h200_split.sh sweep    # random 8B Q4_K_M GGUF; llama-bench and dsq at each split
+#   bash benchmarks/h200_split.sh tests    # the CUDA tests of the native runtime
+#   bash benchmarks/h200_split.sh offload  # dsq offload --calibrate, then --measure at each split
+#   bash benchmarks/h200_split.sh bench    # dsq bench, both engines at each split with their ratio and plot
 #
 # The machine has no dsq install: the C kernels are built in place and dsq.kernels is linked to
 # kernels/. Wheels the image lacks (gguf, diskcache) travel in .whl/.
@@ -53,12 +56,42 @@ if [ "$PART" = build ]; then
 fi
 
 llama_bins || exit 1
-GGUF=/tmp/r8b.gguf
-[ -f $GGUF ] || python3 -m dsq.bench.random_gguf $GGUF --shape llama3-8b --mix Q4_K_M | tail -1
+if [ "$PART" = tests ]; then
+  timeout 300 python3 -m pytest -q -x tests/test_native_cuda.py ${TESTS:+-k "$TESTS"} 2>&1 | tail -15
+  exit 0
+fi
+GGUF=${GGUF:-/tmp/r8b.gguf}
+[ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape "${SHAPE:-llama3-8b}" --mix Q4_K_M | tail -1
 THREADS=${THREADS:-$(lscpu -p=CORE | grep -v '^#' | sort -u | wc -l)}
+if [ "$PART" = offload ]; then  # the offload model: calibrate, then predicted beside measured (native) at each split
+  python3 -m dsq offload --calibrate --threads "$THREADS" --json | tee "$OUT/calibration.json"
+  timeout 420 python3 -m dsq offload "$GGUF" --measure -g "${DSQ_SPLITS:-0,8,16,24,all}" --prompt-tokens "${PROMPT:-64}" \
+    --gen-tokens "${GEN:-32}" --repeat 2 --threads "$THREADS" --json > "$OUT/offload_${TAG:-split}.json" 2>/dev/null
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['bandwidths']); [print(s) for s in r['splits']]" \
+    "$OUT/offload_${TAG:-split}.json"
+  for b in native llama.cpp; do python3 -m dsq offload "$GGUF" -b $b 2>&1 | tail -6; done
+  exit 0
+fi
+if [ "$PART" = bench ]; then  # both engines through dsq bench: tok/s and peak VRAM at each split
+  timeout 400 python3 -m dsq bench "$GGUF" --backend "${BACKENDS:-native,llama.cpp}" -g "${DSQ_SPLITS:-0,8,16,24,all}" \
+    --prompt-tokens "${PROMPT:-64}" --gen-tokens "${GEN:-32}" --repeat 2 --threads "$THREADS" ${COMPILE:+--compile} \
+    --json "$OUT/bench_${TAG:-split}.json" --plot "$OUT/bench_${TAG:-split}.png" 2>&1 | grep -v -i warn | tail -25
+  exit 0
+fi
+if [ "$PART" = crossover ]; then  # prefill of a split: the CPU's kernels (DSQ_STREAM_ROWS=0) or streamed weights
+  for p in ${PROMPTS:-8 16 32 64 256}; do for rows in 0 1; do
+    echo "prompt $p stream_from $rows: $(DSQ_STREAM_ROWS=$rows timeout 120 python3 -m dsq bench "$GGUF" -b native \
+      -g "${SPLIT:-8}" --prompt-tokens "$p" --gen-tokens 2 --repeat 2 --threads "$THREADS" --json /tmp/x.json \
+      >/dev/null 2>&1; python3 -c "import json; r=json.load(open('/tmp/x.json'))['summary'][0]; print(r['prefill_tok_s_median'], r['peak_vram_mb'])")"
+  done; done
+  exit 0
+fi
+[ -n "${SKIP_LLAMA:-}" ] || {
 echo "== llama-bench, $THREADS threads"
 timeout 300 "$LL/build/bin/llama-bench" -m $GGUF -ngl "$SPLITS" -fa 1 -p 64 -n 32 -r 2 -t "$THREADS" -o md \
   2>&1 | grep -E "^\|" | tee "$OUT/llama_bench.md"
+}
 echo "== dsq split profile"
 timeout 300 python3 -m benchmarks.split_profile $GGUF --gpu-layers "${DSQ_SPLITS:-0,8,16,24,all}" \
-  --threads "$THREADS" --json "$OUT/split_profile.json" ${PROFILE:+--profile} 2>&1 | grep -v -i warn | tail -60
+  --threads "$THREADS" --json "$OUT/split_profile.json" ${PROFILE:+--profile} ${BANDWIDTH:+--bandwidth $BANDWIDTH} \
+  2>&1 | grep -v -i warn | tail -60

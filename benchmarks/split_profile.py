@@ -87,6 +87,89 @@ def _profile(m, prompt: list[int]) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48)
 
 
+def _kernel_times(m, prompt: list[int], steps: int = 4) -> dict:
+    """Over a few decode steps: wall time inside each C kernel call (by kernel and weight shape,
+    with the GB/s of the weight bytes for the GEMVs), and the step's time outside them."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    from dsq.kernels import cpu
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.sampling import SamplingParams
+
+    acc: dict[str, list[float]] = {}
+
+    def wrap(name, fn):
+        def timed(*args, **kw):
+            t = time.perf_counter()
+            out = fn(*args, **kw)
+            dt = time.perf_counter() - t
+            key = name
+            if name == "gguf_linear":
+                raw = args[1]
+                key = f"gguf {args[2]} {raw.shape[0]}x{args[3]} ({raw.numel() / 1e6:.1f} MB)"
+            acc.setdefault(key, []).append(dt)
+            return out
+        return timed
+
+    names = ["gguf_linear", "int_linear", "fp8_linear", "rms_norm", "attn_step", "attn_decode"]
+    m.reset()
+    for _ in m.stream(prompt, SamplingParams(temperature=0), 2, GenStats(), ignore_eos=True):
+        pass
+    with ExitStack() as stack:
+        for n in names:
+            stack.enter_context(mock.patch.object(cpu, n, wrap(n, getattr(cpu, n))))
+        m.reset()
+        st = GenStats()
+        for _ in m.stream(prompt, SamplingParams(temperature=0), steps + 1, st, ignore_eos=True):
+            pass
+    per_step = {k: 1e3 * sum(v) / (steps + 1) for k, v in acc.items()}  # prefill included once: small
+    out = {k: round(v, 3) for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])}
+    gb = {k: round(float(k.split("(")[1].split(" MB")[0]) / 1e3 / (statistics.median(acc[k])), 1)
+          for k in acc if k.startswith("gguf")}
+    return {"ms_per_step": out, "gemv_gb_s": gb, "step_ms": round(1e3 / st.decode_tok_s, 2)}
+
+
+def _vram(m) -> dict:
+    """GPU memory after loading, in GiB: weights and buffers on the GPU, the KV cache, what torch's
+    allocator holds and reserves, and the device-wide figure (NVML, what dsq bench reports)."""
+    import torch
+
+    from dsq.bench.metrics import gpu_used_bytes
+
+    if not torch.cuda.is_available():
+        return {}
+    gib = 2.0 ** 30
+    on_gpu = lambda ts: sum(t.numel() * t.element_size() for t in ts if t.is_cuda)  # noqa: E731
+    params = on_gpu(list(m.model.parameters()) + list(m.model.buffers()))
+    kv = on_gpu(m.cache.k + m.cache.v)
+    used = gpu_used_bytes()
+    return {"weights_gib": round(params / gib, 3), "kv_gib": round(kv / gib, 3),
+            "allocated_gib": round(torch.cuda.memory_allocated() / gib, 3),
+            "reserved_gib": round(torch.cuda.memory_reserved() / gib, 3),
+            "device_used_gib": round(used / gib, 3) if used is not None else None}
+
+
+def read_bandwidth(threads: int, gib: float = 4.0) -> float:
+    """Bytes/s of a multi-threaded sum over a buffer far larger than the caches (the CPU's read
+    bandwidth: decode reads each weight byte once per token)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    torch.set_num_threads(old)
+    return x.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
@@ -95,8 +178,12 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=16)
     ap.add_argument("--profile", action="store_true", help="print the torch profiler's top ops per split")
+    ap.add_argument("--kernels", action="store_true", help="time each C kernel call of a few decode steps")
+    ap.add_argument("--bandwidth", default="", help="comma list of thread counts: CPU read bandwidth at each")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    for t in [int(x) for x in a.bandwidth.split(",") if x]:
+        print(json.dumps({"threads": t, "cpu_read_gb_s": round(read_bandwidth(t) / 1e9, 1)}), flush=True)
 
     import dsq
     from dsq.bench.runner import bench_prompt
@@ -114,11 +201,15 @@ def main(argv=None) -> None:
         gpu = sum(v for k, v in layers.items() if "(cuda)" in k)
         row = {"gpu_layers": g, "decode_tok_s": round(rate, 2), "step_ms": round(1e3 / rate, 2), "load_s": round(load_s, 1),
                "threads": m.n_threads, "cpu_layers_ms": round(cpu, 2), "gpu_layers_ms": round(gpu, 2),
-               "head_ms": round(layers.get("head", 0.0), 2), "layer_ms": {k: round(v, 3) for k, v in layers.items()}}
+               "head_ms": round(layers.get("head", 0.0), 2), **_vram(m),
+               "layer_ms": {k: round(v, 3) for k, v in layers.items()}}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "layer_ms"}), flush=True)
         if a.profile:
             print(_profile(m, prompt), flush=True)
+        if a.kernels:
+            row["kernels"] = _kernel_times(m, prompt)
+            print(json.dumps(row["kernels"], indent=1), flush=True)
         del m
     print(f"\n{'gpu layers':>10} {'tok/s':>8} {'step ms':>8} {'CPU layers ms':>14} {'GPU layers ms':>14} {'head ms':>8}")
     for r in rows:

@@ -356,3 +356,29 @@ def test_chat_bench_shows_flat_prefill(runner, tiny_gguf, tmp_path):
 
 def test_native_only_flags_refused_for_llama_cpp(runner, tiny_gguf):
     _one_line(runner.invoke(app, ["run", str(tiny_gguf("qwen2", "F16")), "-p", "x", "--compile"]), "--compile")
+
+
+def test_layers_run_in_segments_as_in_one_pass(tiny_dir):
+    """A split model runs its layers in two segments (the CPU's, then the GPU's) around one cache:
+    embed, forward_layers over each segment and head give the one-pass forward's logits, and a KV
+    cache can hold each layer in its own dtype."""
+    from dsq.models.base import KVCache
+    from dsq.runtime.native import NativeModel
+
+    m = NativeModel(tiny_dir("llama"), "hf", n_ctx=64)
+    model = m.model
+    ids = torch.tensor([[5, 17, 99, 250, 31, 7]])
+    slots = torch.arange(ids.shape[1])
+    with torch.inference_mode():
+        want = model(ids, slots, model.make_cache(1, 16, torch.float32), kv_len=ids.shape[1])
+        cache = model.make_cache(1, 16, torch.float32)
+        x = model.embed(ids)
+        x = model.forward_layers(x, 0, 1, slots, cache, kv_len=ids.shape[1])
+        x = model.forward_layers(x, 1, 2, slots, cache, kv_len=ids.shape[1])
+        got = model.head(x)
+    assert torch.equal(got, want)
+    mixed = KVCache(model.args, 1, 16, [torch.float32, torch.bfloat16], model.layer_devices())
+    k = torch.randn(1, model.args.num_key_value_heads, 2, model.args.head_dim)
+    kc, _ = mixed.update(1, k, k, torch.tensor([3, 4]))
+    assert kc.dtype == torch.bfloat16 and torch.equal(kc[:, :, 3:5], k.to(torch.bfloat16))
+    assert mixed.k[0].dtype == torch.float32

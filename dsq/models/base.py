@@ -110,24 +110,37 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 # -- KV cache -------------------------------------------------------------------------------
 class KVCache:
-    """Preallocated keys/values per layer (each on its layer's device) plus rope tables."""
+    """Preallocated keys/values per layer (each on its layer's device, in its dtype) plus rope tables."""
 
-    def __init__(self, args: ModelArgs, batch: int, length: int, dtype: torch.dtype, devices: list[torch.device]):
-        self.batch, self.length, self.dtype = batch, length, dtype
+    def __init__(self, args: ModelArgs, batch: int, length: int, dtype: torch.dtype | list[torch.dtype],
+                 devices: list[torch.device]):
+        dtypes = dtype if isinstance(dtype, list) else [dtype] * len(devices)
+        self.batch, self.length, self.dtype = batch, length, dtypes[-1] if dtypes else dtype
         shape = (batch, args.num_key_value_heads, length, args.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
-        self.v = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        self.k = [torch.zeros(shape, dtype=t, device=d) for t, d in zip(dtypes, devices)]
+        self.v = [torch.zeros(shape, dtype=t, device=d) for t, d in zip(dtypes, devices)]
+        self.args = args
         self.rope: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for d in dict.fromkeys(devices):
-            self.rope[("full", str(d))] = rope_tables(args.rope, args.head_dim, length, d)
+            self.rope_on("full", d)
             if args.rope_local is not None:
-                self.rope[("local", str(d))] = rope_tables(args.rope_local, args.head_dim, length, d)
+                self.rope_on("local", d)
+
+    def rope_on(self, kind: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the cache's length on `device` ("full" or "local" rope), made on first use
+        (a layer run away from its cache's device: a CPU layer's prompt chunk on the GPU)."""
+        key = (kind, str(device))
+        if key not in self.rope:
+            rope = self.args.rope_local if kind == "local" else self.args.rope
+            self.rope[key] = rope_tables(rope, self.args.head_dim, self.length, device)
+        return self.rope[key]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
         """Write k, v (B, Hk, T, D) at `slots`; return the layer's full cache."""
-        self.k[layer].index_copy_(2, slots, _cast(k, self.dtype))
-        self.v[layer].index_copy_(2, slots, _cast(v, self.dtype))
-        return self.k[layer], self.v[layer]
+        kc, vc = self.k[layer], self.v[layer]
+        kc.index_copy_(2, slots, _cast(k, kc.dtype))
+        vc.index_copy_(2, slots, _cast(v, vc.dtype))
+        return kc, vc
 
 
 class PassThroughCache:
@@ -352,10 +365,20 @@ class Transformer(nn.Module):
         """The activation dtype (norm weights are always stored in it)."""
         return self.model.norm.weight.dtype
 
+    def layer_dtypes(self) -> list[torch.dtype]:
+        """The activation dtype each layer computes in: its norm weights' (in a model split between
+        a GPU and the CPU, the CPU layers compute in float32, the C kernels' dtype)."""
+        return [layer.input_layernorm.weight.dtype for layer in self.model.layers]
+
     def make_cache(self, batch: int, length: int, dtype: torch.dtype) -> KVCache:
+        """A KV cache of `length` slots in `dtype`; CPU layers of a split model keep theirs in their
+        compute dtype, which the CPU attention kernels read."""
         if self.args.embed_scale:  # HF rounds the scale to the activation dtype; a float keeps graphs static
             self._embed_scale = float(torch.tensor(self.args.embed_scale, dtype=self.dtype))
-        return KVCache(self.args, batch, length, dtype, self.layer_devices())
+        devices = self.layer_devices()
+        split = len({d.type for d in devices}) > 1
+        dtypes = [t if split and d.type == "cpu" else dtype for t, d in zip(self.layer_dtypes(), devices)]
+        return KVCache(self.args, batch, length, dtypes, devices)
 
     def block_context(self, layer: int, T: int, device, dtype=torch.float32):
         """(cos, sin, mask, slots) to run one decoder layer over whole sequences of T tokens."""
@@ -381,33 +404,56 @@ class Transformer(nn.Module):
                 pad: torch.Tensor | None = None, kv_len: int | None = None, last_only: bool = False):
         """Logits (B, T, V), or (B, 1, V) with last_only. Without a cache: a plain causal pass."""
         B, T = input_ids.shape
-        emb_dev = module_device(self.model.embed_tokens)
         if cache is None:
             cache = self.make_cache(B, T, self.dtype)
-            slots = torch.arange(T, device=emb_dev)
+            slots = torch.arange(T, device=module_device(self.model.embed_tokens))
+        x = self.embed(input_ids)
+        x = self.forward_layers(x, 0, len(self.model.layers), slots, cache, pad, kv_len)
+        return self.head(x, last_only)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings (B, T, H), in the first layer's activation dtype."""
+        x = self.model.embed_tokens(input_ids.to(module_device(self.model.embed_tokens)))
+        x = x.to(self.model.layers[0].input_layernorm.weight.dtype if len(self.model.layers) else self.dtype)
+        return x * self._embed_scale if self.args.embed_scale else x
+
+    def forward_layers(self, x: torch.Tensor, start: int, end: int, slots: torch.Tensor, cache: KVCache,
+                       pad: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
+        """Decoder layers start..end-1 over x (B, T, H); each layer gets x on its device and in its
+        dtype (layer_dtypes)."""
         if pad is None:
-            pad = torch.zeros(B, dtype=torch.long, device=emb_dev)
+            pad = torch.zeros(x.shape[0], dtype=torch.long, device=slots.device)
         S = kv_len if kv_len is not None else cache.length
-        a = self.args
-        x = self.model.embed_tokens(input_ids.to(emb_dev)).to(self.dtype)
-        if a.embed_scale:
-            x = x * self._embed_scale
         per_dev: dict = {}
-        for i, layer in enumerate(self.model.layers):
-            dev = cache.k[i].device
-            key = (str(dev), a.is_sliding(i))
-            if key not in per_dev:
-                sl, pd = slots.to(dev), pad.to(dev)
-                pos = (sl[None, :] - pd[:, None])[:, :, None]  # (B, T, 1): cos/sin broadcast over heads
-                cos, sin = cache.rope[("local" if a.is_sliding(i) and a.rope_local else "full", str(dev))]
-                per_dev[key] = (cos[pos], sin[pos], self._mask(sl, pd, S, a.is_sliding(i), dev), sl)
-            cos, sin, mask, sl = per_dev[key]
-            x = layer(x.to(dev), cos, sin, mask, cache, sl, kv_len)
-        x = self.model.norm(x.to(self.model.norm.weight.device))
+        for i in range(start, end):
+            layer = self.model.layers[i]
+            cos, sin, mask, sl = self.layer_context(i, cache.k[i].device, slots, pad, S, cache, per_dev)
+            x = layer(x.to(sl.device, layer.input_layernorm.weight.dtype), cos, sin, mask, cache, sl, kv_len)
+        return x
+
+    def layer_context(self, i: int, dev: torch.device, slots: torch.Tensor, pad: torch.Tensor, S: int, cache: KVCache,
+                      memo: dict | None = None) -> tuple:
+        """(cos, sin, mask, slots) for layer i on `dev` over S cache slots; `memo` shares them
+        between layers of one device and window kind."""
+        a = self.args
+        key = (str(dev), a.is_sliding(i))
+        if memo is not None and key in memo:
+            return memo[key]
+        sl, pd = slots.to(dev), pad.to(dev)
+        pos = (sl[None, :] - pd[:, None])[:, :, None]  # (B, T, 1): cos/sin broadcast over heads
+        cos, sin = cache.rope_on("local" if a.is_sliding(i) and a.rope_local else "full", dev)
+        ctx = (cos[pos], sin[pos], self._mask(sl, pd, S, a.is_sliding(i), dev), sl)
+        if memo is not None:
+            memo[key] = ctx
+        return ctx
+
+    def head(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Final norm and output head: logits (B, T, V), or (B, 1, V) with last_only."""
+        x = self.model.norm(x.to(self.model.norm.weight.device, self.dtype))
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(x.to(module_device(self.lm_head)))
-        if a.final_logit_softcapping:
-            c = a.final_logit_softcapping
+        if self.args.final_logit_softcapping:
+            c = self.args.final_logit_softcapping
             logits = torch.tanh(logits / c) * c
         return logits

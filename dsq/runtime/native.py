@@ -22,6 +22,7 @@ from dsq.runtime.generate import GenStats, TokenEvent
 from dsq.runtime.gpu_layers import GpuLayers
 from dsq.runtime.model_ref import ModelRef
 from dsq.runtime.sampling import Sampler, SamplingParams
+from dsq.runtime.streamed import STREAM_MIN_ROWS, StreamedLayers
 
 PREFILL_CHUNK = 512
 _RECENT = 64  # tokens of each sequence the repeat penalty looks back over
@@ -47,29 +48,77 @@ def _tokenizer(path: Path, kind: str, config: dict):
     return HFTokenizer(path, config)
 
 
+def _graphed(run) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`run()` (over static input tensors) captured as a CUDA graph, after two warm-up runs on a
+    side stream; (graph, its output tensor)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.inference_mode():
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        out = run()
+    return graph, out
+
+
 class _GraphedStep:
-    """The decode step (B, 1) captured as a CUDA graph over the full-length cache."""
+    """The decode step (B, 1) captured as a CUDA graph over the full-length cache (the warm-up
+    writes slot 0, which any real prompt overwrites)."""
 
     def __init__(self, model, cache, batch: int):
         dev = torch.device("cuda")
-        self.model, self.cache = model, cache
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)
         self.pad = torch.zeros(batch, dtype=torch.long, device=dev)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s), torch.inference_mode():
-            for _ in range(2):  # warm-up writes slot 0, which any real prompt overwrites
-                self.out = model(self.tok, self.slot, cache, self.pad, last_only=True)
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.inference_mode():
-            self.out = model(self.tok, self.slot, cache, self.pad, last_only=True)
+        self.graph, self.out = _graphed(lambda: model(self.tok, self.slot, cache, self.pad, last_only=True))
 
     def __call__(self, tok: torch.Tensor, slot: int, pad: torch.Tensor) -> torch.Tensor:
         self.tok.copy_(tok)
         self.slot.fill_(slot)
         self.pad.copy_(pad)
+        self.graph.replay()
+        return self.out
+
+
+def _gpu_part(model, x, start: int, slot, cache, pad):
+    """A split model's GPU part of a decode step: layers start.., the final norm, the head."""
+    return model.head(model.forward_layers(x, start, len(model.model.layers), slot, cache, pad), last_only=True)
+
+
+class _SplitStep:
+    """The decode step of a model split between the CPU and one GPU: the embedding and the first
+    `start` layers run eagerly on the CPU (the C kernels, float32), the rest of the layers, the
+    final norm and the head are one CUDA graph (of the torch.compile'd part with `compile`). The
+    hidden state crosses once per token, through pinned memory; the GPU's pad is copied only when
+    it changes."""
+
+    def __init__(self, model, cache, start: int, batch: int, compile_mode: str | None | bool = False):
+        dev = torch.device("cuda")
+        self.model, self.cache, self.start = model, cache, start
+        dt = model.model.layers[start].input_layernorm.weight.dtype
+        self.x = torch.zeros(batch, 1, model.args.hidden_size, dtype=dt, device=dev)
+        self.host = torch.zeros(batch, 1, model.args.hidden_size, dtype=dt, pin_memory=True)
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pad = torch.zeros(batch, dtype=torch.long, device=dev)
+        self._pad_on_gpu = torch.zeros(batch, dtype=torch.long)
+        part = _gpu_part
+        if compile_mode is not False:
+            part = torch.compile(_gpu_part, dynamic=False, mode=compile_mode)
+        self.graph, self.out = _graphed(lambda: part(model, self.x, start, self.slot, cache, self.pad))
+
+    def __call__(self, tok: torch.Tensor, slot: int, pad: torch.Tensor) -> torch.Tensor:
+        pad = pad.cpu()
+        slots = torch.tensor([slot])
+        x = self.model.embed(tok.cpu())
+        x = self.model.forward_layers(x, 0, self.start, slots, self.cache, pad, kv_len=slot + 1)
+        self.host.copy_(x)
+        self.x.copy_(self.host, non_blocking=True)
+        self.slot.fill_(slot)
+        if not torch.equal(pad, self._pad_on_gpu):
+            self.pad.copy_(pad)
+            self._pad_on_gpu = pad.clone()
         self.graph.replay()
         return self.out
 
@@ -169,17 +218,27 @@ class NativeModel:
 
     def _prepare_steps(self, model, cuda_graph: bool, compile: bool | str) -> None:
         """The decode step: captured as a CUDA graph with every layer on one GPU (compiled first
-        with `compile`); on the CPU, compiled with `compile` (_CompiledStep); eager otherwise."""
+        with `compile`); with the layers split between the CPU and one GPU, the GPU part captured
+        (_SplitStep); on the CPU, compiled with `compile` (_CompiledStep); eager otherwise."""
         self._step = model
         mode = None if compile is True or compile == "default" else compile
-        devs = {str(d) for d in model.layer_devices()}
-        on_cpu = devs == {"cpu"} and self.head_device.type == "cpu"
+        devs = [str(d) for d in model.layer_devices()]
+        on_cpu = set(devs) == {"cpu"} and self.head_device.type == "cpu"
         if compile and not on_cpu:  # True, or an inductor mode such as "max-autotune-no-cudagraphs"
             self._step = torch.compile(model, dynamic=False, mode=mode)
         self._graph = None
+        self._split = None
+        split = set(devs) == {"cpu", "cuda:0"} and devs == sorted(devs) and str(self.head_device) == "cuda:0"
         self._batch = None  # (B, cache length, cache, captured step) of the last batch (generate_batch)
-        if cuda_graph and devs == {"cuda:0"} and str(self.head_device) == "cuda:0":
-            self._graph = self._capture(self.cache, 1)
+        if cuda_graph and str(self.head_device) == "cuda:0":
+            if set(devs) == {"cuda:0"}:
+                self._graph = self._capture(self.cache, 1)
+            elif split:
+                self._split = self._capture_split(model, devs.index("cuda:0"), mode if compile else False)
+        self._streamed = None  # the CPU layers' prompt chunks on the GPU
+        n_cpu = devs.count("cpu")
+        if n_cpu and torch.cuda.is_available() and (split or on_cpu):
+            self._streamed = StreamedLayers(model, n_cpu, torch.device("cuda:0"), torch.bfloat16)
         self._compiled = None  # the CPU decode step under torch.compile
         if compile and on_cpu:
             try:
@@ -237,13 +296,27 @@ class NativeModel:
         for i in range(0, x.shape[1], PREFILL_CHUNK):
             chunk = x[:, i:i + PREFILL_CHUNK]
             slots = torch.arange(start + i, start + i + chunk.shape[1])
-            out = self.model(chunk, slots, cache, pad, kv_len=start + i + chunk.shape[1], last_only=True)
+            kv_len = start + i + chunk.shape[1]
+            if self._streamed is not None and STREAM_MIN_ROWS and chunk.numel() >= STREAM_MIN_ROWS:
+                out = self._streamed_prefill(chunk, slots, cache, pad, kv_len)
+            else:
+                out = self.model(chunk, slots, cache, pad, kv_len=kv_len, last_only=True)
         return out[:, -1].to(dev)
+
+    def _streamed_prefill(self, ids: torch.Tensor, slots: torch.Tensor, cache, pad: torch.Tensor, kv_len: int):
+        """A prompt chunk of a split model with its CPU layers run on the GPU (StreamedLayers)."""
+        m, n = self.model, self._streamed.n
+        pad = pad.cpu() if pad is not None else torch.zeros(ids.shape[0], dtype=torch.long)
+        x = self._streamed.run(m.embed(ids), slots, cache, pad, kv_len)
+        x = m.forward_layers(x, n, len(m.model.layers), slots, cache, pad, kv_len)
+        return m.head(x, last_only=True)
 
     def _decode(self, tok: torch.Tensor, slot: int, cache, pad: torch.Tensor) -> torch.Tensor:
         """One step for (B,) tokens at cache slot `slot`; logits (B, V)."""
         if self._graph is not None and cache is self.cache:
             return self._graph(tok[:, None], slot, pad)[:, -1]
+        if self._split is not None and cache is self.cache:
+            return self._split(tok[:, None], slot, pad)[:, -1]
         slots = torch.tensor([slot], device=tok.device)
         if self._compiled is not None and cache is self.cache:
             return self._compiled(tok[:, None], slots, cache, pad, slot + 1)[:, -1]
@@ -293,6 +366,18 @@ class NativeModel:
         tail = detok.flush()
         if tail:
             yield TokenEvent(-1, tail)
+
+    def _capture_split(self, model, start: int, compile_mode) -> _SplitStep:
+        """The split decode step, its GPU part compiled when asked; a compile that fails to capture
+        costs a warning and the eager part is captured instead."""
+        try:
+            return _SplitStep(model, self.cache, start, 1, compile_mode)
+        except Exception as e:  # noqa: BLE001 - the compiled part failed: capture the eager one
+            if compile_mode is False:
+                raise
+            warnings.warn(f"torch.compile of the decode step failed, decoding without it: "
+                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=3)
+            return _SplitStep(model, self.cache, start, 1)
 
     def _capture(self, cache, B: int) -> _GraphedStep:
         """The decode step for B sequences over `cache`, captured as a CUDA graph. A compiled step

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from dsq.errors import BadModelFile
-from dsq.models.base import Transformer
+from dsq.models.base import Transformer, module_device
 from dsq.models.registry import arch_for_gguf, build_args
 from dsq.runtime.gpu_layers import GpuLayers
 from dsq.runtime.qmodules import GGUFEmbedding, GGUFLinear, prepare_kernels, set_module
@@ -39,18 +39,46 @@ def _check_shapes(model: nn.Module, sd: dict[str, torch.Tensor], where: str, sho
 
 
 def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None) -> None:
-    """Layers and output head on their devices (GpuLayers.devices: llama.cpp's --gpu-layers)."""
+    """Layers on their devices (GpuLayers.devices: llama.cpp's last N layers). The native runtime
+    puts the output head on the GPU whenever any layer is there, and keeps the token embedding on
+    the CPU in a split (one row a token): the head is read every token, so it costs the most where
+    memory is slowest (docs/benchmarks.md#split-between-gpu-and-cpu). CPU layers of a split model
+    compute in float32, the C kernels' dtype."""
     per, head = gpu_layers.devices(model.args.num_hidden_layers, gpu)
+    split = gpu is not None and gpu in per and torch.device("cpu") in per
+    if gpu is not None and gpu in per:
+        head = gpu
     for layer, dev in zip(model.model.layers, per):
         layer.to(dev)
-    model.model.embed_tokens.to(per[0] if per else head)
+        if split and dev.type == "cpu":
+            _float32_params(layer)
+    model.model.embed_tokens.to(torch.device("cpu") if split else per[0] if per else head)
+    if split and hasattr(model.model.embed_tokens, "out_dtype"):  # GGUF rows straight to float32
+        model.model.embed_tokens.out_dtype = torch.float32
     model.model.norm.to(head)
     tied = model.args.tie_word_embeddings
-    if tied and per and per[0] != head:  # like llama.cpp: the output head gets its own copy
+    if tied and per and module_device(model.model.embed_tokens) != head:  # the output head gets its own copy
         import copy
 
         model.lm_head = copy.deepcopy(model.lm_head)
     model.lm_head.to(head)
+
+
+def _release_cached_memory(gpu: torch.device | None) -> None:
+    """Hand the GPU memory that loading freed (the file's blocks as the kernels' layouts replaced
+    them) back to the driver: torch's allocator would otherwise keep it for itself, ~1 GiB for an
+    8B Q4_K_M model (docs/benchmarks.md#split-between-gpu-and-cpu)."""
+    if gpu is not None:
+        torch.cuda.empty_cache()
+
+
+def _float32_params(module: nn.Module) -> None:
+    """16-bit float parameters (norm weights, biases, float weights) as float32; quantized
+    modules' buffers (codes, scales) stay as their kernels read them."""
+    for m in module.modules():
+        for name, p in m.named_parameters(recurse=False):
+            if p.dtype in (torch.float16, torch.bfloat16):
+                setattr(m, name, nn.Parameter(p.float(), requires_grad=False))
 
 
 def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None):
@@ -79,6 +107,7 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NO
     model.tie_weights()
     _place(model, gpu_layers, gpu)
     prepare_kernels(model)
+    _release_cached_memory(gpu)
     return model.eval(), cfg
 
 
@@ -173,4 +202,5 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.
         model.tie_weights()
     _place(model, gpu_layers, gpu)
     prepare_kernels(model)
+    _release_cached_memory(gpu)
     return model.eval(), cfg

@@ -170,6 +170,13 @@ class IntLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dispatch.int_linear(x, self.qweight, self.scales, self.zeros, self.bits, self.perm, self.bias)
 
+    def kernel_module(self) -> nn.Module:
+        """On a GPU (a CPU layer's weights streamed there) the PackedLinear sharing its tensors."""
+        if not dispatch.use_triton(self.qweight.device):
+            return self
+        d = {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros, "perm": self.perm}
+        return IntLinear.build(d, self.bits, self.bias, self.source)
+
     def weight_float(self) -> torch.Tensor:
         """float32 (N, K) in the checkpoint's channel order."""
         return _unpermute(intq_ref.dequantize(self.qweight, self.scales, self.zeros, self.bits), self.perm)

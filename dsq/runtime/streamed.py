@@ -1,0 +1,134 @@
+"""Prefill of a model's CPU layers on the GPU, with their weights streamed over (a split model's,
+or a CPU model's on a machine with a GPU, as llama.cpp does with --gpu-layers 0).
+
+A prompt chunk of many tokens makes the CPU layers compute-bound: the GPU multiplies faster than
+the CPU even counting the copy of each layer's weights to it. So from `STREAM_MIN_ROWS` tokens,
+each CPU layer's weights are copied to the GPU (from pinned memory, the next layer's while this
+one computes), turned into the GPU kernels' layout, run over the chunk and dropped; the layer's
+new keys and values go back to its cache on the CPU, where decode reads them. llama.cpp offloads
+large batches the same way. Below the threshold the CPU's own M > 1 kernels run the chunk.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import nn
+
+# From this many tokens a chunk streams the CPU layers' weights to the GPU
+# (docs/benchmarks.md#prefill); DSQ_STREAM_ROWS=N moves it, 0 turns streaming off.
+_ENV = os.environ.get("DSQ_STREAM_ROWS", "").strip()
+STREAM_MIN_ROWS = int(_ENV) if _ENV.isdigit() else 16
+
+
+def _tensors(m: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, bool]]:
+    """(owner module, name, tensor, is a parameter) for every parameter and buffer under m."""
+    out = []
+    for mod in m.modules():
+        out += [(mod, n, t, True) for n, t in mod._parameters.items() if t is not None]
+        out += [(mod, n, t, False) for n, t in mod._buffers.items() if t is not None]
+    return out
+
+
+def pin_layers(layers: list[nn.Module]) -> bool:
+    """Move the layers' tensors into pinned (page-locked) host memory, which the GPU copies from
+    at full speed; returns False (tensors left as they were) where pinning fails."""
+    try:
+        for mod, name, t, is_param in [x for layer in layers for x in _tensors(layer)]:
+            if t.is_pinned():
+                continue
+            p = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            p.copy_(t)
+            if is_param:
+                mod._parameters[name] = nn.Parameter(p, requires_grad=False)
+            else:
+                mod._buffers[name] = p
+    except RuntimeError:  # no room to pin: the copies run from pageable memory, slower
+        return False
+    return True
+
+
+class _LayerCache:
+    """One layer's keys and values on the GPU for a streamed chunk: the cached prefix, then the
+    chunk's (what Attention.forward writes through `update`)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        self.k.index_copy_(2, slots, k.to(self.k.dtype))
+        self.v.index_copy_(2, slots, v.to(self.v.dtype))
+        return self.k, self.v
+
+
+class StreamedLayers:
+    """Runs the first `n` (CPU) layers of `model` on `gpu` for prompt chunks (see the module)."""
+
+    def __init__(self, model, n: int, gpu: torch.device, dtype: torch.dtype):
+        self.model, self.n, self.gpu, self.dtype = model, n, gpu, dtype
+        self.layers = list(model.model.layers[:n])
+        self.pinned = pin_layers(self.layers)
+        self.copies = torch.cuda.Stream(gpu)
+
+    def _stage(self, i: int) -> tuple[dict, torch.cuda.Event]:
+        """Layer i's tensors copied to the GPU on the copy stream (float ones in the GPU's dtype)."""
+        staged = {}
+        with torch.cuda.stream(self.copies):
+            for _, _, t, is_param in _tensors(self.layers[i]):
+                g = t.to(self.gpu, non_blocking=True)
+                if is_param and g.is_floating_point() and g.dtype != self.dtype:  # norms, biases, float weights
+                    g = g.to(self.dtype)
+                staged[id(t)] = nn.Parameter(g, requires_grad=False) if is_param else g
+            done = torch.cuda.Event()
+            done.record()
+        return staged, done
+
+    def _twin(self, i: int, staged: dict) -> nn.Module:
+        """Layer i on the GPU: its module tree around the staged tensors, each quantized module
+        turned into the GPU kernels' layout."""
+        from dsq.runtime.qmodules import prepare_kernels
+
+        twin = copy.deepcopy(self.layers[i], memo=dict(staged))
+        for m in twin.modules():
+            if hasattr(m, "_scaled"):
+                m._scaled = None  # a norm's cached float32 weight belongs to the CPU layer
+        prepare_kernels(twin)
+        return twin
+
+    def run(self, x: torch.Tensor, slots: torch.Tensor, cache, pad: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """x (B, T, H) through layers 0..n-1 on the GPU; returns x there. Their new keys and values
+        (slots) land in `cache` (on the CPU)."""
+        x = x.to(self.gpu, self.dtype)
+        slots_g, pad_g = slots.to(self.gpu), pad.to(self.gpu)
+        memo: dict = {}
+        nxt = self._stage(0)
+        for i in range(self.n):
+            staged, done = nxt
+            if i + 1 < self.n:
+                nxt = self._stage(i + 1)  # the next layer's copy overlaps this one's compute
+            torch.cuda.current_stream().wait_event(done)
+            for t in staged.values():
+                t.record_stream(torch.cuda.current_stream())
+            twin = self._twin(i, staged)
+            cos, sin, mask, sl = self.model.layer_context(i, self.gpu, slots_g, pad_g, kv_len, cache, memo)
+            lc = self._layer_cache(cache, i, int(slots[0]), kv_len)
+            x = twin(x, cos, sin, mask, lc, sl, kv_len)
+            self._keep(cache, i, lc, int(slots[0]), kv_len)
+            del twin, staged
+        return x
+
+    def _layer_cache(self, cache, i: int, start: int, kv_len: int) -> _LayerCache:
+        B, Hk, _, D = cache.k[i].shape
+        k = torch.empty(B, Hk, kv_len, D, dtype=self.dtype, device=self.gpu)
+        v = torch.empty_like(k)
+        if start:
+            k[:, :, :start] = cache.k[i][:, :, :start].to(self.gpu, non_blocking=True)
+            v[:, :, :start] = cache.v[i][:, :, :start].to(self.gpu, non_blocking=True)
+        return _LayerCache(k, v)
+
+    @staticmethod
+    def _keep(cache, i: int, lc: _LayerCache, start: int, kv_len: int) -> None:
+        cache.k[i][:, :, start:kv_len] = lc.k[:, :, start:kv_len].to("cpu", cache.k[i].dtype)
+        cache.v[i][:, :, start:kv_len] = lc.v[:, :, start:kv_len].to("cpu", cache.v[i].dtype)
