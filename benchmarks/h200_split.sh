@@ -93,5 +93,5 @@ timeout 300 "$LL/build/bin/llama-bench" -m $GGUF -ngl "$SPLITS" -fa 1 -p 64 -n 3
 }
 echo "== dsq split profile"
 timeout 300 python3 -m benchmarks.split_profile $GGUF --gpu-layers "${DSQ_SPLITS:-0,8,16,24,all}" \
-  --threads "$THREADS" --json "$OUT/split_profile.json" ${PROFILE:+--profile} ${BANDWIDTH:+--bandwidth $BANDWIDTH} \
+  --threads "$THREADS" --json "$OUT/split_profile.json" ${PROFILE:+--profile} ${BANDWIDTH:+--bandwidth $BANDWIDTH} ${KERNELS:+--kernels} \
   2>&1 | grep -v -i warn | tail -60
