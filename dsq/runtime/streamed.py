@@ -112,6 +112,7 @@ class StreamedLayers:
             for t in staged.values():
                 t.record_stream(torch.cuda.current_stream())
             twin = self._twin(i, staged)
+            staged.clear()  # the file's blocks now live on as the twin's kernel layout only
             cos, sin, mask, sl = self.model.layer_context(i, self.gpu, slots_g, pad_g, kv_len, cache, memo)
             lc = self._layer_cache(cache, i, int(slots[0]), kv_len)
             x = twin(x, cos, sin, mask, lc, sl, kv_len)
