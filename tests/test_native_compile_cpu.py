@@ -68,23 +68,3 @@ def test_compile_failure_keeps_the_eager_step(tiny_dir, monkeypatch):
     assert m._compiled is None
     assert len(_decode_logits(m, IDS[:10], 2)[0]) == 12
 
-
-def test_compiled_cpu_part_of_a_split(tiny_dir):
-    """A split model's CPU part under torch.compile (_CompiledStep with `end`: the embedding and
-    the first layers, what _SplitStep runs before the GPU's graph) gives the eager layers' hidden
-    state, within float32 reassociation, and writes the same keys and values."""
-    import torch
-
-    from dsq.runtime.native import NativeModel, _CompiledStep
-
-    m = NativeModel(tiny_dir("llama"), "hf", n_ctx=32)
-    model = m.model
-    step = _CompiledStep(model, m.cache, 1, None, end=1)
-    tok, slots, pad = torch.tensor([[7]]), torch.tensor([4]), torch.zeros(1, dtype=torch.long)
-    with torch.inference_mode():
-        got = step(tok, slots, m.cache, pad, 5).clone()
-        k_got = m.cache.k[0][:, :, 4].clone()
-        want = model.forward_layers(model.embed(tok), 0, 1, slots, m.cache, pad, 5)
-    assert got.shape == (1, 1, model.args.hidden_size)
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(k_got, m.cache.k[0][:, :, 4], rtol=1e-5, atol=1e-5)

@@ -104,19 +104,16 @@ class _SplitStep:
         self.pad = torch.zeros(batch, dtype=torch.long, device=dev)
         self._pad_on_gpu = torch.zeros(batch, dtype=torch.long)
         part = _gpu_part
-        self.cpu_part = None  # the CPU layers under torch.compile (_CompiledStep), with `compile`
         if compile_mode is not False:
+            # only the GPU part: the CPU layers compiled decoded slower on the H200 host's 16 cores
+            # (docs/benchmarks.md#split-between-gpu-and-cpu)
             part = torch.compile(_gpu_part, dynamic=False, mode=compile_mode)
-            self.cpu_part = _CompiledStep(model, cache, batch, compile_mode, end=start)
         self.graph, self.out = _graphed(lambda: part(model, self.x, start, self.slot, cache, self.pad))
 
     def __call__(self, tok: torch.Tensor, slot: int, pad: torch.Tensor) -> torch.Tensor:
         pad, tok = pad.cpu(), tok.cpu()
         slots = torch.tensor([slot])
-        if self.cpu_part is not None:
-            x = self.cpu_part(tok, slots, self.cache, pad, slot + 1)
-        else:
-            x = self.model.forward_layers(self.model.embed(tok), 0, self.start, slots, self.cache, pad, slot + 1)
+        x = self.model.forward_layers(self.model.embed(tok), 0, self.start, slots, self.cache, pad, slot + 1)
         self.host.copy_(x)
         self.x.copy_(self.host, non_blocking=True)
         self.slot.fill_(slot)
@@ -127,12 +124,9 @@ class _SplitStep:
         return self.out
 
 
-def _decode_step(model, tok, slots, cache, pad, kv_len: int, end: int | None):
-    """The decode step _CompiledStep compiles (a private copy of this function per model): the
-    whole model, or (`end`) its embedding and layers 0..end-1, the CPU part of a split model."""
-    if end is None:
-        return model(tok, slots, cache, pad, kv_len=kv_len, last_only=True)
-    return model.forward_layers(model.embed(tok), 0, end, slots, cache, pad, kv_len)
+def _decode_step(model, tok, slots, cache, pad, kv_len: int):
+    """The decode step _CompiledStep compiles (a private copy of this function per model)."""
+    return model(tok, slots, cache, pad, kv_len=kv_len, last_only=True)
 
 
 class _CompiledStep:
@@ -150,8 +144,7 @@ class _CompiledStep:
       fullgraph=True: a graph break would compile frames of the shared model code.
     - Any failure (no C++ compiler, a graph break) raises: the caller keeps the eager step."""
 
-    def __init__(self, model, cache, batch: int, mode: str | None, end: int | None = None):
-        self.end = end
+    def __init__(self, model, cache, batch: int, mode: str | None):
         code = _decode_step.__code__.replace(co_name=f"_decode_step_{id(self):x}")
         fn = types.FunctionType(code, _decode_step.__globals__, code.co_name)
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
@@ -170,7 +163,7 @@ class _CompiledStep:
                 self(tok, torch.tensor([2]), cache, pad, 3)
 
     def __call__(self, tok, slots, cache, pad, kv_len: int) -> torch.Tensor:
-        return self.fn(self.model, tok, slots, cache, pad, kv_len, self.end)
+        return self.fn(self.model, tok, slots, cache, pad, kv_len)
 
 
 class NativeModel:

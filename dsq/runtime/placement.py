@@ -41,12 +41,11 @@ class Efficiency:
 
 
 EFFICIENCY = {
-    # H200 Q4_K_M 8B: 293.5 tok/s of a 920 roofline; its 16-core host 13.2 tok/s at ~66%
-    # (docs/benchmarks.md#offload-model).
-    "llama.cpp": Efficiency(cpu=0.66, gpu=0.32),
-    # The C kernels' float32 decode and the captured GPU step, to be fitted against
-    # `dsq offload --measure` on the H200 machine (docs/benchmarks.md#offload-model).
-    "native": Efficiency(cpu=0.75, gpu=0.45),
+    # llama-bench on the H200 machine, random 8B Q4_K_M at --gpu-layers 0-99 (docs/benchmarks.md#offload-model).
+    "llama.cpp": Efficiency(cpu=0.80, gpu=0.32),
+    # dsq bench -b native on the same file and splits: the C kernels' float32 decode, the GPU part a
+    # captured, uncompiled step (docs/benchmarks.md#offload-model).
+    "native": Efficiency(cpu=0.85, gpu=0.27),
 }
 # Bytes per K/V element by device: llama.cpp keeps f16 everywhere; native keeps the GPU layers' bf16
 # and the CPU layers' float32, the C attention kernels' dtype (docs/benchmarks.md#split-between-gpu-and-cpu).
