@@ -116,12 +116,12 @@ def test_unsupported_architectures():
     assert "gemma3_text" in e.value.hint
     with pytest.raises(UnsupportedModel, match="'mamba' is not supported") as e:
         arch_for_model_type("mamba")
-    assert e.value.hint == "supported: llama, qwen2, gemma3_text"
+    assert e.value.hint == "supported: llama, qwen2, gemma3_text, deepseek_v3, deepseek_v2"
     with pytest.raises(UnsupportedModel, match="'gemma3' is not supported by the native runtime"):
         build_args({"model_type": "gemma3"})
     with pytest.raises(UnsupportedModel, match="'gemma2' cannot be converted to HF yet") as e:
         arch_for_gguf("gemma2")
-    assert e.value.hint == "supported: llama, qwen2, gemma3"
+    assert e.value.hint == "supported: llama, qwen2, gemma3, deepseek2"
 
 
 def test_chat_template_fallbacks_by_architecture():

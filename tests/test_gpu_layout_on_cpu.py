@@ -28,9 +28,10 @@ def logits(path, kind, packed: bool, monkeypatch):
     return np.asarray(m.logits(IDS)), fused
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
-def test_gguf_packed_for_the_gpu(qtype, tiny_gguf, monkeypatch):
-    path = tiny_gguf("llama", qtype)
+@pytest.mark.parametrize("kind,qtype", [("llama", "Q8_0"), ("llama", "Q4_K_M"), ("deepseek_v3", "Q4_K_M")])
+def test_gguf_packed_for_the_gpu(kind, qtype, tiny_gguf, monkeypatch):
+    """(DeepSeek: each routed expert's slice of the stacked blocks packed on its own.)"""
+    path = tiny_gguf(kind, qtype)
     ref, _ = logits(path, "gguf", False, monkeypatch)
     got, fused = logits(path, "gguf", True, monkeypatch)
     assert np.abs(got - ref).max() < 1e-3 * np.abs(ref).max()

@@ -48,21 +48,24 @@ def test_logits_match_transformers(kind, native, tiny_dir):
     assert np.abs(torch.cat(outs).numpy() - ref).max() < 1e-4
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ["deepseek_v2", "deepseek_v3"])
 def test_batch_with_padding_matches_single_sequences(kind, native, tiny_dir):
+    """Left-padded rows prefilled together, then one decode step each: each row's logits are its
+    sequence's alone (DeepSeek: through its latent cache, the step on the absorbed path)."""
+    from dsq.runtime.native import _left_padded
+
     m = native(kind)
     seqs = [IDS[:50], IDS[3:30], IDS[10:61]]
     longest = max(map(len, seqs))
-    ids = torch.zeros(3, longest, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, longest - len(s):] = torch.tensor(s)
-    pad = torch.tensor([longest - len(s) for s in seqs])
+    ids, pad = _left_padded(seqs, longest)
     with torch.inference_mode():
-        cache = m.model.make_cache(3, longest, torch.float32)
-        out = m.model(ids, torch.arange(longest), cache, pad)
+        cache = m.model.make_cache(3, longest + 1, torch.float32)
+        out = m.model(ids, torch.arange(longest), cache, pad, kv_len=longest)
+        step = m.model(torch.tensor([[7], [8], [9]]), torch.tensor([longest]), cache, pad, kv_len=longest + 1)
     for i, s in enumerate(seqs):
-        ref = hf_logits(tiny_dir(kind), s)
-        assert np.abs(out[i, longest - len(s):].numpy() - ref).max() < 1e-4
+        ref = hf_logits(tiny_dir(kind), s + [7 + i])
+        assert np.abs(out[i, longest - len(s):].numpy() - ref[:-1]).max() < 1e-4
+        assert np.abs(step[i, 0].numpy() - ref[-1]).max() < 1e-4
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -120,11 +123,12 @@ def test_prefix_cache_reuses_and_stays_exact(native):
     assert b.token_ids == c.token_ids  # reuse gives exactly what a fresh prefill gives
 
 
-def test_batch_generation_equals_single(native):
+@pytest.mark.parametrize("kind", ["gemma3", "deepseek_v3"])
+def test_batch_generation_equals_single(kind, native):
     from dsq.runtime.generate import GenStats
     from dsq.runtime.sampling import SamplingParams
 
-    m = native("gemma3")
+    m = native(kind)
     prompts = [IDS[:30], IDS[5:12], IDS[20:61]]
     greedy = SamplingParams(temperature=0)
     st = GenStats()

@@ -1,8 +1,13 @@
-"""Tiny random llama / qwen2 / gemma3 models saved as real HF directories, with a small BPE
-tokenizer trained here on Python's pydoc text (one per pre-tokenizer family llama.cpp knows).
+"""Tiny random llama / qwen2 / gemma3 / deepseek_v2 / deepseek_v3 models saved as real HF
+directories, with a small BPE tokenizer trained here on Python's pydoc text (one per
+pre-tokenizer family llama.cpp knows).
 
-Sizes are chosen so K-quants apply (every row length a multiple of 256) and both Gemma 3 layer
-kinds (sliding and global) are exercised on sequences longer than the window.
+Sizes are chosen so K-quants apply (every row length a multiple of 256 but DeepSeek's per-head
+key rows, which llama.cpp stores in another type), both Gemma 3 layer kinds (sliding and global)
+are exercised on sequences longer than the window, and the DeepSeek models have a dense first
+layer, MoE layers of 8 routed experts (2 a token) and YaRN rope whose original context (64) the
+test sequences pass. V2 is V2-Lite's shape (one q projection, greedy top-k, softmax, mscale 0.707);
+V3 has the q LoRA, sigmoid scores with a nonzero e_score_correction_bias and 4 groups of 2.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ def train_tokenizer(pre: str, vocab_size: int = 512):
     return tok
 
 
+# DeepSeek's YaRN, its original context short enough for the test sequences to pass
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1}
 CONFIGS = {
     "llama": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512,
@@ -69,8 +77,24 @@ CONFIGS = {
         hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "deepseek_v2": dict(
+        model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], hidden_size=256, intermediate_size=512,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", q_lora_rank=None, kv_lora_rank=256,
+        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8, n_shared_experts=2,
+        moe_intermediate_size=256, num_experts_per_tok=2, first_k_dense_replace=1, topk_method="greedy",
+        n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+        rope_parameters=dict(YARN, mscale=0.707, mscale_all_dim=0.707)),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=256, intermediate_size=512,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", q_lora_rank=256, kv_lora_rank=256,
+        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8, n_shared_experts=1,
+        moe_intermediate_size=256, num_experts_per_tok=2, first_k_dense_replace=1, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
+        rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=1.0)),
 }
-PRE = {"llama": "llama3", "qwen2": "qwen2", "gemma3": "gpt2"}
+PRE = {"llama": "llama3", "qwen2": "qwen2", "gemma3": "gpt2", "deepseek_v2": "llama3", "deepseek_v3": "llama3"}
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
@@ -100,6 +124,9 @@ def build_tiny_model(kind: str, out: Path, seed: int = 0, dtype: str = "float32"
                 p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
             else:
                 p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # V3's expert selection bias
+                b.copy_(0.1 * torch.randn_like(b))
     model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
 
     if kind == "llama":

@@ -13,7 +13,7 @@ from dsq.errors import UnsupportedModel
 from dsq.formats.gguf_file import GGUFFile
 from dsq.formats.hf import ShardedSafetensorsWriter, atomic_output_dir, write_json
 from dsq.formats.tokenizer_gguf import vocab_from_gguf, write_hf_tokenizer
-from dsq.models.arch import Arch
+from dsq.models.arch import Arch, Made
 from dsq.models.registry import arch_for_gguf
 
 
@@ -21,12 +21,30 @@ def hf_config_from_gguf(g: GGUFFile, arch: Arch, dtype: str) -> dict:
     """The HF config.json of a GGUF's metadata: the keys every architecture has, then the arch's own."""
     names = {t.name for t in g.tensors}
     cfg = _common_config(g, arch, dtype, names)
-    if g.arch_field("rope.scaling.type") == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(g.arch_field("rope.scaling.factor"))}
-    cfg.update(arch.read_gguf(g, cfg, names))
+    scaling = _rope_scaling(g)
+    if scaling:
+        cfg["rope_scaling"] = scaling
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    cfg.update(arch.read_gguf(g, cfg, names))  # the arch's own keys as given: null can mean something
     if "rope_freqs.weight" in names:
         cfg["rope_scaling"] = _llama3_rope_scaling(g, cfg)
-    return {k: v for k, v in cfg.items() if v is not None or k in ("sliding_window",)}
+    return cfg
+
+
+def _rope_scaling(g: GGUFFile) -> dict | None:
+    """Linear or YaRN rope scaling from the rope.scaling.* keys (llama3's is a tensor)."""
+    a = g.arch_field
+    kind = a("rope.scaling.type")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    if kind != "yarn":
+        return None
+    out = {"rope_type": "yarn", "factor": float(a("rope.scaling.factor")),
+           "original_max_position_embeddings": int(a("rope.scaling.original_context_length"))}
+    for key in ("beta_fast", "beta_slow"):
+        if a(f"rope.scaling.yarn_{key}") is not None:
+            out[key] = float(a(f"rope.scaling.yarn_{key}"))
+    return out
 
 
 def _common_config(g: GGUFFile, arch: Arch, dtype: str, names: set[str]) -> dict:
@@ -66,6 +84,21 @@ def _llama3_rope_scaling(g: GGUFFile, cfg: dict) -> dict:
     return {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
+def gguf_plan(g: GGUFFile, arch: Arch, cfg: dict) -> list[Made]:
+    """The HF tensors of a GGUF, each with the GGUF tensors it is made from."""
+    shapes = {t.name: tuple(g.raw(t.name)[2]) for t in g.tensors}
+    return arch.from_gguf_tensors(list(shapes), cfg, shapes.__getitem__, g.path.name)
+
+
+def _dequantized(g: GGUFFile, name: str, last: dict):
+    import torch
+
+    if name not in last:
+        last.clear()
+        last[name] = torch.from_numpy(g.dequantize(name).copy())
+    return last[name]
+
+
 def gguf_to_hf(src: str | Path, out: str | Path, dtype: str = "bfloat16", force: bool = False,
                console=None, progress=None, fallback_template: str | None = None) -> Path:
     """Dequantize a GGUF into an HF directory at `out` (written atomically).
@@ -78,18 +111,18 @@ def gguf_to_hf(src: str | Path, out: str | Path, dtype: str = "bfloat16", force:
     arch = arch_for_gguf(g.arch)
     tdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     cfg = hf_config_from_gguf(g, arch, dtype)
-    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    plan = arch.gguf_plan([t.name for t in g.tensors], Path(src).name)
+    plan = gguf_plan(g, arch, cfg)
     vocab = vocab_from_gguf(g)
 
     def run(cb):
         with atomic_output_dir(Path(out), force=force) as tmp:
             writer = ShardedSafetensorsWriter(tmp)
-            for i, (gname, hname) in enumerate(plan):
-                x = arch.from_gguf(hname, torch.from_numpy(g.dequantize(gname).copy()), n_head, n_kv)
+            last: dict = {}  # one dequantized tensor: a stacked one feeds each of its experts
+            for i, made in enumerate(plan):
+                x = made.build([_dequantized(g, s, last) for s in made.sources])
                 keep_f32 = x.ndim == 1 and dtype == "float32"
-                writer.add(hname, x if keep_f32 else x.to(tdtype))
-                cb(gname, i + 1, len(plan))
+                writer.add(made.name, x if keep_f32 else x.to(tdtype))
+                cb(made.sources[0], i + 1, len(plan))
             writer.close()
             write_json(tmp / "config.json", cfg)
             gen = {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id")}

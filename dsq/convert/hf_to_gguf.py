@@ -16,13 +16,16 @@ from dsq.errors import UnsupportedModel
 from dsq.formats.gguf_types import FTYPES
 from dsq.formats.hf import HFModelDir, atomic_output_file, rope_parameters
 from dsq.formats.tokenizer_gguf import vocab_from_hf, write_vocab_gguf
-from dsq.models.arch import Arch, head_dim
+from dsq.models.arch import Arch, Made, head_dim
 from dsq.models.registry import arch_for_model_type
 from dsq.models.rope import llama3_rope_factors
 
 _SKIP = re.compile(r"rotary_emb\.inv_freq$|\.attn\.masked_bias$|\.attn\.bias$")
 
 Progress = Callable[[str, int, int], None]  # (tensor name, index, total)
+# MoE routers pick experts by small score differences: llama.cpp's converter writes them in F32
+# whatever the output type, and its quantizer leaves them so
+F32_TENSORS = ("ffn_gate_inp.weight",)
 
 
 def _source_dtype(cfg: dict) -> str:
@@ -47,18 +50,23 @@ def write_hparams(w, arch: Arch, cfg: dict, n_vocab: int) -> None:
 
 def _write_shape(w, arch: Arch, cfg: dict, n_vocab: int) -> None:
     n_head = cfg["num_attention_heads"]
-    w.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(cfg.get("num_key_value_heads") or n_head)
-    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    w.add_vocab_size(n_vocab)
+    keys = {
+        "context_length": int(cfg.get("max_position_embeddings", 4096)),
+        "embedding_length": cfg["hidden_size"],
+        "block_count": cfg["num_hidden_layers"],
+        "feed_forward_length": cfg["intermediate_size"],
+        "head_count": n_head,
+        "head_count_kv": cfg.get("num_key_value_heads") or n_head,
+        "layer_norm_rms_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "vocab_size": n_vocab,
+    }
     if cfg.get("head_dim") or arch.gguf_head_dim_always:
-        hd = head_dim(cfg)
-        w.add_key_length(hd)
-        w.add_value_length(hd)
+        keys["key_length"] = keys["value_length"] = head_dim(cfg)
+    if arch.gguf_rope_dims:
+        keys["rope_dimension_count"] = head_dim(cfg)
+    keys.update(arch.gguf_shape(cfg))
+    for key, value in keys.items():
+        getattr(w, f"add_{key}")(value)
 
 
 def _write_rope(w, arch: Arch, cfg: dict) -> None:
@@ -66,8 +74,6 @@ def _write_rope(w, arch: Arch, cfg: dict) -> None:
 
     rope = rope_parameters(cfg, "full_attention")
     w.add_rope_freq_base(float(rope["rope_theta"]))
-    if arch.gguf_rope_dims:
-        w.add_rope_dimension_count(head_dim(cfg))
     rtype = rope.get("rope_type", "default")
     if rtype == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
@@ -76,30 +82,33 @@ def _write_rope(w, arch: Arch, cfg: dict) -> None:
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(float(rope["factor"]))
         w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
     elif rtype not in ("default", "llama3"):
         raise UnsupportedModel(f"rope scaling {rtype!r} is not supported", "supported: linear, yarn, llama3")
 
 
-def _plan(hf: HFModelDir, arch: Arch, cfg: dict) -> list[tuple[str, str]]:
-    """[(hf name, gguf name)] in output order; refuses tensors it does not know."""
+def _plan(hf: HFModelDir, arch: Arch, cfg: dict) -> list[Made]:
+    """The GGUF tensors in output order, each with the HF tensors it is made from; refuses
+    tensors it does not know."""
     tied = cfg.get("tie_word_embeddings", arch.tied_default)
-    pairs = []
-    for name in hf.tensor_names():
-        if _SKIP.search(name):
-            continue
-        if name == "lm_head.weight" and tied:
-            continue
-        g = arch.hf_to_gguf_name(name)
-        if g is None:
-            raise UnsupportedModel(f"tensor {name} has no GGUF counterpart for {arch.model_type}",
-                                   "this checkpoint has parts dsq does not convert yet")
-        pairs.append((name, g))
+    names = [n for n in hf.tensor_names()
+             if not _SKIP.search(n) and not (n == "lm_head.weight" and tied) and arch.model_tensor(n, cfg)]
 
-    def key(p):
-        m = re.match(r"blk\.(\d+)\.", p[1])
-        return (1, int(m.group(1)), p[1]) if m else (0 if p[1].startswith("token_embd") else 2, 0, p[1])
+    def key(m: Made):
+        b = re.match(r"blk\.(\d+)\.", m.name)
+        return (1, int(b.group(1)), m.name) if b else (0 if m.name.startswith("token_embd") else 2, 0, m.name)
 
-    return sorted(pairs, key=key)
+    return sorted(arch.to_gguf_tensors(names, cfg, str(hf.path)), key=key)
+
+
+def _shape(hf: HFModelDir, made: Made) -> tuple:
+    """A GGUF tensor's shape, from its sources' shapes (built on the meta device)."""
+    import torch
+
+    return tuple(made.build([torch.empty(hf.tensor_shape(s), device="meta") for s in made.sources]).shape)
 
 
 def hf_to_gguf(model_dir: str | Path, out: str | Path, outtype: str = "auto", force: bool = False,
@@ -112,11 +121,11 @@ def hf_to_gguf(model_dir: str | Path, out: str | Path, outtype: str = "auto", fo
     cfg = hf.config
     hf.require(*arch.required)
     outtype = pick_outtype(cfg, outtype)
-    pairs = _plan(hf, arch, cfg)
-    if not any(g == "token_embd.weight" for _, g in pairs):
+    plan = _plan(hf, arch, cfg)
+    if not any(m.name == "token_embd.weight" for m in plan):
         raise UnsupportedModel(f"{hf.path} has no model.embed_tokens.weight", "is this a full checkpoint?")
-    shapes = {hname: hf.tensor_shape(hname) for hname, _ in pairs}
-    vocab = _vocab(hf, cfg, shapes["model.embed_tokens.weight"][0])
+    shapes = {m.name: _shape(hf, m) for m in plan}
+    vocab = _vocab(hf, cfg, shapes["token_embd.weight"][0])
     extra = _extra_tensors(cfg)
     with atomic_output_file(Path(out), force=force) as tmp:
         w = GGUFWriter(str(tmp), arch.gguf_arch)
@@ -125,11 +134,11 @@ def hf_to_gguf(model_dir: str | Path, out: str | Path, outtype: str = "auto", fo
         w.add_file_type(FTYPES[outtype])
         write_hparams(w, arch, cfg, len(vocab.tokens))
         write_vocab_gguf(w, vocab)
-        _add_tensor_infos(w, [(g, shapes[h]) for h, g in pairs], extra, outtype)
+        _add_tensor_infos(w, list(shapes.items()), extra, outtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        tensors = [(g, lambda h=h: _hf_tensor(hf, arch, cfg, h)) for h, g in pairs]
+        tensors = [(m.name, lambda m=m: _hf_tensor(hf, m)) for m in plan]
         tensors += [(g, lambda x=x: x) for g, x in extra]
         _write_tensor_data(w, tensors, outtype, progress)
         w.close()
@@ -152,12 +161,12 @@ def _extra_tensors(cfg: dict) -> list[tuple[str, object]]:
     return []
 
 
-def _target(shape: tuple, outtype: str):
-    """(GGML type, numpy dtype) a tensor of `shape` is written as: vectors stay F32."""
+def _target(name: str, shape: tuple, outtype: str):
+    """(GGML type, numpy dtype) a tensor is written as: vectors and routers stay F32."""
     import numpy as np
     from gguf import GGMLQuantizationType
 
-    if len(shape) == 1:
+    if len(shape) == 1 or name.endswith(F32_TENSORS):
         return GGMLQuantizationType.F32, np.float32
     return GGMLQuantizationType[outtype], {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[outtype]
 
@@ -167,7 +176,7 @@ def _add_tensor_infos(w, shapes: list[tuple[str, tuple]], extra: list, outtype: 
     from gguf import GGMLQuantizationType
 
     for gname, shape in shapes:
-        t, d = _target(shape, outtype)
+        t, d = _target(gname, shape, outtype)
         nbytes = int(np.prod(shape)) * np.dtype(d).itemsize
         w.add_tensor_info(gname, shape, np.dtype(d), nbytes, raw_dtype=t)
     for gname, data in extra:
@@ -175,19 +184,17 @@ def _add_tensor_infos(w, shapes: list[tuple[str, tuple]], extra: list, outtype: 
                           raw_dtype=GGMLQuantizationType.F32)
 
 
-def _hf_tensor(hf: HFModelDir, arch: Arch, cfg: dict, hname: str):
+def _hf_tensor(hf: HFModelDir, made: Made):
     import torch
 
-    n_head = cfg["num_attention_heads"]
-    n_kv = cfg.get("num_key_value_heads") or n_head
-    return arch.to_gguf(hname, hf.get_tensor(hname).to(torch.float32), n_head, n_kv)
+    return made.build([hf.get_tensor(s).to(torch.float32) for s in made.sources])
 
 
 def _write_tensor_data(w, tensors: list[tuple[str, Callable]], outtype: str, progress: Progress | None) -> None:
     """Write each (GGUF name, loader) in order, one tensor in memory at a time."""
     for i, (gname, load) in enumerate(tensors):
         x = load()
-        w.write_tensor_data(_to_numpy(x, _target(tuple(x.shape), outtype)[0]))
+        w.write_tensor_data(_to_numpy(x, _target(gname, tuple(x.shape), outtype)[0]))
         if progress:
             progress(gname, i + 1, len(tensors))
 

@@ -1,4 +1,5 @@
-"""The decoder-only transformer shared by llama, qwen2 and gemma3, in plain torch.
+"""The decoder-only transformer shared by llama, qwen2, gemma3 and (with its own attention, MoE and
+cache: dsq.models.deepseek) DeepSeek V2/V3, in plain torch.
 
 HF parameter names (model.embed_tokens, model.layers.N.self_attn.q_proj, ...), so checkpoints
 load with `load_state_dict(assign=True)` onto a model built on the meta device. Nothing here
@@ -49,6 +50,11 @@ class ModelArgs:
     layer_types: list[str] | None = None  # "sliding_attention" | "full_attention" per layer
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    rotary_dim: int | None = None  # rope width when it is not head_dim (DeepSeek's MLA: qk_rope_head_dim)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     def is_sliding(self, i: int) -> bool:
         return bool(self.sliding_window and self.layer_types and self.layer_types[i] == "sliding_attention")
@@ -65,7 +71,7 @@ def module_device(m: nn.Module) -> torch.device:
 
 # -- rope -----------------------------------------------------------------------------------
 def rope_inv_freq(rope: dict, dim: int) -> torch.Tensor:
-    """Inverse frequencies (dim/2,) for a rope config: default, linear, llama3."""
+    """Inverse frequencies (dim/2,) for a rope config: default, linear, llama3, yarn."""
     base = float(rope.get("rope_theta", 10000.0))
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     kind = rope.get("rope_type", "default")
@@ -83,16 +89,61 @@ def rope_inv_freq(rope: dict, dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old / hi) & (wavelen <= old / lo)
         return torch.where(medium, smoothed, scaled).float()
+    if kind == "yarn":
+        return _yarn_inv_freq(rope, dim, base)
     raise ValueError(f"rope type {kind!r} is not supported")
 
 
+def _yarn_inv_freq(rope: dict, dim: int, base: float) -> torch.Tensor:
+    """YaRN: interpolated low frequencies, extrapolated high ones, a linear ramp between
+    (transformers' _compute_yarn_parameters, in float32 as it computes them)."""
+    factor = float(rope["factor"])
+    old = float(rope["original_max_position_embeddings"])
+    fast, slow = float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1)
+
+    def corr_dim(rotations: float) -> float:
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr_dim(fast), corr_dim(slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolated = 1 - ramp  # the share of each frequency kept as trained
+    return (1.0 / (factor * pos)) * (1 - extrapolated) + (1.0 / pos) * extrapolated
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor`."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(rope: dict) -> float:
+    """What cos and sin are multiplied by: YaRN's temperature (mscale over mscale_all_dim when a
+    config gives both, as transformers computes it), 1 for every other rope."""
+    if rope.get("rope_type") != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor, m, m_all = float(rope["factor"]), rope.get("mscale"), rope.get("mscale_all_dim")
+    if m and m_all:
+        return yarn_mscale(factor, float(m)) / yarn_mscale(factor, float(m_all))
+    return yarn_mscale(factor)
+
+
 def rope_tables(rope: dict, dim: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (length, dim) in float32, HF's rotate-half layout."""
+    """cos, sin (length, dim) in float32, HF's rotate-half layout, times the rope's attention factor."""
     inv = rope_inv_freq(rope, dim).to(device)
     t = torch.arange(length, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    af = rope_attention_factor(rope)
+    if af == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * af, emb.sin() * af
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,6 +152,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = xf.chunk(2, dim=-1)
     rot = torch.cat((-x2, x1), dim=-1)
     return _cast(xf * cos + rot * sin, x.dtype)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope over interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's layout, llama.cpp's "norm"
+    rope): x (..., D), cos/sin (..., D) as rope_tables lays them out. The result holds the
+    rotated even elements, then the odd ones (transformers' DeepSeek-V3 order): queries and keys
+    get the same order, so their dot products are those of the interleaved layout."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    return _cast(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1), x.dtype)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -116,9 +179,9 @@ class KVCache:
                  devices: list[torch.device]):
         dtypes = dtype if isinstance(dtype, list) else [dtype] * len(devices)
         self.batch, self.length, self.dtype = batch, length, dtypes[-1] if dtypes else dtype
-        shape = (batch, args.num_key_value_heads, length, args.head_dim)
-        self.k = [torch.zeros(shape, dtype=t, device=d) for t, d in zip(dtypes, devices)]
-        self.v = [torch.zeros(shape, dtype=t, device=d) for t, d in zip(dtypes, devices)]
+        (hk, dk), (hv, dv) = self.slot_shapes(args)
+        self.k = [torch.zeros(batch, hk, length, dk, dtype=t, device=d) for t, d in zip(dtypes, devices)]
+        self.v = [torch.zeros(batch, hv, length, dv, dtype=t, device=d) for t, d in zip(dtypes, devices)]
         self.args = args
         self.rope: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for d in dict.fromkeys(devices):
@@ -126,13 +189,18 @@ class KVCache:
             if args.rope_local is not None:
                 self.rope_on("local", d)
 
+    @staticmethod
+    def slot_shapes(args: ModelArgs) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of one token's keys, then of its values, in every layer."""
+        return (args.num_key_value_heads, args.head_dim), (args.num_key_value_heads, args.head_dim)
+
     def rope_on(self, kind: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for the cache's length on `device` ("full" or "local" rope), made on first use
         (a layer run away from its cache's device: a CPU layer's prompt chunk on the GPU)."""
         key = (kind, str(device))
         if key not in self.rope:
             rope = self.args.rope_local if kind == "local" else self.args.rope
-            self.rope[key] = rope_tables(rope, self.args.head_dim, self.length, device)
+            self.rope[key] = rope_tables(rope, self.args.rope_dim, self.length, device)
         return self.rope[key]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
@@ -270,9 +338,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
-        h, f = args.hidden_size, args.intermediate_size
+        h, f = args.hidden_size, intermediate_size or args.intermediate_size
         self.gate_proj = nn.Linear(h, f, bias=args.mlp_bias)
         self.up_proj = nn.Linear(h, f, bias=args.mlp_bias)
         self.down_proj = nn.Linear(f, h, bias=args.mlp_bias)
@@ -309,14 +377,20 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         eps, off = args.rms_norm_eps, args.norm_offset
-        self.self_attn = Attention(args, layer)
-        self.mlp = MLP(args)
+        self.self_attn = self.make_attention(args, layer)
+        self.mlp = self.make_mlp(args, layer)
         self.input_layernorm = RMSNorm(args.hidden_size, eps, off)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps, off)
         self.sandwich = args.sandwich_norm
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, eps, off)
             self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps, off)
+
+    def make_attention(self, args: ModelArgs, layer: int) -> nn.Module:
+        return Attention(args, layer)
+
+    def make_mlp(self, args: ModelArgs, layer: int) -> nn.Module:
+        return MLP(args)
 
     def forward(self, x, cos, sin, mask, cache, slots, kv_len):
         a = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, slots, kv_len)
@@ -328,20 +402,24 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_class: type = DecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_class(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
 
 
 class Transformer(nn.Module):
-    """A causal LM: logits = lm_head(norm(layers(embed(ids))))."""
+    """A causal LM: logits = lm_head(norm(layers(embed(ids)))). An architecture with other blocks
+    or another cache subclasses it and names them (Layer, Cache)."""
+
+    Layer: type = DecoderLayer
+    Cache: type = KVCache
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.model = Backbone(args)
+        self.model = Backbone(args, self.Layer)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
@@ -356,6 +434,12 @@ class Transformer(nn.Module):
         for layer in self.model.layers:
             n += layer.self_attn.fuse() + layer.mlp.fuse()
         return n
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a decode step is the same kernels whatever the tokens (so it can be captured
+        as a CUDA graph or compiled whole); a model routing tokens to experts is not."""
+        return True
 
     def layer_devices(self) -> list[torch.device]:
         return [module_device(layer.input_layernorm) for layer in self.model.layers]
@@ -378,13 +462,13 @@ class Transformer(nn.Module):
         devices = self.layer_devices()
         split = len({d.type for d in devices}) > 1
         dtypes = [t if split and d.type == "cpu" else dtype for t, d in zip(self.layer_dtypes(), devices)]
-        return KVCache(self.args, batch, length, dtypes, devices)
+        return self.Cache(self.args, batch, length, dtypes, devices)
 
     def block_context(self, layer: int, T: int, device, dtype=torch.float32):
         """(cos, sin, mask, slots) to run one decoder layer over whole sequences of T tokens."""
         a = self.args
         rope = a.rope_local if a.is_sliding(layer) and a.rope_local else a.rope
-        cos, sin = rope_tables(rope, a.head_dim, T, device)
+        cos, sin = rope_tables(rope, a.rope_dim, T, device)
         slots = torch.arange(T, device=device)
         # plain causal attention needs no mask tensor (lets SDPA use its flash kernels)
         mask = (self._mask(slots, torch.zeros(1, dtype=torch.long, device=device), T, True, device)

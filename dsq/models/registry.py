@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsq.errors import BadModelFile, UnsupportedModel
-from dsq.models import gemma3, llama, qwen2
+from dsq.models import deepseek, gemma3, llama, qwen2
 from dsq.models.arch import Arch
 
 ARCHS: tuple[Arch, ...] = (
     llama.ARCH,
     qwen2.ARCH,
     gemma3.ARCH,
+    deepseek.ARCH,
 )
 
 

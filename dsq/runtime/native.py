@@ -1,4 +1,5 @@
-"""The native backend: dsq's own torch engine for llama, qwen2 and gemma3 (HF or GGUF weights).
+"""The native backend: dsq's own torch engine for llama, qwen2, gemma3 and DeepSeek V2/V3 (HF or
+GGUF weights).
 
 One preallocated KV cache per model; a new request reuses the cached KV of the longest common
 token prefix (chat turns prefill only what is new). On CUDA, with every layer on the GPU, the
@@ -220,7 +221,13 @@ class NativeModel:
     def _prepare_steps(self, model, cuda_graph: bool, compile: bool | str) -> None:
         """The decode step: captured as a CUDA graph with every layer on one GPU (compiled first
         with `compile`); with the layers split between the CPU and one GPU, the GPU part captured
-        (_SplitStep); on the CPU, compiled with `compile` (_CompiledStep); eager otherwise."""
+        (_SplitStep); on the CPU, compiled with `compile` (_CompiledStep); eager otherwise, and
+        always for a model whose step depends on its tokens (MoE routing: model.graph_safe)."""
+        if not model.graph_safe:
+            if compile:
+                warnings.warn("--compile: this model routes tokens to experts, so its decode step runs eagerly",
+                              stacklevel=3)
+            cuda_graph, compile = False, False
         self._step = model
         mode = None if compile is True or compile == "default" else compile
         devs = [str(d) for d in model.layer_devices()]

@@ -93,8 +93,9 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NO
     if cfg.get("quantization_config"):
         _swap_quantized(model, cfg["quantization_config"], tensors, dtype)
     sd = {}
+    arch.check_experts(list(tensors), cfg, str(path))
     for name, t in tensors.items():
-        if name.endswith("rotary_emb.inv_freq"):
+        if name.endswith("rotary_emb.inv_freq") or not arch.model_tensor(name, cfg):
             continue
         if name == "lm_head.weight" and args.tie_word_embeddings:
             continue
@@ -142,9 +143,8 @@ def _swap_quantized(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor]
 
 
 def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None):
+    from dsq.convert.gguf_to_hf import gguf_plan, hf_config_from_gguf
     from dsq.formats.gguf_file import GGUFFile
-    from dsq.convert.gguf_to_hf import hf_config_from_gguf
-    from dsq.kernels.gguf_ref import SUPPORTED, row_bytes
 
     g = GGUFFile(path)
     arch = arch_for_gguf(g.arch)
@@ -152,51 +152,13 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.
     _, args = build_args(cfg, f"{path.name} (GGUF metadata)")
     with torch.device("meta"):
         model: Transformer = arch.Model(args)
-    modules = dict(model.named_modules())
-    sd: dict[str, torch.Tensor] = {}
-    shown: dict[str, str] = {}
-    entries = {t.name: t for t in g.tensors}
-    nq, nkv = args.num_attention_heads, args.num_key_value_heads
-    for gname, hname in arch.gguf_plan(list(entries), path.name):
-        t = entries[gname]
-        raw, qtype, shape = g.raw(t.name)
-        raw_t = torch.from_numpy(raw)
-        shown[hname] = t.name
-        mname = hname.rsplit(".", 1)[0]
-        is_q = False
-        if t.type_name in SUPPORTED and t.type_name not in FLOAT_GGUF and len(shape) == 2:
-            is_q = True
-            rows = arch.from_gguf(hname, raw_t.reshape(shape[0], row_bytes(t.type_name, shape[1])), nq, nkv)
-            old = modules.get(mname)
-            if isinstance(old, nn.Linear):
-                expected = (old.out_features, old.in_features)
-                if tuple(shape) != expected:
-                    raise BadModelFile(f"{path.name}: tensor {t.name} has shape {tuple(shape)}, the metadata "
-                                       f"implies {expected}", "the file is damaged or does not match its metadata")
-                with torch.device("meta"):
-                    set_module(model, mname, GGUFLinear(t.type_name, shape[1], shape[0], old.bias is not None,
-                                                        dtype=dtype))
-                sd[f"{mname}.raw"] = rows
-            elif hname == "model.embed_tokens.weight":
-                if tuple(shape) != (args.vocab_size, args.hidden_size):
-                    raise BadModelFile(f"{path.name}: token_embd has shape {tuple(shape)}, expected "
-                                       f"{(args.vocab_size, args.hidden_size)}", "the file is damaged")
-                with torch.device("meta"):
-                    set_module(model, "model.embed_tokens", GGUFEmbedding(t.type_name, shape[0], shape[1], dtype=dtype))
-                sd["model.embed_tokens.raw"] = rows
-                if args.tie_word_embeddings:
-                    with torch.device("meta"):
-                        set_module(model, "lm_head", GGUFLinear(t.type_name, shape[1], shape[0], dtype=dtype))
-                    sd["lm_head.raw"] = rows
-        if not is_q:
-            if t.type_name in FLOAT_GGUF:
-                w = raw_t.view(FLOAT_GGUF[t.type_name]).reshape(shape).float()
-            else:  # a type without a kernel yet: dequantized once, here
-                w = torch.from_numpy(g.dequantize(t.name).copy())
-            sd[hname] = arch.from_gguf(hname, w, nq, nkv).to(dtype)
+    tensors = _GGUFTensors(g, model, dtype)
+    for made in gguf_plan(g, arch, cfg):
+        tensors.add(made)
+    sd = tensors.sd
     if args.tie_word_embeddings and "model.embed_tokens.weight" in sd:
         sd.pop("lm_head.weight", None)
-    _check_shapes(model, sd, path.name, shown)
+    _check_shapes(model, sd, path.name, tensors.shown)
     model.load_state_dict(sd, strict=False, assign=True)
     if "model.embed_tokens.weight" in sd:
         model.tie_weights()
@@ -204,3 +166,82 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.
     prepare_kernels(model)
     _release_cached_memory(gpu)
     return model.eval(), cfg
+
+
+class _GGUFTensors:
+    """A GGUF's tensors as the model's state dict: quantized Linear weights (an expert's: its slice
+    of the stacked tensor) and the token embedding stay as raw blocks in GGUFLinear /
+    GGUFEmbedding modules swapped in; everything else as float (buffers in float32, the rest in
+    the model's dtype), dequantized once where dsq has no kernel for its type."""
+
+    def __init__(self, g, model: Transformer, dtype: torch.dtype):
+        self.g, self.model, self.dtype = g, model, dtype
+        self.modules = dict(model.named_modules())
+        self.buffers = {n for n, _ in model.named_buffers()}
+        self.entries = {t.name: t for t in g.tensors}
+        self.sd: dict[str, torch.Tensor] = {}
+        self.shown: dict[str, str] = {}  # HF name -> the GGUF tensor it comes from, for errors
+        self._last: dict[str, torch.Tensor] = {}  # the last tensor dequantized whole (a stacked one serves each expert)
+
+    def add(self, made) -> None:
+        from dsq.kernels.gguf_ref import SUPPORTED
+
+        t = self.entries[made.sources[0]]
+        self.shown[made.name] = t.name
+        if (len(made.sources) == 1 and t.type_name in SUPPORTED and t.type_name not in FLOAT_GGUF
+                and self._add_blocks(made, t)):
+            return
+        w = made.build([self._float(s) for s in made.sources])
+        self.sd[made.name] = w if made.name in self.buffers else w.to(self.dtype)
+
+    def _rows(self, t) -> torch.Tensor:
+        """A quantized tensor's raw blocks, (..., rows, row bytes)."""
+        from dsq.kernels.gguf_ref import row_bytes
+
+        raw, _, shape = self.g.raw(t.name)
+        return torch.from_numpy(raw).reshape(*shape[:-1], row_bytes(t.type_name, shape[-1]))
+
+    def _add_blocks(self, made, t) -> bool:
+        """Keep a Linear's weight or the token embedding as blocks; False for anything else."""
+        hname, where = made.name, self.g.path.name
+        mname = hname.rsplit(".", 1)[0]
+        old, args = self.modules.get(mname), self.model.args
+        rows = made.build([self._rows(t)])
+        if rows.dim() != 2:
+            return False
+        shape = (rows.shape[0], t.shape[-1])
+        if isinstance(old, nn.Linear):
+            expected = (old.out_features, old.in_features)
+            if shape != expected:
+                raise BadModelFile(f"{where}: tensor {t.name} has shape {shape}, the metadata implies {expected}",
+                                   "the file is damaged or does not match its metadata")
+            with torch.device("meta"):
+                set_module(self.model, mname, GGUFLinear(t.type_name, shape[1], shape[0], old.bias is not None,
+                                                         dtype=self.dtype))
+            self.sd[f"{mname}.raw"] = rows
+            return True
+        if hname != "model.embed_tokens.weight":
+            return False
+        if shape != (args.vocab_size, args.hidden_size):
+            raise BadModelFile(f"{where}: token_embd has shape {shape}, expected {(args.vocab_size, args.hidden_size)}",
+                               "the file is damaged")
+        with torch.device("meta"):
+            set_module(self.model, "model.embed_tokens",
+                       GGUFEmbedding(t.type_name, shape[0], shape[1], dtype=self.dtype))
+            if args.tie_word_embeddings:
+                set_module(self.model, "lm_head", GGUFLinear(t.type_name, shape[1], shape[0], dtype=self.dtype))
+        self.sd["model.embed_tokens.raw"] = rows
+        if args.tie_word_embeddings:
+            self.sd["lm_head.raw"] = rows
+        return True
+
+    def _float(self, name: str) -> torch.Tensor:
+        if name not in self._last:
+            self._last.clear()
+            raw, _, shape = self.g.raw(name)
+            kind = self.entries[name].type_name
+            if kind in FLOAT_GGUF:
+                self._last[name] = torch.from_numpy(raw).view(FLOAT_GGUF[kind]).reshape(shape).float()
+            else:  # a type without a kernel yet: dequantized once, here
+                self._last[name] = torch.from_numpy(self.g.dequantize(name).copy())
+        return self._last[name]

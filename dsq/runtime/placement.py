@@ -76,6 +76,7 @@ class LayerCost:
     kv_bytes: int
     types: dict[str, int] = field(default_factory=dict)  # quant type -> bytes
     device: str = "CPU"
+    expert_bytes: int = 0  # of weight_bytes as stored in the file: the routed experts
 
 
 @dataclass
@@ -163,6 +164,9 @@ class _Costs:
                 for i in range(shape.n_layer)]
         self.weights = [sum(t.values()) for t in shape.layers]
         self.cpu_weights = [_cpu_weight(t, backend) for t in shape.layers]
+        # what a token reads of each: MoE blocks run only the chosen routed experts
+        self.gpu_read = [shape.read_bytes(i, w) for i, w in enumerate(self.weights)]
+        self.cpu_read = [shape.read_bytes(i, w) for i, w in enumerate(self.cpu_weights)]
         self.kv_slots = [per_slot * n for n in lens]  # elements held
         self.kv_read = [per_slot * min(kv_tokens or ctx, n) for n in lens]  # elements read per token
         ub = min(n_ubatch, ctx)
@@ -196,15 +200,16 @@ class _Costs:
         return layers + head + embed + s.misc_bytes + self.compute_cpu
 
     def per_token(self, opt: _Option) -> tuple[int, int]:
-        """(GPU bytes, CPU bytes) read per decoded token: every weight once, the KV cache it
-        attends over, the output head; one embedding row is too small to count."""
+        """(GPU bytes, CPU bytes) read per decoded token: every weight once (of routed experts,
+        the share a token runs), the KV cache it attends over, the output head; one embedding row
+        is too small to count."""
         el, s = self.kv_el, self.shape
         gpu = cpu = 0
         for i, g in enumerate(opt.on_gpu):
             if g:
-                gpu += self.weights[i] + self.kv_read[i] * el["GPU"]
+                gpu += self.gpu_read[i] + self.kv_read[i] * el["GPU"]
             else:
-                cpu += self.cpu_weights[i] + self.kv_read[i] * el["CPU"]
+                cpu += self.cpu_read[i] + self.kv_read[i] * el["CPU"]
         if opt.head_gpu:
             gpu += s.output_bytes
         else:
@@ -293,14 +298,18 @@ def plan_placement(model: str | Path | ModelShape, vram: int, ctx: int = 4096, r
 
 def _plan(shape: ModelShape, costs: _Costs, opt: _Option, bw: Bandwidths, vram: int, ctx: int,
           ram: int | None, notes: list[str], chosen: bool) -> Plan:
+    experts = shape.expert_bytes or [0] * shape.n_layer
     layers = [LayerCost(f"blk.{i}", costs.weights[i] if g else costs.cpu_weights[i], costs.layer_kv(i, g),
-                        dict(shape.layers[i]), "GPU" if g else "CPU") for i, g in enumerate(opt.on_gpu)]
+                        dict(shape.layers[i]), "GPU" if g else "CPU", experts[i]) for i, g in enumerate(opt.on_gpu)]
     tok_gpu, tok_cpu = costs.per_token(opt)
     t_pred, t_roof = costs.seconds(opt, bw), costs.roofline_seconds(opt, bw)
     gpu_total, cpu_total = costs.gpu_bytes(opt), costs.cpu_bytes(opt)
     min_gpu = costs.gpu_bytes(_option(shape, costs.backend, 1)) if shape.n_layer else 0
     fits_ram = None if ram is None else cpu_total <= ram
     notes += _plan_notes(opt, vram, gpu_total, min_gpu, fits_ram, chosen, costs.backend)
+    if shape.expert_bytes:
+        notes.append(f"MoE: {sum(shape.expert_bytes) / MiB:.0f} MiB of routed experts in {sum(map(bool, experts))} "
+                     f"layers; a token reads {shape.n_expert_used} of {shape.n_expert} in each")
     everything = all(opt.on_gpu) and opt.head_gpu
     return Plan(shape.name, ctx, vram, ram, opt.n, shape.n_layer, layers, shape.output_bytes,
                 "GPU" if opt.head_gpu else "CPU", shape.embed_bytes, costs.compute_gpu(opt) if gpu_total else 0,

@@ -121,13 +121,16 @@ class StreamedLayers:
         return x
 
     def _layer_cache(self, cache, i: int, start: int, kv_len: int) -> _LayerCache:
-        B, Hk, _, D = cache.k[i].shape
-        k = torch.empty(B, Hk, kv_len, D, dtype=self.dtype, device=self.gpu)
-        v = torch.empty_like(k)
+        return _LayerCache(self._on_gpu(cache.k[i], start, kv_len), self._on_gpu(cache.v[i], start, kv_len))
+
+    def _on_gpu(self, c: torch.Tensor, start: int, kv_len: int) -> torch.Tensor:
+        """kv_len slots of a layer's keys or values (B, heads, S, width) on the GPU, the first
+        `start` copied from the cache (widths differ: MLA's latent keys, its empty values)."""
+        B, H, _, D = c.shape
+        t = torch.empty(B, H, kv_len, D, dtype=self.dtype, device=self.gpu)
         if start:
-            k[:, :, :start] = cache.k[i][:, :, :start].to(self.gpu, non_blocking=True)
-            v[:, :, :start] = cache.v[i][:, :, :start].to(self.gpu, non_blocking=True)
-        return _LayerCache(k, v)
+            t[:, :, :start] = c[:, :, :start].to(self.gpu, non_blocking=True)
+        return t
 
     @staticmethod
     def _keep(cache, i: int, lc: _LayerCache, start: int, kv_len: int) -> None:

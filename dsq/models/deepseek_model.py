@@ -1,0 +1,283 @@
+"""DeepSeek V2 / V3 in plain torch: multi-head latent attention (MLA) over a compressed cache, and
+mixture-of-experts blocks (a router, routed experts, shared experts), with HF parameter names.
+
+MLA. Each token's keys and values are stored as one latent row per layer: the normalized
+compressed KV c (kv_lora_rank values) followed by the roped shared key k_r (qk_rope_head_dim),
+576 values for V3 (MLACache: one "head" of that width, no separate values). Two exact ways read it:
+- plain (prefill): kv_b_proj expands c into per-head k_nope and v; keys are [k_nope, k_r];
+- absorbed (decode): W_UK (kv_b_proj's key rows) is folded into the query, q_lat = W_UK^T q_nope,
+  so scores are [q_lat, q_r] . [c, k_r]: one-KV-head attention straight over the latent rows,
+  whose output (a weighted sum of c) meets W_UV (kv_b_proj's value rows) before o_proj.
+Each call takes the cheaper of the two for its token and cache counts (MLAttention._absorbs).
+
+MoE. `MoE` = `Router` (scores, group-limited top-k, weights as each version defines them) +
+`RoutedExperts` (one MLP per expert, a ModuleList with HF's `experts.N` names) + shared experts.
+A token runs only its experts' weights: with GGUF weights each expert's GGUFLinear holds a view
+into the stacked `*_exps` blocks. The routed experts are one module with one call, so a runtime
+can put them on another device than the rest of the layer and move the hidden state there and back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsq.kernels import dispatch
+from dsq.models.base import (MLP, DecoderLayer, KVCache, ModelArgs, RMSNorm, Transformer, apply_rope,
+                             apply_rope_interleaved)
+
+# transformers builds the q_a / kv_a latent norms with its RMSNorm default eps, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+# V3 normalizes the chosen experts' weights by their sum plus this (transformers' DeepseekV3TopkRouter)
+NORM_EPS = 1e-20
+
+
+@dataclass
+class DeepseekArgs(ModelArgs):
+    q_lora_rank: int | None = None  # None: one q_proj (V2-Lite)
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True
+    softmax_scale: float = 1.0
+    n_routed_experts: int = 0  # 0: every layer dense
+    n_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    num_experts_per_tok: int = 0
+    first_k_dense_replace: int = 0
+    scoring_func: str = "softmax"  # V2 softmax, V3 sigmoid (with e_score_correction_bias)
+    topk_method: str = "greedy"  # greedy | group_limited_greedy (V2) | noaux_tc (V3)
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.n_routed_experts) and layer >= self.first_k_dense_replace
+
+
+class MLACache(KVCache):
+    """The latent cache: per layer (B, 1, S, kv_lora_rank + qk_rope_head_dim), one row a token,
+    written and sliced as KVCache's keys are (slots, left padding, per-layer device and dtype);
+    its values are empty (the latent rows are the values too)."""
+
+    @staticmethod
+    def slot_shapes(args: DeepseekArgs) -> tuple[tuple[int, int], tuple[int, int]]:
+        return (1, args.kv_lora_rank + args.qk_rope_head_dim), (1, 0)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (see the module docstring)."""
+
+    def __init__(self, args: DeepseekArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_head, self.rank = args.num_attention_heads, args.kv_lora_rank
+        self.nope, self.rope, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        h, qk, bias = args.hidden_size, args.qk_nope_head_dim + args.qk_rope_head_dim, args.attention_bias
+        if args.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, args.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, self.n_head * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, self.n_head * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.rank, self.n_head * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_head * self.v_dim, h, bias=bias)
+        self.scale = args.softmax_scale
+        self.rotate = apply_rope_interleaved if args.rope_interleave else apply_rope
+        self.absorb: bool | None = None  # None: by cost (_absorbs); True / False: always that way
+        self.tap = None  # (name, tensor) -> None: sees absorbed attention's inputs (importance matrix)
+        self._absorb_weights: tuple | None = None
+
+    def fuse(self) -> bool:
+        return False
+
+    def forward(self, x, cos, sin, mask, cache, slots, kv_len: int | None):
+        B, T, _ = x.shape
+        q = self._query(x).view(B, T, self.n_head, self.nope + self.rope)
+        q_nope, q_rope = q.split((self.nope, self.rope), dim=-1)
+        c, k_rope = self.kv_a_proj_with_mqa(x).split((self.rank, self.rope), dim=-1)
+        q_rope = self.rotate(q_rope, cos, sin)
+        k_rope = self.rotate(k_rope[:, :, None], cos, sin)[:, :, 0]
+        latent = torch.cat((self.kv_a_layernorm(c), k_rope), dim=-1)[:, None]  # (B, 1, T, rank + rope)
+        kc, _ = cache.update(self.layer, latent, latent[..., :0], slots)
+        if kv_len is not None:
+            kc = kc[:, :, :kv_len]
+        kc = kc.to(x.dtype)
+        if self._absorbs(T, kc.shape[2]):
+            o = self._absorbed(q_nope, q_rope, kc, mask)
+        else:
+            o = self._plain(q_nope, q_rope, kc, mask)
+        return self.o_proj(o)
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if "q_proj" in self._modules:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def _absorbs(self, T: int, S: int) -> bool:
+        """Absorbed or plain, by multiply-adds per head: plain expands the S cached latents
+        (S * rank * (nope + v)) then attends at the heads' widths; absorbed transforms the T
+        queries and outputs (T * rank * (nope + v)) then attends at the latent width."""
+        if self.absorb is not None:
+            return self.absorb
+        expand = self.rank * (self.nope + self.v_dim)
+        plain = S * expand + T * S * (self.nope + self.rope + self.v_dim)
+        absorbed = T * expand + T * S * (2 * self.rank + self.rope)
+        return absorbed < plain
+
+    def _plain(self, q_nope, q_rope, kc, mask) -> torch.Tensor:
+        B, T = q_nope.shape[:2]
+        S = kc.shape[2]
+        kv = self.kv_b_proj(kc[:, 0, :, :self.rank]).view(B, S, self.n_head, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)
+        k = torch.cat((k_nope, kc[:, :, :, self.rank:].expand(B, self.n_head, S, self.rope)), dim=-1)
+        return dispatch.attention(torch.cat((q_nope, q_rope), dim=-1), k, v, mask, self.scale)
+
+    def _absorbed(self, q_nope, q_rope, kc, mask) -> torch.Tensor:
+        B, T = q_nope.shape[:2]
+        w_uk, w_uv = self.absorb_weights(q_nope.dtype, q_nope.device)
+        if self.tap is not None:
+            self.tap("attn_k_b", q_nope)
+        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
+        o = dispatch.attention(torch.cat((q_lat, q_rope), dim=-1).contiguous(), kc, kc, mask, self.scale)
+        o_lat = o.view(B, T, self.n_head, self.rank + self.rope)[..., :self.rank]
+        if self.tap is not None:
+            self.tap("attn_v_b", o_lat)
+        return torch.einsum("bthr,hvr->bthv", o_lat, w_uv).reshape(B, T, self.n_head * self.v_dim)
+
+    def absorb_weights(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK (H, nope, rank), W_UV (H, v, rank)): kv_b_proj's rows by head. Views of a float
+        weight; a quantized one is dequantized once and kept."""
+        m = self.kv_b_proj
+        if type(m) is nn.Linear:
+            w = m.weight
+        else:
+            kept = self._absorb_weights
+            if kept is not None and kept[0] is m and kept[1].device == device and kept[1].dtype == dtype:
+                return kept[1], kept[2]
+            w = _float_weight(m)
+        w = w.to(device, dtype).view(self.n_head, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        if type(m) is not nn.Linear:
+            self._absorb_weights = (m, w_uk, w_uv)
+        return w_uk, w_uv
+
+
+def _float_weight(m: nn.Module) -> torch.Tensor:
+    """The (N, K) float weight of a quantized Linear (GGUF blocks or any module with weight_float)."""
+    if hasattr(m, "weight_float"):
+        return m.weight_float()
+    from dsq.kernels.gguf_ref import dequantize
+
+    return dequantize(m.raw, m.qtype, m.in_features)
+
+
+class Router(nn.Module):
+    """Expert choice per token: softmax (V2) or sigmoid (V3, whose choice adds
+    e_score_correction_bias) scores, top-k within the best groups, the chosen experts' scores as
+    weights, normalized with norm_topk_prob (V2: only with more than one expert a token, as
+    DeepSeek's code and llama.cpp do; transformers' V2 ignores the flag, which every V2
+    checkpoint sets false), times routed_scaling_factor. Computes in float32, as transformers does."""
+
+    def __init__(self, args: DeepseekArgs):
+        super().__init__()
+        self.top_k, self.n_expert = args.num_experts_per_tok, args.n_routed_experts
+        self.sigmoid = args.scoring_func == "sigmoid"
+        self.method, self.n_group, self.topk_group = args.topk_method, args.n_group, args.topk_group
+        self.norm, self.scaling = args.norm_topk_prob, args.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.n_expert, args.hidden_size))
+        if self.sigmoid:
+            self.register_buffer("e_score_correction_bias", torch.zeros(self.n_expert))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, H) -> (weights (N, k) float32, expert ids (N, k))."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
+        choice = scores + self.e_score_correction_bias.float() if self.sigmoid else scores
+        choice = self._in_best_groups(choice)
+        ids = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+        if self.norm and (self.sigmoid or self.top_k > 1):
+            w = w / (w.sum(dim=-1, keepdim=True) + NORM_EPS)
+        return w * self.scaling, ids
+
+    def _in_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """The scores with experts outside the topk_group best groups out of the running: V3
+        ranks groups by their two best scores and drops the rest to -inf, V2's
+        group_limited_greedy by their best and drops the rest to 0."""
+        if self.topk_group >= self.n_group:  # every group stays in
+            return choice
+        if self.sigmoid:
+            grouped = choice.view(-1, self.n_group, self.n_expert // self.n_group)
+            group_scores, fill = grouped.topk(2, dim=-1)[0].sum(dim=-1), float("-inf")
+        elif self.method == "group_limited_greedy":
+            grouped = choice.view(-1, self.n_group, self.n_expert // self.n_group)
+            group_scores, fill = grouped.max(dim=-1).values, 0.0
+        else:
+            return choice
+        best = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], fill).view_as(choice)
+
+
+class RoutedExperts(nn.ModuleList):
+    """The routed experts, one MLP each (HF names `experts.N.gate_proj`, ...). A call runs each
+    chosen expert once over the tokens that chose it and sums their weighted outputs per token."""
+
+    def __init__(self, args: DeepseekArgs):
+        super().__init__(MLP(args, args.moe_intermediate_size) for _ in range(args.n_routed_experts))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (N, H), ids and weights (N, k) -> (N, H) in x's dtype."""
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            y = self[e](x[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """Router + routed experts + shared experts (HF names: mlp.gate, mlp.experts.N, mlp.shared_experts)."""
+
+    def __init__(self, args: DeepseekArgs):
+        super().__init__()
+        self.gate = Router(args)
+        self.experts = RoutedExperts(args)
+        self.shared_experts = (MLP(args, args.moe_intermediate_size * args.n_shared_experts)
+                               if args.n_shared_experts else None)
+
+    def fuse(self) -> bool:
+        """Fuse the shared experts' gate/up; routed experts stay as stored (their GGUF blocks are
+        views into the file's stacked tensors, which stacking rows would copy)."""
+        return self.shared_experts.fuse() if self.shared_experts is not None else False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(flat)
+        y = self.experts(flat, ids, weights).view_as(x)
+        return y + self.shared_experts(x) if self.shared_experts is not None else y
+
+
+class DeepseekLayer(DecoderLayer):
+    def make_attention(self, args: DeepseekArgs, layer: int) -> nn.Module:
+        return MLAttention(args, layer)
+
+    def make_mlp(self, args: DeepseekArgs, layer: int) -> nn.Module:
+        return MoE(args) if args.is_moe(layer) else MLP(args)
+
+
+class DeepseekTransformer(Transformer):
+    Layer = DeepseekLayer
+    Cache = MLACache
+
+    @property
+    def graph_safe(self) -> bool:
+        return not any(isinstance(layer.mlp, MoE) for layer in self.model.layers)
