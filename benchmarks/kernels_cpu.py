@@ -2,6 +2,9 @@
 
     python -m benchmarks.kernels_cpu [--threads N] [--shapes 4096x4096,14336x4096] [--batch 1,16] [--json out.json]
 
+The kernels' paths follow the environment (DSQ_CPU_ISA, DSQ_NO_VNNI, DSQ_INT8_PREFILL: kernels/README.md),
+which the results record.
+
 For each format and weight shape (N outputs x K inputs), random weights are cycled through enough
 copies that they come from memory rather than the last-level cache, like a model's layers in
 decode. GB/s = bytes the kernel must read (weights + scales / zeros) / time per call (the best call;
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +29,8 @@ FORMATS = ["int4 g128", "int8 per-channel", "fp8 channel", "fp8 block", "Q4_0", 
            "Q6_K"]
 SHAPES = "4096x4096,14336x4096,4096x14336"
 _F16_FIELDS = {"Q4_0": [0], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+# the environment that picks the kernels' paths (kernels/README.md), kept with the results
+SWITCHES = ("DSQ_CPU_ISA", "DSQ_NO_VNNI", "DSQ_INT8_PREFILL")
 
 
 def _llc_bytes() -> int:
@@ -139,14 +145,15 @@ def run(shapes: list[tuple[int, int]], batches: list[int], formats: list[str], t
             del calls
             log(row)
     return {"threads": threads, "isa": cpu.library()[1], "llc_bytes": llc, "memory": mem, "batches": batches,
-            "rows": rows}
+            "switches": {k: os.environ[k] for k in SWITCHES if k in os.environ}, "rows": rows}
 
 
 def table(report: dict):
     from rich.table import Table
 
     mem = report["memory"]
-    t = Table(title=f"dsq C CPU kernels ({report['isa']}), {report['threads']} threads", title_justify="left",
+    sw = "".join(f", {k}={v}" for k, v in report.get("switches", {}).items() if k != "DSQ_CPU_ISA")
+    t = Table(title=f"dsq C CPU kernels ({report['isa']}{sw}), {report['threads']} threads", title_justify="left",
               caption=f"memory: copy {mem['copy_read_gb_s']:.1f} GB/s read ({mem['copy_read_write_gb_s']:.1f} read + "
                       f"written), sum {mem['sum_read_gb_s']:.1f} GB/s read. GB/s = weight + scale bytes / time "
                       f"(best call); x torch = time of float32 F.linear / time", caption_justify="left")

@@ -105,6 +105,10 @@ def load(isa: str):
                                           ctypes.c_void_p, ctypes.c_float, *[ctypes.c_void_p] * 4,
                                           ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                           ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+        if hasattr(lib, "dsq_round_x8"):  # the avx2 build's rounding of x to int8 (its tests)
+            lib.dsq_round_x8.restype = ctypes.c_int
+            lib.dsq_round_x8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                         ctypes.c_void_p]
         if hasattr(lib, "dsq_set_threads"):  # builds older than the thread pool lack it
             lib.dsq_set_threads.restype = None
             lib.dsq_set_threads.argtypes = [ctypes.c_int]

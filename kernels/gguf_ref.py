@@ -135,6 +135,28 @@ def gguf_linear_ref(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_features:
     return y + bias if bias is not None else y
 
 
+def round_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K) as 32-element blocks (-1, 32): xq = round(x / sx) (float, in [-127, 127], ties to
+    even) and sx = max|x| / 127 (-1, 1), the int8 rounding of llama.cpp's Q8 blocks, which the
+    int8-x kernels share (the GPU's int8-x GEMV, the CPU's avx2 integer dots). 127 / max|x| is one
+    correctly rounded division here and in the kernels (`127 / t` in torch is 127 * (1 / t): two
+    roundings, which flipped near-ties against a kernel). A block whose 127 / max|x| overflows
+    (zeros, or max|x| < 127 / FLT_MAX ~ 3.7e-37) rounds to zeros."""
+    xb = x.float().reshape(-1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.div(torch.full_like(amax, 127.0), amax)
+    return torch.round(xb * torch.where(torch.isfinite(inv), inv, torch.zeros_like(amax))), amax / 127
+
+
+def gguf_linear_ref_q8(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """What the CPU's int8-x kernels compute (the avx2 build, kernels/csrc/gguf_avx2_cpu.inc and
+    gguf_i8gemm_cpu.inc), in float64: W times x rounded to int8 per 32 values (round_x_q8),
+    xq * sx formed exactly. (..., in_features) -> (..., N) float64."""
+    xq, sx = round_x_q8(x)
+    xd = (xq.double() * sx.double()).reshape(*x.shape)
+    return torch.nn.functional.linear(xd, dequantize(raw, qtype, in_features).double())
+
+
 def gguf_embedding_ref(ids: torch.Tensor, raw: torch.Tensor, qtype: str, dim: int,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows `ids` of a GGUF-stored embedding table, dequantized. ids: any shape -> (..., dim)."""

@@ -149,26 +149,15 @@ def q8_ok(p: Packed, rows: int = 1) -> bool:
     return f.hi_bits < 2 and (f.sub >= p.K or f.sub % 32 == 0)
 
 
-def _round_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., K) as 32-element blocks (-1, 32): xq = round(x / sx) (float, in [-127, 127]) and
-    sx = max|x| / 127 (-1, 1), the int8 rounding of llama.cpp's Q8_1 blocks. 127 / max|x| is one
-    correctly rounded division here and in the kernel (`127 / t` in torch is 127 * (1 / t): two
-    roundings, which flipped near-ties against the kernel)."""
-    xb = x.float().reshape(-1, 32)
-    amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.div(torch.full_like(amax, 127.0), amax)
-    return torch.round(xb * torch.where(amax > 0, inv, torch.zeros_like(amax))), amax / 127
-
-
 def quantize_x_q8(x: torch.Tensor, codes: int):
     """x (K,) -> the int8-activation GEMV's inputs (what triton_gemv_q8._quant_x writes; its test
-    oracle): per 32 elements a scale sx and xq = round(x / sx) in [-127, 127] (_round_x_q8),
+    oracle): per 32 elements a scale sx and xq = round(x / sx) in [-127, 127] (gguf_ref.round_x_q8),
     packed four to an int32 word in the order the codes are (nibble formats, per block: four
     words of the even elements of each 8, which `c & 0x0F0F0F0F` lines up with, then four of the
     odd ones for `(c >> 4) & 0x0F0F0F0F`; byte formats: in order); and sx * sum(xq) per block
     (for zero points and mins, so that the kernel computes exactly W x_q8 with x_q8 = xq * sx)."""
     K = x.shape[-1]
-    qf, sx = _round_x_q8(x)
+    qf, sx = gguf_ref.round_x_q8(x)
     q = qf.to(torch.int64) & 0xFF
     if codes == NIB:  # per block: the even elements of its 4 words of 8, then the odd ones
         q = q.reshape(K // 32, 4, 8)
@@ -181,7 +170,7 @@ def quantize_x_q8(x: torch.Tensor, codes: int):
 
 def dequantize_x_q8(x: torch.Tensor) -> torch.Tensor:
     """x as the int8-activation GEMV sees it: xq * sx per 32-element block (float32)."""
-    qf, sx = _round_x_q8(x)
+    qf, sx = gguf_ref.round_x_q8(x)
     return (qf * sx).reshape(x.shape)
 
 

@@ -1,7 +1,9 @@
-"""The GGUF C kernels at M > 1 (prefill, batches: the register-blocked path of the avx512 and
-avx2 builds, kernels/csrc/gguf_gemm_cpu.inc) against the float64 reference: every format and
-build, M from 2 to 130 (whole and partial tiles of rows of x), odd N (partial tiles of rows of W),
-K over several panels, x spanning decades, outputs poisoned before each call."""
+"""The GGUF C kernels at M > 1 (prefill, batches: the register-blocked float tiles of the avx512
+build, kernels/csrc/gguf_gemm_cpu.inc, and the integer tiles with x rounded to int8 of both x86
+builds, gguf_i8gemm_cpu.inc, held to the reference of that rounding) against the float64 reference: every
+format and build, M from 2 to 130 (whole and partial tiles of rows of x), odd N (partial tiles of
+rows of W), K over several panels and groups (32-value formats: a partial last group), x spanning
+decades, outputs poisoned before each call."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 
 from dsq.kernels import cpu, gguf_ref
 from test_kernels_cpu import on_1_and_2_threads
-from test_kernels_ref import FORMATS, random_blocks
+from test_kernels_ref import FORMATS, INT8_X_TOL, int8_x, max_rel_err, random_blocks, reference
 
 BUILDS = [isa for isa in cpu.supported_isas() if cpu.load(isa) is not None]
 pytestmark = pytest.mark.skipif(not BUILDS, reason="no CPU kernels built")
@@ -27,18 +29,29 @@ def _k(qtype: str, blocks: int) -> int:
     return per * blocks if per == 256 else 32 * (9 * blocks + 1)  # 32-blocks: 10 to 64 blocks
 
 
-def _check(y: torch.Tensor, x: torch.Tensor, raw: torch.Tensor, qtype: str, K: int) -> None:
-    w = gguf_ref.dequantize(raw, qtype, K).double()
-    ref = torch.nn.functional.linear(x.double(), w)
-    # relative to the size of the summed terms (see test_kernels_cpu.py)
-    scale = torch.nn.functional.linear(x.double().abs(), w.abs())
-    assert float(((y.double() - ref).abs() / scale.clamp(min=1e-30)).max()) < 1e-5
+def _check(y: torch.Tensor, x: torch.Tensor, raw: torch.Tensor, qtype: str, K: int, isa: str) -> None:
+    """Against the float64 reference, relative to the size of the summed terms (see
+    test_kernels_cpu.py); the avx2 build's integer tiles against x rounded as they round it."""
+    int8 = int8_x(isa, qtype, x.shape[0])
+    assert max_rel_err(y, *reference(x, raw, qtype, K, int8)) < (INT8_X_TOL if int8 else 1e-5)
 
 
+def int8_rows(request, monkeypatch, isa: str) -> None:
+    """The `int8` parameter: the integer tiles (DSQ_INT8_PREFILL=1), else the default."""
+    if request.node.callspec.params.get("int8"):
+        if isa not in ("avx2", "avx512"):
+            pytest.skip("the integer tiles are the x86 builds'")
+        monkeypatch.setenv("DSQ_INT8_PREFILL", "1")
+    else:
+        monkeypatch.delenv("DSQ_INT8_PREFILL", raising=False)
+
+
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("M,N,blocks", SHAPES)
-def test_gemm_batches(isa, qtype, M, N, blocks):
+def test_gemm_batches(isa, qtype, M, N, blocks, int8, request, monkeypatch):
+    int8_rows(request, monkeypatch, isa)
     rng = np.random.default_rng()
     K = _k(qtype, blocks)
     raw = torch.from_numpy(random_blocks(qtype, N, K, rng))
@@ -46,14 +59,16 @@ def test_gemm_batches(isa, qtype, M, N, blocks):
     out = torch.full((M, N), float("nan"))
     y = cpu.gguf_linear(x, raw, qtype, K, out=out, lib=cpu.load(isa))
     assert y.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
-    _check(y, x, raw, qtype, K)
+    _check(y, x, raw, qtype, K, isa)
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("qtype", FORMATS)
-def test_gemm_non_finite_x(isa, qtype):
+def test_gemm_non_finite_x(isa, qtype, int8, request, monkeypatch):
     """A row of x with an inf (or a NaN) gives non-finite outputs in that row, as at M = 1; the
-    other rows are unaffected."""
+    other rows are unaffected (such a call takes the float tiles)."""
+    int8_rows(request, monkeypatch, isa)
     rng = np.random.default_rng()
     M, N, K = 6, 13, _k(qtype, 3)
     raw = torch.from_numpy(random_blocks(qtype, N, K, rng))
@@ -64,14 +79,16 @@ def test_gemm_non_finite_x(isa, qtype):
     assert not torch.isfinite(y[[1, 4]]).any()
     ok = [0, 2, 3, 5]
     assert torch.isfinite(y[ok]).all()
-    _check(y[ok], x[ok], raw, qtype, K)
+    _check(y[ok], x[ok], raw, qtype, K, "float tiles")
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("qtype", FORMATS)
-def test_gemm_same_bits_any_thread_count(isa, qtype):
+def test_gemm_same_bits_any_thread_count(isa, qtype, int8, request, monkeypatch):
     """Each output is one fixed sequence of float operations: 1 and 2 threads give the same bits,
     and a row of x gives the same bits whatever the other rows of the batch."""
+    int8_rows(request, monkeypatch, isa)
     rng = np.random.default_rng()
     M, N, K = 9, 45, _k(qtype, 5)
     raw = torch.from_numpy(random_blocks(qtype, N, K, rng))

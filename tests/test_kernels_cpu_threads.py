@@ -17,7 +17,7 @@ import torch
 
 from dsq.formats.fp8_checkpoint import fp8_dequantize
 from dsq.kernels import cpu, gguf_ref, intq_ref
-from test_kernels_ref import FORMATS, random_blocks
+from test_kernels_ref import FORMATS, int8_x, random_blocks, reference
 
 BUILDS = [isa for isa in cpu.supported_isas()
           if cpu.load(isa) is not None and hasattr(cpu.load(isa), "dsq_set_threads")]
@@ -26,10 +26,12 @@ THREADS = (1, 2, 3, 7)
 
 
 def gguf_case(lib, qtype: str, N: int, K: int, M: int, rng):
+    """(the avx2 build's integer dots against the reference of their rounding of x, which its error
+    is then far below)"""
     raw = torch.from_numpy(random_blocks(qtype, N, K, rng))
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
-    w = gguf_ref.dequantize(raw, qtype, K).double()
-    ref = (torch.nn.functional.linear(x.double(), w), torch.nn.functional.linear(x.double().abs(), w.abs()))
+    isa = next(i for i in cpu.ISAS if cpu.load(i) is lib)
+    ref = reference(x, raw, qtype, K, int8_x(isa, qtype, M))
     return (lambda t, out: cpu.gguf_linear(x, raw, qtype, K, out=out, lib=lib, threads=t)), (M, N), ref
 
 
@@ -112,10 +114,17 @@ def hammer(cs: dict, want: dict, rounds: int, seed: int, failures: list) -> None
             failures.append(f"{name} on {t} threads (Python thread {seed})")
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("isa", BUILDS)
-def test_concurrent_python_threads(isa):
+def test_concurrent_python_threads(isa, int8, monkeypatch):
     """Four Python threads calling at once, each with its own thread counts, agree bit for bit
-    with one thread."""
+    with one thread; int8: with the integer tiles at M > 1 (DSQ_INT8_PREFILL=1)."""
+    if int8 and isa not in ("avx2", "avx512"):
+        pytest.skip("the integer tiles are the x86 builds'")
+    if int8:
+        monkeypatch.setenv("DSQ_INT8_PREFILL", "1")
+    else:
+        monkeypatch.delenv("DSQ_INT8_PREFILL", raising=False)
     lib = cpu.load(isa)
     cs = cases(lib)
     want = one_thread_results(cs)

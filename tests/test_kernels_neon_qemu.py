@@ -23,6 +23,7 @@ SYSROOT = "/usr/aarch64-linux-gnu"
 ENV = dict(os.environ)  # the harness switches the integer row dots off itself, for its second pass
 ENV.pop("DSQ_NO_VNNI", None)
 ENV.pop("DSQ_NO_DOTPROD", None)
+ENV.pop("DSQ_INT8_PREFILL", None)
 
 
 def build(cc: str, isa: str, flags: list[str], out: Path) -> Path:

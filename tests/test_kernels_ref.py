@@ -3,10 +3,13 @@ on fresh random blocks of every format and on the built-in model's real tensors.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
+from dsq.kernels import gguf_ref
 from dsq.kernels.gguf_ref import BLOCKS, dequantize, gguf_embedding_ref, gguf_linear_ref
 
 FORMATS = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
@@ -23,16 +26,45 @@ def random_blocks(qtype: str, rows: int, row_len: int, rng) -> np.ndarray:
     return b.reshape(rows, -1)
 
 
-# (build, format) whose M = 1 row dots round x to 16-bit integers per 32 values (the avx2 build's
-# integer dots, kernels/csrc/gguf_avx2_cpu.inc; DSQ_NO_VNNI=1 turns them off): each x_k is then off
-# by at most max|x| / 65534 over its block, so an output by at most x16_bound beyond float rounding
-X16_ROW_DOTS = {("avx2", "Q4_K"), ("avx2", "Q6_K")}
+# The avx2 build's integer dots round x to int8 per 32 values (kernels/csrc/gguf_avx2_cpu.inc:
+# every format at M = 1; gguf_i8gemm_cpu.inc, with DSQ_INT8_PREFILL=1: all but Q8_0 above, as the
+# avx512 build does from M = 4 on a CPU with AVX512-VNNI; DSQ_NO_VNNI=1 turns them off). They are
+# held to gguf_ref.gguf_linear_ref_q8, which rounds x exactly as they do, within float32
+# accumulation error (INT8_X_TOL of the summed |terms|: ~20x what they show at these K, below the
+# ~1e-5 a single value of x rounded one step off costs at K <= 2048).
+INT8_X_TOL = 1e-6
 
 
-def x16_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """sum_k |w_nk| max|x_mb| / 65534 (b: k's block of 32 values), float64 (M, N)."""
-    m = x.double().abs().reshape(*x.shape[:-1], -1, 32).amax(-1).repeat_interleave(32, -1)
-    return (m / 65534) @ w.double().abs().T
+def int8_x(isa: str, qtype: str, rows: int) -> bool:
+    """Whether the `isa` build computes with x rounded to int8 (gguf_linear_ref_q8) for `rows` rows."""
+    from dsq.kernels.cpu import _cpu_flags
+
+    def on(name):
+        return os.environ.get(name, "") not in ("", "0")
+    if on("DSQ_NO_VNNI"):
+        return False
+    tiles = qtype != "Q8_0" and on("DSQ_INT8_PREFILL")
+    if isa == "avx2":
+        return rows == 1 or tiles
+    return isa == "avx512" and tiles and rows > 3 and "avx512_vnni" in _cpu_flags()
+
+
+def reference(x: torch.Tensor, raw: torch.Tensor, qtype: str, K: int, int8: bool):
+    """(float64 reference, sum of |terms|) of x (M, K) times the GGUF weights: with x rounded to
+    int8 as the integer dots round it when `int8`, else x as it is."""
+    w = gguf_ref.dequantize(raw, qtype, K).double()
+    if int8:
+        xq, sx = gguf_ref.round_x_q8(x)
+        xd = (xq.double() * sx.double()).reshape(x.shape)
+    else:
+        xd = x.double()
+    return torch.nn.functional.linear(xd, w), torch.nn.functional.linear(xd.abs(), w.abs())
+
+
+def max_rel_err(y: torch.Tensor, ref: torch.Tensor, terms: torch.Tensor) -> float:
+    """The largest |y - ref| relative to the summed |terms| of its output (not to the output,
+    which can cancel to ~0)."""
+    return float(((y.double() - ref).abs() / terms.clamp(min=1e-35)).max())
 
 
 def oracle(b: np.ndarray, qtype: str, row_len: int) -> np.ndarray:

@@ -10,14 +10,15 @@
  * Inputs are deterministic (splitmix64 from the seed). GGUF blocks are random bytes with finite
  * normal fp16 scales (as tests/test_kernels_ref.py makes them); integer weights random codes,
  * zero points and small fp16 scales; FP8 every non-NaN e4m3 code. Each kernel runs at M = 1, 2, 4,
- * 5 (row dots and the tiled / blocked paths) on odd N and several K, twice: as the build picks its
- * path, then with DSQ_NO_VNNI=1 DSQ_NO_DOTPROD=1 (the float row dots). An output is wrong when
+ * 5 (row dots and the tiled / blocked paths) on odd N and several K: as the build picks its path,
+ * the GGUF kernels again with DSQ_INT8_PREFILL=1 (the x86 builds' integer tiles), then everything
+ * with DSQ_NO_VNNI=1 DSQ_NO_DOTPROD=1 (the float row dots). An output is wrong when
  * |y - ref| > 1e-5 sqrt(max(K, 64) / 1024) sum_k |x_k w_k| (float32 rounding grows like sqrt(K); relative to
- * the summed terms, so a sum that cancels to ~0 does not fail a correct kernel), plus, for the avx2
- * build's Q4_K / Q6_K row dots (x rounded to 16 bits per 32 values), sum_k |w_k| max|x| / 65534 over
- * k's block (x16_bound); the outputs are poisoned with NaN before each call. Also: dsq_gguf_rows
- * bit for bit against the reference dequantization, x spread over 8 decades at M = 1 (error norm /
- * reference norm < 1e-5; each output within x16_bound on the 16-bit path), a non-finite x giving
+ * the summed terms, so a sum that cancels to ~0 does not fail a correct kernel), with x as the
+ * kernel computes with it: the avx2 build's integer dots round it to int8 per 32 values, and the
+ * reference rounds it the same way (x_as_computed); the outputs are poisoned with NaN before each
+ * call. Also: dsq_gguf_rows bit for bit against the reference dequantization, x spread over 8
+ * decades at M = 1 (error norm / reference norm < 1e-5), a non-finite x giving
  * non-finite outputs, FP8 codes exactly (x = unit vectors), FP8 NaN codes poisoning only their
  * row, and refused shapes. */
 #define _POSIX_C_SOURCE 200112L
@@ -173,42 +174,65 @@ static void fail(const char *what) {
     if (n_fail++ < 20) fprintf(stderr, "MISMATCH %s\n", what);
 }
 
-/* The avx2 build's Q4_K and Q6_K row dots (M = 1) round x to 16-bit integers per 32 values
- * (gguf_avx2_cpu.inc): each x_k is off by up to max|x| / 65534 over its block, so an output may be
- * off by x16_bound beyond the float tolerance. */
-static int x16_path(int type, int64_t M) {
-    const char *e = getenv("DSQ_NO_VNNI");
-    return M == 1 && (type == 12 || type == 14) && !strcmp(dsq_cpu_isa(), "avx2") && !(e && *e && *e != '0');
+/* The avx2 build's integer dots round x to int8 per 32 values (gguf_avx2_cpu.inc: every format at
+ * M = 1; gguf_i8gemm_cpu.inc with DSQ_INT8_PREFILL=1: all but Q8_0 above, as the avx512 build does
+ * from M = 4 with AVX512-VNNI); they are checked against x rounded the same way here
+ * (kernels/gguf_ref.py round_x_q8), with the float tolerance. */
+static int env_on(const char *name) {
+    const char *e = getenv(name);
+    return e && *e && *e != '0';
 }
-static double x16_bound(const float *x, const float *w, int64_t K) {
-    double s = 0;
-    for (int64_t b = 0; b < K; b += 32) {
-        double mx = 0, sw = 0;
-        for (int64_t k = b; k < b + 32; k++) mx = fabs(x[k]) > mx ? fabs(x[k]) : mx, sw += fabs(w[k]);
-        s += mx / 65534.0 * sw;
+static int have_vnni(void) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+static int int8_path(int type, int64_t M) {
+    const int tiles = type != 8 && env_on("DSQ_INT8_PREFILL");
+    if (env_on("DSQ_NO_VNNI")) return 0;
+    if (!strcmp(dsq_cpu_isa(), "avx2")) return M == 1 || tiles;
+    return !strcmp(dsq_cpu_isa(), "avx512") && tiles && M > 3 && have_vnni();
+}
+/* x (n values, n a multiple of 32 when int8) as the kernel computes with it: as it is, or per 32
+ * values xq * sx with sx = max|x| / 127 and xq = x * (127 / max|x|) rounded half to even (0 where
+ * 127 / max|x| overflows) */
+static double *x_as_computed(const float *x, int64_t n, int int8) {
+    double *o = (double *)xmalloc(sizeof(double) * (size_t)n);
+    for (int64_t b = 0; b < n; b += 32) {
+        const int64_t e = int8 ? b + 32 : n;
+        float mx = 0.f;
+        for (int64_t k = b; k < e; k++) mx = fabsf(x[k]) > mx ? fabsf(x[k]) : mx;
+        const float r = 127.f / mx, inv = r <= 3.402823466e38f ? r : 0.f, sx = mx / 127.f;
+        for (int64_t k = b; k < e; k++) {
+            const float v = x[k] * inv;
+            o[k] = int8 ? (double)nearbyintf(v) * (double)sx : (double)x[k];
+        }
+        if (!int8) break;
     }
-    return s;
+    return o;
 }
 
-/* y (M, N) against x (M, K) . w (N, K)^T in double; the tolerance as at the top (plus x16_bound
- * where x16 is set). */
-static void compare(stat_t *st, const char *ctx, const float *x, const float *w, const float *y, int64_t M, int64_t N,
-                    int64_t K, int x16) {
+/* y (M, N) against x (M, K, as the kernel computes with it: x_as_computed) . w (N, K)^T in double;
+ * the tolerance as at the top */
+static void compare(stat_t *st, const char *ctx, const double *x, const float *w, const float *y, int64_t M,
+                    int64_t N, int64_t K) {
     const double tol = 1e-5 * sqrt((double)(K < 64 ? 64 : K) / 1024.0);
     const int b = M > 1;
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) {
             double ref = 0, mag = 0;
             for (int64_t k = 0; k < K; k++) {
-                const double t = (double)x[m * K + k] * (double)w[n * K + k];
+                const double t = x[m * K + k] * (double)w[n * K + k];
                 ref += t;
                 mag += fabs(t);
             }
-            const double extra = x16 ? x16_bound(x + m * K, w + n * K, K) : 0;
             const double yv = y[m * N + n], err = fabs(yv - ref), rel = mag > 0 ? err / mag : err;
             n_checks++;
             st->checks++;
-            if (!(err <= tol * mag + extra || rel <= tol)) { /* NaN too */
+            if (!(err <= tol * mag || rel <= tol)) { /* NaN too */
                 char msg[256];
                 snprintf(msg, sizeof msg, "%s %s: y[%lld, %lld] = %.9g, reference %.9g (error %.3g of sum |x w|)",
                          st->name, ctx, (long long)m, (long long)n, yv, ref, rel);
@@ -271,8 +295,10 @@ static void check_gguf(const gfmt *f, stat_t *st) {
                 float *x = random_x(M * K), *y = poisoned(M * N);
                 char ctx[96];
                 snprintf(ctx, sizeof ctx, "N=%lld K=%lld M=%lld", (long long)N, (long long)K, (long long)M);
+                double *xd = x_as_computed(x, M * K, int8_path(f->type, M));
                 if (dsq_gguf_gemm(w, f->type, N, K, x, M, y, ib % 2 ? 1 : NTHREADS)) fail(ctx);
-                else compare(st, ctx, x, wf, y, M, N, K, x16_path(f->type, M));
+                else compare(st, ctx, xd, wf, y, M, N, K);
+                free(xd);
                 free(x);
                 free(y);
             }
@@ -288,17 +314,16 @@ static void check_gguf_spread(const gfmt *f, stat_t *st) {
     float *wf = ref_rows(f, w, N, K), *x = random_x(K), *y = poisoned(N);
     for (int64_t k = 0; k < K; k++) x[k] *= (float)exp(18.0 * unif() - 9.0);
     if (dsq_gguf_gemm(w, f->type, N, K, x, 1, y, NTHREADS)) fail("spread x: refused");
-    double e2 = 0, r2 = 0;
-    int over = 0; /* outputs beyond x16_bound, on the 16-bit path */
+    double e2 = 0, r2 = 0, *xd = x_as_computed(x, K, int8_path(f->type, 1));
     for (int64_t n = 0; n < N; n++) {
-        double ref = 0, mag = 0;
-        for (int64_t k = 0; k < K; k++) ref += (double)x[k] * wf[n * K + k], mag += fabs((double)x[k] * wf[n * K + k]);
+        double ref = 0;
+        for (int64_t k = 0; k < K; k++) ref += xd[k] * wf[n * K + k];
         e2 += (y[n] - ref) * (y[n] - ref);
         r2 += ref * ref;
-        over += x16_path(f->type, 1) && !(fabs(y[n] - ref) <= x16_bound(x, wf + n * K, K) + 1e-5 * mag);
     }
+    free(xd);
     n_checks++, st->checks++;
-    if (x16_path(f->type, 1) ? over > 0 : !(sqrt(e2 / r2) < 1e-5)) {
+    if (!(sqrt(e2 / r2) < 1e-5)) {
         char msg[128];
         snprintf(msg, sizeof msg, "%s spread x: error norm %.3g of the reference's", f->name, sqrt(e2 / r2));
         fail(msg);
@@ -363,9 +388,10 @@ static void check_int(int bits, stat_t *st) {
             char ctx[96];
             snprintf(ctx, sizeof ctx, "N=%lld K=%lld g=%lld M=%lld", (long long)N, (long long)K, (long long)g,
                      (long long)M);
+            double *xd = x_as_computed(x, M * K, 0);
             if (dsq_int_gemm(qw, sc, z, bits, N, K, G, x, M, y, ib % 2 ? 1 : NTHREADS)) fail(ctx);
-            else compare(st, ctx, x, wf, y, M, N, K, 0);
-            free(x), free(y);
+            else compare(st, ctx, xd, wf, y, M, N, K);
+            free(x), free(y), free(xd);
         }
         free(qw), free(z), free(sc), free(wf);
     }
@@ -405,9 +431,10 @@ static void check_fp8(int kind, stat_t *st) {
             float *x = random_x(M * K), *y = poisoned(M * N);
             char ctx[96];
             snprintf(ctx, sizeof ctx, "kind=%d N=%lld K=%lld M=%lld", kind, (long long)N, (long long)K, (long long)M);
+            double *xd = x_as_computed(x, M * K, 0);
             if (dsq_fp8_gemm(w, s, kind, N, K, x, M, y, ib % 2 ? 1 : NTHREADS)) fail(ctx);
-            else compare(st, ctx, x, wf, y, M, N, K, 0);
-            free(x), free(y);
+            else compare(st, ctx, xd, wf, y, M, N, K);
+            free(x), free(y), free(xd);
         }
         free(w), free(s), free(wf);
     }
@@ -529,9 +556,13 @@ int main(int argc, char **argv) {
     }
     const uint64_t seed = argc > 1 ? strtoull(argv[1], NULL, 0) : 20240601;
     printf("harness %s: seed %llu\n", dsq_cpu_isa(), (unsigned long long)seed);
-    for (int pass = 0; pass < 2; pass++) { /* the build's own choice of path, then the float row dots */
-        const char *path = pass ? "float" : "auto";
-        if (pass) setenv("DSQ_NO_VNNI", "1", 1), setenv("DSQ_NO_DOTPROD", "1", 1);
+    /* the build's own choice of path; with the avx2 build's integer tiles at M > 1 (GGUF only);
+     * the float row dots and tiles */
+    static const char *PATHS[] = {"auto", "int8", "float"};
+    for (int pass = 0; pass < 3; pass++) {
+        const char *path = PATHS[pass];
+        if (pass == 1) setenv("DSQ_INT8_PREFILL", "1", 1);
+        if (pass == 2) unsetenv("DSQ_INT8_PREFILL"), setenv("DSQ_NO_VNNI", "1", 1), setenv("DSQ_NO_DOTPROD", "1", 1);
         rng_state = seed + (uint64_t)pass;
         for (int i = 0; i < NGFMT; i++) {
             stat_t st = {GFMTS[i].name, 0, {0, 0}, {0, 0}};
@@ -540,6 +571,7 @@ int main(int argc, char **argv) {
             if (!pass) check_gguf_rows(&GFMTS[i], &st);
             report(&st, path);
         }
+        if (pass == 1) continue;
         for (int bits = 4; bits <= 8; bits += 4) {
             stat_t st = {bits == 4 ? "int4" : "int8", 0, {0, 0}, {0, 0}};
             check_int(bits, &st);
