@@ -42,14 +42,14 @@ class HFModelDir:
                 f"{self.path} has no config.json",
                 "pass a Hugging Face model directory (config.json + *.safetensors) or a .gguf file",
             )
-        try:
-            self.config: dict[str, Any] = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadModelFile(f"{cfg_path} is not valid JSON ({e})", "fix or re-download it") from e
-        if not isinstance(self.config, dict):
-            raise BadModelFile(f"{cfg_path} does not hold a JSON object", "fix or re-download it")
+        self.config: dict[str, Any] = read_json(cfg_path, dict)
+        from dsq.formats.config_check import check_config
+
+        weights = sum(f.stat().st_size for f in self.path.glob("*.safetensors") if f.is_file())
+        check_config(self.config, str(cfg_path), weight_bytes=weights or None)
         self._weight_map: dict[str, Path] | None = None
         self._handles: dict[Path, Any] = {}
+        self._headers: dict[Path, dict] = {}
         self._mmap: dict[str, Any] | None = None
 
     @property
@@ -76,12 +76,7 @@ class HFModelDir:
         index = self.path / "model.safetensors.index.json"
         wm: dict[str, Path] = {}
         if index.is_file():
-            data = json.loads(index.read_text(encoding="utf-8"))
-            for name, fname in data.get("weight_map", {}).items():
-                wm[name] = self.path / fname
-            missing = sorted({str(p.name) for p in wm.values() if not p.is_file()})
-            if missing:
-                raise BadModelFile(f"{self.path} is missing shard(s) {', '.join(missing)}", "re-download the model")
+            wm = self._indexed_weights(index)
         else:
             files = sorted(self.path.glob("*.safetensors"))
             if not files:
@@ -89,16 +84,37 @@ class HFModelDir:
                     f"{self.path} has no *.safetensors files",
                     "dsq reads safetensors only (no pickle .bin files); convert them first",
                 )
-            from safetensors import safe_open
-
             for f in files:
-                try:
-                    with safe_open(f, framework="pt") as st:
-                        for name in st.keys():
-                            wm[name] = f
-                except Exception as e:
-                    raise BadModelFile(f"{f} is not a readable safetensors file ({e})", "re-download it") from e
+                wm.update(dict.fromkeys(self.headers(f), f))
         self._weight_map = wm
+        return wm
+
+    def headers(self, f: Path) -> dict:
+        """The checked header of one safetensors file (dsq.formats.safetensors_file), read once."""
+        from dsq.formats.safetensors_file import read_header
+
+        if f not in self._headers:
+            self._headers[f] = read_header(f)
+        return self._headers[f]
+
+    def _indexed_weights(self, index: Path) -> dict[str, Path]:
+        """tensor name -> shard from model.safetensors.index.json, each shard present and holding
+        the tensors the index puts in it."""
+        data = read_json(index, dict)
+        names = data.get("weight_map")
+        if not isinstance(names, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
+            raise BadModelFile(f"{index}: weight_map must map tensor names to file names", "re-download the model")
+        bad = next((v for v in names.values() if Path(v).name != v or v.startswith(".")), None)
+        if bad is not None:
+            raise BadModelFile(f"{index}: shard {bad!r} is not a file name in the model directory", "re-download the model")
+        wm = {name: self.path / fname for name, fname in names.items()}
+        missing = sorted({str(p.name) for p in wm.values() if not p.is_file()})
+        if missing:
+            raise BadModelFile(f"{self.path} is missing shard(s) {', '.join(missing)}", "re-download the model")
+        for name, f in wm.items():
+            if name not in self.headers(f):
+                raise BadModelFile(f"{index} puts tensor {name} in {f.name}, which does not hold it",
+                                   "re-download the model")
         return wm
 
     def tensor_names(self) -> list[str]:
@@ -119,7 +135,7 @@ class HFModelDir:
         return h
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return self.headers(self.weight_map[name])[name].shape
 
     def get_tensor(self, name: str):
         """One tensor (torch, memory-mapped until touched)."""
@@ -137,66 +153,85 @@ class HFModelDir:
         if self._mmap is None:
             out = {}
             for f in sorted(set(self.weight_map.values())):
-                out.update(mmap_safetensors(f))
+                out.update(mmap_safetensors(f, self.headers(f)))
             self._mmap = {k: v for k, v in out.items() if k in self.weight_map}
         return self._mmap
 
     # -- tokenizer --------------------------------------------------------------------------
     def tokenizer_json(self) -> dict | None:
         p = self.path / "tokenizer.json"
-        return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else None
+        return read_json(p, dict) if p.is_file() else None
 
     def tokenizer_config(self) -> dict:
         p = self.path / "tokenizer_config.json"
-        return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
+        return read_json(p, dict) if p.is_file() else {}
+
+    def generation_config(self) -> dict:
+        p = self.path / "generation_config.json"
+        return read_json(p, dict) if p.is_file() else {}
 
     def chat_template(self) -> str | None:
         """The chat template, wherever transformers saved it (tokenizer_config or a .jinja file)."""
         jinja = self.path / "chat_template.jinja"
         if jinja.is_file():
-            return jinja.read_text(encoding="utf-8")
+            return read_text(jinja)
         ct = self.tokenizer_config().get("chat_template")
         if isinstance(ct, list):  # named templates: take the default one
-            ct = next((t["template"] for t in ct if t.get("name") == "default"), ct[0]["template"] if ct else None)
-        if ct:
+            named = [t for t in ct if isinstance(t, dict) and isinstance(t.get("template"), str)]
+            ct = next((t["template"] for t in named if t.get("name") == "default"),
+                      named[0]["template"] if named else None)
+        if isinstance(ct, str) and ct:
             return ct
         cj = self.path / "chat_template.json"
         if cj.is_file():
-            return json.loads(cj.read_text(encoding="utf-8")).get("chat_template")
+            ct = read_json(cj, dict).get("chat_template")
+            return ct if isinstance(ct, str) and ct else None
         return None
 
 
-_ST_DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2), "I64": ("int64", 8),
-              "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
-              "BOOL": ("bool", 1), "F64": ("float64", 8), "F8_E4M3": ("float8_e4m3fn", 1)}
+def read_text(path: Path) -> str:
+    """A UTF-8 text file, or BadModelFile saying which file is unreadable."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadModelFile(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})", "fix or re-download it") from None
+    except OSError as e:
+        raise BadModelFile(f"{path} could not be read ({e.strerror or e})", "check the file") from None
 
 
-def mmap_safetensors(path: Path) -> dict[str, Any]:
-    """Parse a safetensors header and return torch views into a copy-on-write memory map."""
+def read_json(path: Path, kind: type = dict) -> Any:
+    """A JSON file holding a `kind` (dict or list), or BadModelFile naming the file."""
+    try:
+        value = json.loads(read_text(path))
+    except (ValueError, RecursionError) as e:
+        raise BadModelFile(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:80]})",
+                           "fix or re-download it") from None
+    if not isinstance(value, kind):
+        raise BadModelFile(f"{path} does not hold a JSON {'object' if kind is dict else kind.__name__}",
+                           "fix or re-download it")
+    return value
+
+
+def mmap_safetensors(path: Path, header: dict | None = None) -> dict[str, Any]:
+    """Torch views into a copy-on-write memory map of a safetensors file, from its checked header."""
     import numpy as np
     import torch
 
+    from dsq.formats.safetensors_file import read_header
+
     path = Path(path)
+    header = read_header(path) if header is None else header
     try:
-        with open(path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        mm = np.memmap(path, dtype=np.uint8, mode="c")
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise BadModelFile(f"{path} is not a readable safetensors file ({e})", "re-download it") from e
-    base = 8 + n
+        mm = np.memmap(path, dtype=np.uint8, mode="c") if header else None
+    except (OSError, ValueError) as e:
+        raise BadModelFile(f"{path} could not be mapped ({e})", "re-download it") from None
     out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dt = _ST_DTYPES.get(info["dtype"])
-        if dt is None:
-            raise BadModelFile(f"{path}: tensor {name} has dtype {info['dtype']} dsq cannot read")
-        start, end = info["data_offsets"]
-        if base + end > mm.size:
-            raise BadModelFile(f"{path} is truncated (tensor {name} runs past the end)", "re-download it")
-        raw = torch.from_numpy(mm[base + start: base + end])
-        out[name] = raw.view(getattr(torch, dt[0])).reshape(info["shape"])
+    for name, e in header.items():
+        dtype = getattr(torch, e.torch_dtype, None)
+        if dtype is None:
+            raise BadModelFile(f"{path}: tensor {name} has dtype {e.dtype}, which this PyTorch cannot hold",
+                               "upgrade PyTorch or convert the tensor")
+        out[name] = torch.from_numpy(mm[e.start:e.end]).view(dtype).reshape(e.shape)
     return out
 
 

@@ -1,18 +1,19 @@
-"""Chat templates: render the model's own Jinja template (as transformers does), or a fallback
-chosen by architecture (its registry entry names one of TEMPLATES) when the model carries none;
-split DeepSeek-R1 `<think>` sections.
+"""Chat templates: render the model's own Jinja template (as transformers does, in a sandbox with
+limits: dsq.runtime.template_sandbox), or a fallback chosen by architecture (its registry entry
+names one of TEMPLATES) when the model carries none or its own fails; split DeepSeek-R1 `<think>`
+sections.
 
 Shared by every backend: the llama.cpp path and the native runtime render prompts here.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from datetime import datetime
-from functools import lru_cache
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
-from dsq.errors import DsqError
+from dsq.errors import BadModelFile, DsqError, ModelNotFound
 
 # Gemma's turn format (Gemma has no system role: its text joins the first user turn).
 # Text is emitted from expressions only, so whitespace control cannot eat the newlines.
@@ -50,40 +51,40 @@ PLAIN_TEMPLATE = (
 TEMPLATES = {"gemma": GEMMA_TEMPLATE, "chatml": CHATML_TEMPLATE}  # what registry entries name
 
 
-@dataclass(frozen=True)
+def _warn(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+@dataclass(eq=False)
 class ChatTemplate:
+    """A chat template rendered in the sandbox (dsq.runtime.template_sandbox).
+
+    A template from a model file carries `fallback`, its architecture's template: when the
+    model's own fails to compile, fails while rendering or exceeds a limit, the fallback takes
+    its place for good, with one warning line. Without a fallback a failure is a DsqError."""
+
     source: str  # the Jinja text
     origin: str  # "model" or "fallback:<name>"
     bos_token: str = ""
     eos_token: str = ""
+    fallback: "ChatTemplate | None" = None
+    warn: Callable[[str], None] = field(default=_warn, repr=False)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        from dsq.runtime.template_sandbox import TemplateProblem, render
+
         try:
-            return _compile(self.source).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token, tools=None, documents=None)
-        except DsqError:
-            raise
-        except Exception as e:  # jinja2 errors in a model-supplied template
-            raise DsqError(f"the model's chat template failed to render ({type(e).__name__}: {e})",
-                           "pass --no-template to send raw text, or fix the template") from e
-
-
-def _raise(msg):
-    raise DsqError(f"chat template: {msg}")
-
-
-@lru_cache(maxsize=8)
-def _compile(source: str):
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii)
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+            return render(self.source, messages=messages, add_generation_prompt=add_generation_prompt,
+                          bos_token=self.bos_token, eos_token=self.eos_token, tools=None, documents=None)
+        except TemplateProblem as e:
+            if self.fallback is None:
+                raise DsqError(f"the chat template {e}",
+                               "pass --no-template to send raw text, or fix the template") from None
+            self.warn(f"warning: the model's chat template {e}; using the {self.fallback.origin.split(':')[-1]} "
+                      "template instead")
+        self.source, self.origin, self.fallback = self.fallback.source, self.fallback.origin, None
+        return self.render(messages, add_generation_prompt)
 
 
 def fallback_for(arch: str) -> str | None:
@@ -94,10 +95,7 @@ def fallback_for(arch: str) -> str | None:
     return TEMPLATES.get(entry.chat_template) if entry and entry.chat_template else None
 
 
-def pick_template(template: str | None, arch: str, vocab_has: callable, bos: str, eos: str) -> ChatTemplate:
-    """The model's template if it has one, else a fallback for its architecture (GGUF name)."""
-    if template:
-        return ChatTemplate(template, "model", bos, eos)
+def _fallback(arch: str, vocab_has: Callable[[str], bool], bos: str, eos: str) -> ChatTemplate:
     fallback = fallback_for(arch)
     if fallback:
         return ChatTemplate(fallback, f"fallback:{arch}", bos, eos)
@@ -106,6 +104,33 @@ def pick_template(template: str | None, arch: str, vocab_has: callable, bos: str
     if vocab_has("<|im_start|>"):
         return ChatTemplate(CHATML_TEMPLATE, "fallback:chatml", bos, eos)
     return ChatTemplate(PLAIN_TEMPLATE, "fallback:plain", bos, eos)
+
+
+def pick_template(template: str | None, arch: str, vocab_has: Callable[[str], bool], bos: str, eos: str,
+                  warn: Callable[[str], None] = _warn) -> ChatTemplate:
+    """The model's template if it has one (its architecture's as the fallback), else the fallback."""
+    fallback = _fallback(arch, vocab_has, bos, eos)
+    if not template:
+        return fallback
+    return ChatTemplate(template, "model", bos, eos, fallback=fallback, warn=warn)
+
+
+def read_template_file(path: str | Path) -> str:
+    """A chat template from a file: Jinja text, or a JSON file (tokenizer_config.json,
+    chat_template.json) holding a "chat_template" string. BadModelFile when it holds none."""
+    from dsq.formats.hf import read_json, read_text
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFound(f"{path} does not exist", "pass a .jinja file or a tokenizer_config.json")
+    if path.suffix != ".json":
+        return read_text(path)
+    ct = read_json(path, dict).get("chat_template")
+    if isinstance(ct, list):
+        ct = next((t.get("template") for t in ct if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(ct, str) or not ct:
+        raise BadModelFile(f"{path} holds no chat_template string", "pass a .jinja file or a tokenizer_config.json")
+    return ct
 
 
 class ThinkSplitter:

@@ -20,7 +20,7 @@ import sys
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from dsq.errors import BackendError, DsqError, MissingDependency
 from dsq.runtime.generate import GenStats, TokenEvent
@@ -28,6 +28,9 @@ from dsq.runtime.gpu_layers import GpuLayers
 from dsq.runtime.model_ref import ModelRef
 from dsq.runtime.sampling import SamplingParams
 from dsq.runtime.threads import default_threads  # noqa: F401 - also this module's name for it (quant.gguf)
+
+if TYPE_CHECKING:
+    from dsq.formats.gguf_file import GGUFFile
 
 
 _LIVE: "weakref.WeakSet[LlamaCppModel]" = weakref.WeakSet()
@@ -65,6 +68,26 @@ def _install_logger(llama_cpp) -> None:
 
     _log_cb = cb
     llama_cpp.llama_log_set(cb, ctypes.c_void_p(0))
+
+
+def _layout_problem(g: "GGUFFile") -> DsqError | None:
+    """Why a GGUF of an architecture dsq reads does not hold the tensors its metadata implies
+    (an expert count that its stacked tensors do not have, ...), or None: what llama.cpp says
+    when it refuses such a file does not reach its log."""
+    from dsq.convert.gguf_to_hf import gguf_plan, hf_config_from_gguf
+    from dsq.models.arch import Arch
+    from dsq.models.registry import find_gguf
+
+    arch = find_gguf(g.arch)
+    if not isinstance(arch, Arch):
+        return None
+    try:
+        gguf_plan(g, arch, hf_config_from_gguf(g, arch, "float32"))
+    except DsqError as e:
+        return e
+    except (KeyError, TypeError, ValueError):  # metadata dsq cannot read either: llama.cpp's words stand
+        return None
+    return None
 
 
 def last_log(n: int = 3) -> str:
@@ -161,6 +184,33 @@ def _model_params(**fields):
         C.llama_model_default_params = orig
 
 
+class _UnusedChatFormatter:
+    """Stands in for llama-cpp-python's Jinja2ChatFormatter while a model loads: that class compiles
+    every tokenizer.chat_template* string in the file outside any limits (a hostile template hangs or
+    fails there). dsq renders templates itself, in its sandbox (runtime/template_sandbox.py)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def to_chat_handler(self):
+        def refuse(*args, **kwargs):
+            raise BackendError("llama-cpp-python's chat handler is not used by dsq", "render with dsq.generate")
+
+        return refuse
+
+
+@contextmanager
+def _no_chat_formatter():
+    import llama_cpp.llama as L
+
+    orig = L.llama_chat_format.Jinja2ChatFormatter
+    L.llama_chat_format.Jinja2ChatFormatter = _UnusedChatFormatter
+    try:
+        yield
+    finally:
+        L.llama_chat_format.Jinja2ChatFormatter = orig
+
+
 def flash_attn_for(gpu_layers: GpuLayers) -> bool:
     """Flash attention for a model with `gpu_layers` offloaded: on with a GPU build and layers on
     the GPU, unless DSQ_LLAMA_FLASH_ATTN says 0 or 1."""
@@ -210,15 +260,18 @@ class LlamaCppModel:
         kwargs["flash_attn"] = flash_attn_for(self.gpu_layers)
         safe = {"use_extra_bufts": False} if amx_compiled() else {}
         try:
-            with _model_params(**safe):
+            with _model_params(**safe), _no_chat_formatter():
                 self.llm = llama_cpp.Llama(model_path=str(self.path), **kwargs)
         except (ValueError, RuntimeError) as e:
+            layout = _layout_problem(self.gguf)
+            if layout is not None:
+                raise layout from e
             detail = last_log() or str(e)
             raise BackendError(
                 f"llama.cpp could not load {self.path.name} ({detail})",
                 f"is {self.gguf.arch!r} an architecture this llama.cpp build supports, and the file complete?",
             ) from e
-        self.n_ctx = self.llm.n_ctx()
+        self.n_ctx = min(self.llm.n_ctx(), n_ctx)  # llama.cpp may round up; llama-cpp-python sizes its buffers by n_ctx
         self._token_set: set[str] | None = None
         _LIVE.add(self)
         self._vocab = self.llm._model.vocab

@@ -12,7 +12,6 @@ UTF-8 text.
 from __future__ import annotations
 
 import codecs
-import json
 from pathlib import Path
 
 from dsq.errors import BadModelFile
@@ -29,33 +28,31 @@ class HFTokenizer:
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise BadModelFile(f"{path} has no tokenizer.json", "the native runtime needs a fast tokenizer file")
-        self.tok = Tokenizer.from_file(str(tj))
         from dsq.formats.hf import HFModelDir
 
         hf = HFModelDir(path)
+        try:
+            self.tok = Tokenizer.from_file(str(tj))
+        except Exception as e:  # the tokenizers library's errors for a malformed file
+            raise BadModelFile(f"{tj} is not a tokenizer the tokenizers library reads ({str(e)[:120]})",
+                               "re-download the tokenizer files") from None
         tc = hf.tokenizer_config()
         self._template = hf.chat_template()
 
-        def content(v):
-            return v.get("content") if isinstance(v, dict) else v
-
-        self.bos_token = content(tc.get("bos_token")) or ""
-        self.eos_token = content(tc.get("eos_token")) or ""
+        self.bos_token = _token_text(tc.get("bos_token"))
+        self.eos_token = _token_text(tc.get("eos_token"))
         bos_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
-        if bos_id is None and isinstance(config.get("bos_token_id"), int):
+        if bos_id is None and _token_ids(config.get("bos_token_id")) and not isinstance(config["bos_token_id"], list):
             bos_id = config["bos_token_id"]
+            if bos_id >= self.tok.get_vocab_size():
+                raise BadModelFile(f"{path}/config.json: bos_token_id {bos_id} is outside the tokenizer's "
+                                   f"{self.tok.get_vocab_size()} tokens", "fix or re-download the config")
             self.bos_token = self.tok.id_to_token(bos_id) or ""
         self.bos_id = bos_id
         self.add_bos = bool(tc.get("add_bos_token", False)) and bos_id is not None
         eog: set[int] = set()
-        gen = {}
-        if (path / "generation_config.json").is_file():
-            gen = json.loads((path / "generation_config.json").read_text())
-        for src in (config.get("eos_token_id"), gen.get("eos_token_id")):
-            if isinstance(src, int):
-                eog.add(src)
-            elif isinstance(src, list):
-                eog.update(int(x) for x in src)
+        for src in (config.get("eos_token_id"), hf.generation_config().get("eos_token_id")):
+            eog.update(_token_ids(src))
         for t in (self.eos_token, *EOT_TOKENS):
             i = self.tok.token_to_id(t) if t else None
             if i is not None:
@@ -81,6 +78,18 @@ class HFTokenizer:
 
     def stream(self) -> "HFStreamDecoder":
         return HFStreamDecoder(self)
+
+
+def _token_text(v) -> str:
+    """A special token from tokenizer_config.json: a string or {"content": string}."""
+    v = v.get("content") if isinstance(v, dict) else v
+    return v if isinstance(v, str) else ""
+
+
+def _token_ids(v) -> list[int]:
+    """Token ids from a config: one integer or a list; anything else names no token."""
+    ids = v if isinstance(v, list) else [v]
+    return [x for x in ids if isinstance(x, int) and not isinstance(x, bool) and x >= 0]
 
 
 class HFStreamDecoder:
