@@ -184,10 +184,13 @@ def stop_after(k: int):
     return progress
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "fp8"])
-def test_resume_from_any_block_is_bit_exact(method, tiny_dir, tmp_path):
-    src = tiny_dir("gemma3")  # 3 blocks
-    spec = QuantSpec(method, calib=CalibSpec(samples=4, seq_len=32))
+@pytest.mark.parametrize("method,kind", [("rtn", "gemma3"), ("gptq", "gemma3"), ("awq", "gemma3"), ("fp8", "gemma3"),
+                                         ("gptq", "deepseek_v3")])
+def test_resume_from_any_block_is_bit_exact(method, kind, tiny_dir, tmp_path):
+    """3 blocks each; deepseek_v3: a dense block kept 16-bit, then two MoE blocks whose experts
+    are calibrated on their routed tokens (their record in the card resumes too)."""
+    src = tiny_dir(kind)
+    spec = QuantSpec(method, calib=CalibSpec(samples=4, seq_len=32), min_expert_tokens=16)
     full = tensors(quantize(src, tmp_path / "full", spec, eval_tokens=0))
     assert same(tensors(quantize(src, tmp_path / "again", spec, eval_tokens=0)), full)
     for k in (1, 2):
@@ -196,9 +199,16 @@ def test_resume_from_any_block_is_bit_exact(method, tiny_dir, tmp_path):
             quantize(src, out, spec, eval_tokens=0, progress=stop_after(k))
         assert partial_of(out).is_dir() and not out.exists()
         seen = []
-        quantize(src, out, spec, eval_tokens=0, progress=lambda step: seen.append(step.done))
-        assert seen == [0, *range(k + 1, 4)]  # the finished blocks were not redone
+        quantize(src, out, spec, eval_tokens=0, progress=seen.append)
+        assert [s.done for s in seen if not s.note] == [0, *range(k + 1, 4)]  # the finished blocks were not redone
+        assert [s.note for s in seen if s.note] == [f"resuming from block {k + 1} of 3: an earlier run finished {k} "
+                                                    f"(kept in {out.name}.partial)"]
         assert same(tensors(out), full)
+        assert experts_of(out) == experts_of(tmp_path / "full") and (experts_of(out) is None) == (kind != "deepseek_v3")
+
+
+def experts_of(out: Path) -> dict | None:
+    return json.loads((out / "dsq_quant.json").read_text()).get("experts")
 
 
 def test_gguf_imatrix_resume_is_bit_exact(tiny_dir, tmp_path):
@@ -216,8 +226,10 @@ def test_gguf_imatrix_resume_is_bit_exact(tiny_dir, tmp_path):
         with pytest.raises(KeyboardInterrupt):
             quantize(src, out, spec, progress=interrupt)
         tasks = []
-        quantize(src, out, spec, progress=lambda s: tasks.append(s.task) if s.task not in tasks else None)
-        assert len(tasks) == rest  # the importance matrix (and the float GGUF) came from the last run
+        quantize(src, out, spec, progress=lambda s: tasks.append(s.task or s.note) if s.task not in tasks else None)
+        reused = "importance matrix" + (" and float GGUF" if rest == 1 else "")
+        assert tasks[0] == f"resuming: reusing the {reused} an earlier run left in .{out.name}.dsq-work"
+        assert len(tasks) == 1 + rest  # the importance matrix (and the float GGUF) came from the last run
         assert out.read_bytes() == full
     assert sorted(listing(tmp_path)) == ["1.gguf", "2.gguf", "again.gguf", "full.gguf"]
 

@@ -291,10 +291,13 @@ def test_recipes_validate_and_apply(runner, tiny_dir, tmp_path):
     assert json.loads((out / "dsq_quant.json").read_text())["spec"]["calib_samples"] == 8
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_artifact_computes_what_the_driver_computed(method, tiny_dir, tmp_path):
+@pytest.mark.parametrize("method,kind", [("awq", "gemma3"), ("gptq", "llama"), ("awq", "deepseek_v3"),
+                                         ("gptq", "deepseek_v3")])
+def test_artifact_computes_what_the_driver_computed(method, kind, tiny_dir, tmp_path):
     """Rebuild the quantized model in memory block by block (the driver's own steps) and compare
-    its logits with the written artifact's: folded scales, norms and codes all made it to disk."""
+    its logits with the written artifact's: folded scales, norms and codes all made it to disk
+    (gemma3: norms with the +1 offset; deepseek_v3: AWQ's scale in the routers and the latent
+    norms, per-expert codes, the dense layer kept float)."""
     import numpy as np
 
     from dsq.formats.hf import HFModelDir
@@ -302,10 +305,11 @@ def test_artifact_computes_what_the_driver_computed(method, tiny_dir, tmp_path):
     from dsq.quant.blocks import block_tensors, materialize, run_block
     from dsq.quant.calib import calibration_for
     from dsq.quant.driver import quantize_block
+    from dsq.quant.moe import dense_layers
     from dsq.runtime.native import NativeModel
 
-    src = tiny_dir("gemma3" if method == "awq" else "llama")  # gemma3: norms with the +1 offset
-    spec = QuantSpec(method, calib=CalibSpec(samples=8, seq_len=64)).validate()
+    src = tiny_dir(kind)
+    spec = QuantSpec(method, calib=CalibSpec(samples=8, seq_len=64), min_expert_tokens=32).validate()
     quantize(src, tmp_path / "q", spec, eval_tokens=0)
     hf = HFModelDir(src)
     mod, args = build_args(hf.config)
@@ -320,7 +324,7 @@ def test_artifact_computes_what_the_driver_computed(method, tiny_dir, tmp_path):
     for i in range(args.num_hidden_layers):
         materialize(model.model.layers[i], block_tensors(hf, i), "cpu", torch.float32)
         ctx = model.block_context(i, ids.shape[1], "cpu")
-        quantize_block(model.model.layers[i], i, spec, hidden, ctx, "cpu", torch.float32, 8)
+        quantize_block(model.model.layers[i], i, spec, hidden, ctx, "cpu", torch.float32, 8, dense_layers(args, spec))
         hidden = run_block(model.model.layers[i], hidden, ctx, "cpu", torch.float32, 8)
     toks = list(range(3, 50))
     with torch.no_grad():

@@ -188,12 +188,11 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="replace an existing file")
     a = ap.parse_args(argv)
-    from rich.progress import Progress
-
     from dsq.errors import DsqError
+    from dsq.ui import progress_bar
 
     try:
-        with Progress() as bar:
+        with progress_bar() as bar:
             task = bar.add_task(f"writing {a.out.name}", total=None)
             path = write_random_gguf(a.out, a.shape, a.mix, a.seed, a.force, layers=a.layers,
                                      progress=lambda n, i, t: bar.update(task, completed=i, total=t))

@@ -2,6 +2,8 @@
 
 - `SHAPES`: model shapes by name (ModelArgs fields), from a tiny one to Llama-3-8B and Qwen2-7B
   (qwen2 shapes: q/k/v biases; 1.5B and tiny-qwen2 tie the embeddings).
+- `DEEPSEEK_SHAPES`: DeepSeek V2 / V3 shapes as their HF config.json fields (MLA + MoE):
+  DeepSeek-V2-Lite's, a slice of DeepSeek-V3 at its real widths, and tiny ones for tests.
 - `random_transformer`: a torch model of a shape, built on a device (seconds for 8B on a GPU).
 - `write_random_hf`: the same as an HF safetensors directory (what the quantizers read).
 - `random_packed`: one weight in the GPU kernels' packed layout, random codes and sane scales.
@@ -39,6 +41,50 @@ SHAPES = {
                        max_position_embeddings=2048, rope={"rope_type": "default", "rope_theta": 1000000.0},
                        attention_bias=True, tie_word_embeddings=True),
 }
+
+
+# YaRN as DeepSeek's checkpoints set it (4k trained context stretched 40x)
+_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                  "beta_fast": 32, "beta_slow": 1}
+_V2 = dict(model_type="deepseek_v2", topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+           routed_scaling_factor=1.0, q_lora_rank=None, rope=dict(_DEEPSEEK_YARN, mscale=0.707, mscale_all_dim=0.707))
+_V3 = dict(model_type="deepseek_v3", topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=2.5,
+           rope=dict(_DEEPSEEK_YARN, mscale=1.0, mscale_all_dim=1.0))
+_MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
+            max_position_embeddings=163840, tie_word_embeddings=False)
+DEEPSEEK_SHAPES = {
+    # deepseek-ai/DeepSeek-V2-Lite's config.json: 15.7B parameters, 2.4B active
+    "deepseek-v2-lite": dict(_V2, **_MLA, vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                             num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+                             n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                             moe_intermediate_size=1408, first_k_dense_replace=1),
+    # deepseek-ai/DeepSeek-V3's widths (671B: 61 layers, the first 3 dense), 4 layers: 1 dense, 3 MoE
+    "deepseek-v3-slice": dict(_V3, **_MLA, vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                              num_hidden_layers=4, num_attention_heads=128, num_key_value_heads=128,
+                              q_lora_rank=1536, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+                              moe_intermediate_size=2048, first_k_dense_replace=1, n_group=8, topk_group=4),
+    # the two routing schemes at a size for tests: a dense layer, then MoE layers of 8 experts, 2 a token
+    "tiny-deepseek-v2": dict(_V2, **dict(_MLA, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                                         v_head_dim=64, max_position_embeddings=2048),
+                             vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=2,
+                             num_experts_per_tok=2, moe_intermediate_size=256, first_k_dense_replace=1),
+    "tiny-deepseek-v3": dict(_V3, **dict(_MLA, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                                         v_head_dim=64, max_position_embeddings=2048),
+                             vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=256, n_routed_experts=8,
+                             n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=256,
+                             first_k_dense_replace=1, n_group=4, topk_group=2),
+}
+
+
+def deepseek_config(shape: str, layers: int | None = None) -> dict:
+    """The HF config.json of a DEEPSEEK_SHAPES shape (`layers` overrides its depth)."""
+    cfg = dict(DEEPSEEK_SHAPES[shape])
+    cfg["rope_parameters"] = cfg.pop("rope")
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    return cfg
 
 
 def shape_args(shape: str, layers: int | None = None):

@@ -2,7 +2,9 @@
 dsq.models.registry.
 
 Tensor data streams one tensor at a time from memory-mapped safetensors into the output, so a
-model larger than RAM converts. The output appears only when complete (temp file + rename).
+model larger than RAM converts; FP8 checkpoints (DeepSeek's weight_scale_inv) are dequantized one
+tensor at a time as they are read (dsq.convert.fp8_source). The output appears only when complete
+(temp file + rename).
 Reference for the layout: llama.cpp's convert_hf_to_gguf.py (not shipped in the wheel).
 """
 
@@ -12,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
+from dsq.convert.fp8_source import float_view
 from dsq.errors import UnsupportedModel
 from dsq.formats.gguf_types import FTYPES
 from dsq.formats.hf import HFModelDir, atomic_output_file, rope_parameters
@@ -116,7 +119,7 @@ def hf_to_gguf(model_dir: str | Path, out: str | Path, outtype: str = "auto", fo
     """Convert an HF model directory to a float GGUF at `out`. Returns `out`."""
     from gguf import GGUFWriter
 
-    hf = HFModelDir(model_dir)
+    hf = float_view(HFModelDir(model_dir))
     arch = arch_for_model_type(hf.model_type)
     cfg = hf.config
     hf.require(*arch.required)

@@ -4,7 +4,8 @@ it, and watch what its Linears see. Shared by the driver, the methods and the im
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -12,8 +13,13 @@ from torch import nn
 
 from dsq.errors import DsqError
 
-LINEAR_GROUPS = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
-                 ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+# What each Linear reads, by its own name: Linears of one module reading the same input form one
+# group (q/k/v; DeepSeek's q_a + kv_a; an expert's gate/up), and the inputs come in the order a
+# block computes them, so a stage's inputs are those of a block whose earlier stages are quantized.
+INPUT_OF = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "q_a_proj": "attn_in",
+            "kv_a_proj_with_mqa": "attn_in", "q_b_proj": "q_latent", "kv_b_proj": "kv_latent",
+            "o_proj": "attn_out", "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_mid"}
+STAGES = (("attn_in",), ("q_latent", "kv_latent"), ("attn_out",), ("mlp_in",), ("mlp_mid",), ("other",))
 PHASES: dict[str, float] = {}  # seconds per phase of the last runs (calibration forwards, solves, ...)
 
 
@@ -62,20 +68,62 @@ def embed_calibration(hf, args, ids: torch.Tensor) -> torch.Tensor:
 
 
 def block_tensors(hf, i: int) -> dict[str, torch.Tensor]:
+    """Block i's tensors by name inside the block, memory-mapped; an FP8 checkpoint's weights
+    (DeepSeek's weight_scale_inv) dequantized to its float dtype, this block's only."""
+    from dsq.convert.fp8_source import dequantize_tensors, float_dtype
+
     prefix = f"model.layers.{i}."
-    return {n[len(prefix):]: t for n, t in hf.mmap_tensors().items() if n.startswith(prefix)}
+    raw = {n: t for n, t in hf.mmap_tensors().items() if n.startswith(prefix)}
+    return {n[len(prefix):]: t for n, t in dequantize_tensors(raw, float_dtype(hf.config)).items()}
 
 
 def materialize(layer: nn.Module, tensors: dict[str, torch.Tensor], device, dtype) -> None:
-    layer.to_empty(device=device).to(dtype)  # the block computes in `dtype` (bf16 on a GPU), not float32
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items() if not k.endswith("inv_freq")}
-    missing, unexpected = layer.load_state_dict(sd, strict=False)
+    """The block's weights in `dtype` on `device` (bf16 on a GPU, not float32), copied in one
+    tensor at a time."""
+    layer.to_empty(device=device).to(dtype)
+    state = layer.state_dict(keep_vars=True)
+    names = {k for k in tensors if not k.endswith("inv_freq")}
+    missing, unexpected = sorted(set(state) - names), sorted(names - set(state))
     if missing or unexpected:
         raise DsqError(f"block weights do not match the config (missing {missing[:2]}, unexpected {unexpected[:2]})")
+    with torch.no_grad():
+        for k in names:
+            state[k].copy_(tensors[k].to(dtype))
 
 
 def linears(layer: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+
+
+def input_stages(names) -> list[list[list[str]]]:
+    """The Linears `names` (inside a block, in module order) as stages of groups, each group the
+    Linears of one module that read one input (see INPUT_OF)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for n in names:
+        parent, _, leaf = n.rpartition(".")
+        kind = INPUT_OF.get(leaf, "other")
+        groups.setdefault((kind, parent if kind != "other" else n), []).append(n)
+    stages = [[g for (kind, _), g in groups.items() if kind in stage] for stage in STAGES]
+    return [s for s in stages if s]
+
+
+def input_groups(names) -> list[list[str]]:
+    """`input_stages` flattened, in stage order."""
+    return [g for stage in input_stages(names) for g in stage]
+
+
+@contextmanager
+def plain_attention(layer: nn.Module):
+    """DeepSeek's latent attention on its plain path (kv_b_proj called as a Linear, so hooks see
+    its inputs); the same outputs as the absorbed path."""
+    mods = [(m, m.absorb) for m in layer.modules() if hasattr(m, "absorb")]
+    for m, _ in mods:
+        m.absorb = False
+    try:
+        yield
+    finally:
+        for m, was in mods:
+            m.absorb = was
 
 
 def home(hidden: torch.Tensor, dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -113,10 +161,14 @@ class Block:
     device: torch.device
     dtype: torch.dtype
     batch: int
+    routing: dict[int, int] = field(default_factory=dict)  # routed expert -> calibration tokens it saw
+    fallback: set[int] = field(default_factory=set)  # experts quantized by RTN for want of tokens
 
     def run(self) -> torch.Tensor:
-        """The block's outputs on the calibration activations."""
-        return run_block(self.layer, self.hidden, self.ctx, self.device, self.dtype, self.batch)
+        """The block's outputs on the calibration activations (each MoE layer's router choosing
+        the experts every token goes through)."""
+        with plain_attention(self.layer):
+            return run_block(self.layer, self.hidden, self.ctx, self.device, self.dtype, self.batch)
 
 
 class Capture:

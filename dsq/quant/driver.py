@@ -11,7 +11,6 @@ The method (dsq.quant.registry) decides everything method-specific.
 
 from __future__ import annotations
 
-import fnmatch
 import os
 from pathlib import Path
 
@@ -25,8 +24,9 @@ from dsq.quant.blocks import (Block, block_tensors, default_dtype, device_for, e
 from dsq.quant.calib import calibration_for
 from dsq.quant.finalize import assemble, evaluate_stage
 from dsq.quant.method import calib_stamp, check_target, run_key
+from dsq.quant.moe import block_metadata, dense_layers, skipped
 from dsq.quant.space import check_free, full_disk_error, is_disk_full
-from dsq.quant.spec import EVAL_TOKENS, OnStep, QuantSpec, Step, no_progress
+from dsq.quant.spec import EVAL_TOKENS, OnStep, QuantSpec, Step, interrupted, no_progress
 from dsq.quant.staging import Run
 
 
@@ -34,39 +34,54 @@ def expected_bytes(hf, spec: QuantSpec) -> int:
     """About the bytes a run writes into OUT.partial: every block and the rest tensors as the
     checkpoint stores them (the stage hard-links the same files), and two sets of float32
     calibration activations."""
-    total = 0
+    from dsq.convert.fp8_source import float_dtype, is_fp8, is_scale
+
+    total, float_bytes = 0, float_dtype(hf.config).itemsize
     for name, t in hf.mmap_tensors().items():
-        if name.startswith("model.layers.") and t.ndim == 2 and not _skipped(name.rsplit(".", 1)[0], spec):
+        if name.endswith("inv_freq") or is_scale(name):
+            continue
+        if name.startswith("model.layers.") and t.ndim == 2 and not skipped(name.rsplit(".", 1)[0], spec):
             total += spec.impl.packed_bytes(t.shape[0], t.shape[1], spec)
-        elif not name.endswith("inv_freq"):
-            total += t.numel() * t.element_size()
+        else:
+            total += t.numel() * (float_bytes if is_fp8(t) else t.element_size())
     if spec.needs_calibration:
         total += 2 * spec.calib.samples * spec.calib.seq_len * hf.config["hidden_size"] * 4
     return total
 
 
 def check_model(hf, spec: QuantSpec) -> None:
-    """Every quantized layer must fit the format: refuse before any work."""
+    """Every quantized layer must fit the format: refuse before any work. The first and the last
+    layer are each kind a model has (DeepSeek: dense, then MoE)."""
     from dsq.models.registry import build_args
 
     mod, args = build_args(hf.config, f"{hf.path}/config.json")
     model = meta_model(mod, args)
-    for name, m in linears(model.model.layers[0]).items():
-        full = f"model.layers.0.{name}"
-        if not _skipped(full, spec):
-            spec.impl.check_shape(full, m.out_features, m.in_features, spec)
-
-
-def _skipped(full_name: str, spec: QuantSpec) -> bool:
-    return any(fnmatch.fnmatch(full_name, p) for p in spec.skip)
+    dense = dense_layers(args, spec)
+    for i in sorted({0, args.num_hidden_layers - 1} - dense):
+        for name, m in linears(model.model.layers[i]).items():
+            full = f"model.layers.{i}.{name}"
+            if not skipped(full, spec):
+                spec.impl.check_shape(full, m.out_features, m.in_features, spec)
 
 
 # ---------------------------------------------------------------------------------------------
-def quantize_block(layer: nn.Module, i: int, spec: QuantSpec, hidden, ctx, device, dtype, batch: int) -> dict:
+def make_block(layer: nn.Module, i: int, spec: QuantSpec, hidden, ctx, device, dtype, batch: int,
+               dense: set[int] = frozenset()) -> Block:
+    """Block `i`, materialized, with the Linears to quantize: none in a dense layer kept 16-bit."""
+    keep = i in dense
+    lins = {n: m for n, m in linears(layer).items() if not keep and not skipped(f"model.layers.{i}.{n}", spec)}
+    return Block(layer, lins, hidden, ctx, torch.device(device), dtype, batch)
+
+
+def quantize_block(layer: nn.Module, i: int, spec: QuantSpec, hidden, ctx, device, dtype, batch: int,
+                   dense: set[int] = frozenset()) -> dict:
     """Quantize block `i`, materialized, in place (weights become their dequantized values).
     Returns the tensors to write, by name inside the block."""
-    lins = {n: m for n, m in linears(layer).items() if not _skipped(f"model.layers.{i}.{n}", spec)}
-    return spec.impl.quantize_block(Block(layer, lins, hidden, ctx, torch.device(device), dtype, batch), spec)
+    return _quantized(make_block(layer, i, spec, hidden, ctx, device, dtype, batch, dense), spec)
+
+
+def _quantized(block: Block, spec: QuantSpec) -> dict:
+    return spec.impl.quantize_block(block, spec) if block.linears else {}
 
 
 def quantize_layers(src: str | Path, out: str | Path, spec: QuantSpec, *, device: str = "auto", force: bool = False,
@@ -87,6 +102,7 @@ def quantize_layers(src: str | Path, out: str | Path, spec: QuantSpec, *, device
     check_free(out, expected_bytes(hf, spec) - run.bytes())
     try:
         run.begin()
+        _say_resumed(run, progress)
         if run.phase == "blocks":
             _quantize_blocks(run, hf, mod, args, spec, device, batch, compute_dtype, progress)
             assemble(run, hf, spec)
@@ -98,7 +114,16 @@ def quantize_layers(src: str | Path, out: str | Path, spec: QuantSpec, *, device
         if is_disk_full(e):
             need = expected_bytes(hf, spec) * (2 if run.copies else 1) - run.bytes()
             raise full_disk_error(out, need, kept) from e
-        raise
+        raise interrupted(e, kept) from e
+
+
+def _say_resumed(run: Run, progress: OnStep) -> None:
+    """Say what an earlier run of the same command left that this one goes on from."""
+    if run.phase == "blocks" and run.done:
+        progress(Step("", note=f"resuming from block {run.done + 1} of {run.n}: an earlier run finished "
+                                f"{run.done} (kept in {run.dir.name})"))
+    elif run.phase != "blocks":
+        progress(Step("", note=f"resuming: an earlier run finished every block (kept in {run.dir.name})"))
 
 
 def _open_source(src: str | Path, spec: QuantSpec):
@@ -131,25 +156,28 @@ def _quantize_blocks(run: Run, hf, mod, args, spec: QuantSpec, device: str, batc
         hidden = home(embed_calibration(hf, args, calib_ids) if run.done == 0 else run.load_hidden(), dev, dtype)
     faults.point("calib")
     model = meta_model(mod, args)
+    dense = dense_layers(args, spec)
     for i in range(run.done, n):
         ctx = model.block_context(i, calib_ids.shape[1], dev) if calib_ids is not None else None
-        hidden = _quantize_one(model.model.layers[i], i, hf, spec, hidden, ctx, dev, dtype, batch, run.block_file(i))
+        block = make_block(model.model.layers[i], i, spec, hidden, ctx, dev, dtype, batch, dense)
+        hidden = _quantize_one(block, i, hf, spec, run.block_file(i))
         faults.point(f"block:{i}")
         run.save_block(i, hidden if i + 1 < n else None, tokens)
         progress(Step(task, i + 1, n))
 
 
-def _quantize_one(layer: nn.Module, i: int, hf, spec: QuantSpec, hidden, ctx, dev, dtype, batch: int,
-                  dest: Path) -> torch.Tensor | None:
-    """Quantize block i and write it to `dest`; the activations entering the next block."""
+def _quantize_one(b: Block, i: int, hf, spec: QuantSpec, dest: Path) -> torch.Tensor | None:
+    """Quantize block i and write it to `dest` (with its experts' calibration record in the
+    file's metadata); the activations entering the next block."""
     from safetensors.torch import save_file
 
+    layer, hidden = b.layer, b.hidden
     tensors = block_tensors(hf, i)
-    materialize(layer, tensors, dev, dtype)
-    qt = quantize_block(layer, i, spec, hidden, ctx, dev, dtype, batch)
+    materialize(layer, tensors, b.device, b.dtype)
+    qt = _quantized(b, spec)
     if hidden is not None:
         with phase("block outputs"):
-            hidden = run_block(layer, hidden, ctx, dev, dtype, batch)
+            hidden = run_block(layer, hidden, b.ctx, b.device, b.dtype, b.batch)
     block = {}
     state = layer.state_dict()
     for name, t in tensors.items():  # norms, biases, skipped layers: as the method left them
@@ -159,7 +187,7 @@ def _quantize_one(layer: nn.Module, i: int, hf, spec: QuantSpec, hidden, ctx, de
         block[f"model.layers.{i}.{name}"] = state[name].to("cpu", t.dtype) if name in state else t
     block.update({f"model.layers.{i}.{k}": v.contiguous() for k, v in qt.items()})
     tmp = dest.with_suffix(".tmp")
-    save_file(block, str(tmp), metadata={"format": "pt"})
+    save_file(block, str(tmp), metadata={"format": "pt", **block_metadata(b)})
     os.replace(tmp, dest)
     layer.to("meta")
     return hidden

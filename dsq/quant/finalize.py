@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from dsq.quant import faults
+from dsq.quant.moe import Kept, card_lines, kept_linears, read_routing
 from dsq.quant.spec import OnStep, QuantSpec, Step
 from dsq.quant.staging import Run, place_shards
 
@@ -27,34 +28,48 @@ def assemble(run: Run, hf, spec: QuantSpec) -> None:
     weight_map, size = place_shards(run, files)
     write_json(run.stage / "model.safetensors.index.json", {"metadata": {"total_size": size}, "weight_map": weight_map})
     faults.point("finalize:index")
-    write_json(run.stage / "config.json", {**hf.config, "quantization_config": spec.quantization_config()})
+    kept, routing = _facts(run, hf, spec)
+    write_json(run.stage / "config.json", {**hf.config, "quantization_config": spec.quantization_config(kept)})
     faults.point("finalize:config")
     for name in TOKENIZER_FILES:
         if (hf.path / name).is_file():
             shutil.copy2(hf.path / name, run.stage / name)
     faults.point("finalize:tokenizer")
-    write_json(run.stage / "dsq_quant.json", _record(run, hf, spec))
+    write_json(run.stage / "dsq_quant.json", _record(run, hf, spec, routing))
     faults.point("finalize:record")
-    (run.stage / "README.md").write_text(model_card(hf, spec, size))
+    (run.stage / "README.md").write_text(model_card(hf, spec, size, kept=kept, routing=routing))
     run.record(phase="staged", size=size)
 
 
-def _record(run: Run, hf, spec: QuantSpec, evals: dict | None = None) -> dict:
+def _facts(run: Run, hf, spec: QuantSpec) -> tuple[Kept, dict[int, dict]]:
+    """(the layers' Linears kept 16-bit, the experts' calibration record per layer)."""
+    from dsq.models.registry import build_args
+    from dsq.quant.blocks import meta_model
+
+    mod, args = build_args(hf.config, f"{hf.path}/config.json")
+    routing = read_routing([run.block_file(i) for i in range(run.n)]) if (run.dir / "blocks").is_dir() else {}
+    return kept_linears(meta_model(mod, args), args, spec), routing
+
+
+def _record(run: Run, hf, spec: QuantSpec, routing: dict[int, dict], evals: dict | None = None) -> dict:
     """dsq_quant.json: where the artifact came from (dsq eval finds the source here), how it was
-    made, and its evaluation."""
+    made, the calibration tokens each routed expert saw (by layer), and its evaluation."""
     return {"source": str(hf.path.resolve()), "spec": spec.record(), "method": spec.method,
             "seconds": run.state["seconds"], "blocks": run.n, "calibration_tokens": run.state["calibration_tokens"],
+            **({"experts": {str(i): r for i, r in routing.items()}} if routing else {}),
             **({"eval": evals} if evals else {})}
 
 
 def _write_rest(hf, folder: Path) -> list[Path]:
     """The tensors outside the blocks (embeddings, final norm, output head), unchanged."""
+    from dsq.convert.fp8_source import float_view
     from dsq.formats.hf import ShardedSafetensorsWriter
     from dsq.quant.space import remove
 
     remove(folder)
     folder.mkdir()
     rest = ShardedSafetensorsWriter(folder)
+    hf = float_view(hf)
     for name in hf.tensor_names():
         if not name.startswith("model.layers.") and not name.endswith("inv_freq"):
             rest.add(name, hf.get_tensor(name))
@@ -67,9 +82,10 @@ def evaluate_stage(run: Run, hf, spec: QuantSpec, tokens: int, progress: OnStep)
     from dsq.formats.hf import write_json
 
     evals = _evaluate(run.stage, hf.path, tokens, progress) if tokens else None
-    write_json(run.stage / "dsq_quant.json", _record(run, hf, spec, evals))
+    kept, routing = _facts(run, hf, spec)
+    write_json(run.stage / "dsq_quant.json", _record(run, hf, spec, routing, evals))
     shown = {k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in evals.items()} if evals else None
-    (run.stage / "README.md").write_text(model_card(hf, spec, run.state["size"], shown))
+    (run.stage / "README.md").write_text(model_card(hf, spec, run.state["size"], shown, kept, routing))
     faults.point("finalize:card")
     run.record(phase="ready", eval_tokens=tokens)
 
@@ -88,17 +104,28 @@ def _evaluate(model: Path, source: Path, tokens: int, progress: OnStep) -> dict:
             "top-1 agreement": r["top1_agreement"], "tokens": r["tokens"]}
 
 
-def model_card(hf, spec: QuantSpec, size: int, evals: dict | None = None) -> str:
-    q = spec.quantization_config()
+def model_card(hf, spec: QuantSpec, size: int, evals: dict | None = None, kept: Kept | None = None,
+               routing: dict[int, dict] | None = None) -> str:
+    q = spec.quantization_config(kept)
     lines = [f"# {hf.path.name} — {spec.method.upper()} ({q['quant_method']})", "",
-             f"Quantized with [dsq](https://example.invalid/dsq) from `{hf.path.name}`.", "",
+             f"Quantized from `{hf.path.name}` by dsq, which quantizes DeepSeek-family LLMs and runs them locally.",
+             "",
              "| setting | value |", "|---|---|"]
     settings = spec.impl.card_settings(spec)
-    settings["kept 16-bit"] = ", ".join(["lm_head", "embeddings", "norms"] + list(spec.skip))
+    settings["kept 16-bit"] = ", ".join(["lm_head", "embeddings", "norms"] + _kept_rows(kept) + list(spec.skip))
     settings["size"] = f"{size / 2**20:.1f} MiB"
     lines += [f"| {k} | {v} |" for k, v in settings.items()]
+    lines += card_lines(routing or {}, spec)
     if evals:
         lines += ["", "## Evaluation (dsq eval, held-out text)", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in evals.items()]
     lines += ["", "Loads in vLLM / SGLang / transformers as its `quantization_config` says, and in dsq's native runtime."]
     return "\n".join(lines) + "\n"
+
+
+def _kept_rows(kept: Kept | None) -> list[str]:
+    """The card's words for what an MoE model keeps 16-bit beyond the usual."""
+    rows = ["routers (mlp.gate)"] if kept is not None and kept.routers else []
+    if kept is not None and kept.layers:
+        rows.append(f"dense layer{'s' if len(kept.layers) > 1 else ''} {', '.join(map(str, kept.layers))}")
+    return rows

@@ -4,6 +4,7 @@ Needs no calibration (activations are quantized dynamically by the serving engin
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,10 +54,18 @@ class FP8(LayerMethod):
     def label(self, spec: "QuantSpec") -> str:
         return f"{super().label(spec)}-{spec.fp8_scheme}"
 
-    def quantization_config(self, spec: "QuantSpec") -> dict:
+    def quantization_config(self, spec: "QuantSpec", kept=None) -> dict:
+        """DeepSeek's config, its kept Linears by name (modules_to_not_convert: vLLM's and
+        transformers' FP8 loaders match names exactly); or compressed-tensors', whose `ignore`
+        takes whole layers as "re:" patterns."""
         if spec.fp8_format == "deepseek":
-            return deepseek_config()
-        return compressed_tensors_config(spec.fp8_scheme, self.kept(spec))
+            qc = deepseek_config()
+            if kept is not None and kept.modules:
+                qc["modules_to_not_convert"] = list(kept.modules)
+            return qc
+        ignore = self.kept(spec) if kept is None else \
+            ["lm_head"] + [f"re:{re.escape(p)}.*" for p in kept.layer_prefixes()] + kept.outside_layers()
+        return compressed_tensors_config(spec.fp8_scheme, ignore)
 
     def settings(self, spec: "QuantSpec") -> dict:
         return {"scheme": spec.fp8_scheme, "format": spec.fp8_format}

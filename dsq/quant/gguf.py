@@ -27,7 +27,7 @@ from dsq.quant import faults
 from dsq.quant.gguf_work import Work
 from dsq.quant.method import Method, calib_stamp, check_target, run_key
 from dsq.quant.space import check_free, free_bytes, full_disk_error, is_disk_full
-from dsq.quant.spec import EVAL_TOKENS, GGUFSpec, OnStep, Step, no_progress
+from dsq.quant.spec import EVAL_TOKENS, GGUFSpec, OnStep, Step, interrupted, no_progress
 
 # bits per weight of each whole-file type (for the progress estimate and reports)
 APPROX_BPW = {"Q8_0": 8.5, "Q6_K": 6.56, "Q5_K_M": 5.7, "Q5_K_S": 5.5, "Q5_0": 5.5, "Q4_K_M": 4.9,
@@ -164,6 +164,10 @@ class GGUF(Method):
         check_free(out, _expected_bytes(ref, spec) - work.bytes())
         try:
             work.begin()
+            reused = work.reused()
+            if reused:
+                progress(Step("", note=f"resuming: reusing the {' and '.join(reused)} an earlier run left in "
+                                       f"{work.dir.name}"))
             if not work.ready():
                 _make(work, ref, spec, device, threads, batch, compute_dtype, progress)
             work.publish()
@@ -171,14 +175,27 @@ class GGUF(Method):
             kept = work.tidy(keep=isinstance(e, KeyboardInterrupt) or is_disk_full(e))
             if is_disk_full(e):
                 raise full_disk_error(out, _expected_bytes(ref, spec) - work.bytes(), kept) from e
-            raise
+            raise interrupted(e, kept) from e
         return out
 
     def describe(self, out: Path) -> str:
         g = GGUFFile(out)
-        n = sum(t.n_elements for t in g.tensors)
-        size = out.stat().st_size
-        return f"{size / 2**20:.1f} MiB, {8 * size / max(n, 1):.2f} bits/weight, {g.describe_quant()}"
+        return f"{out.stat().st_size / 2**20:.1f} MiB, {g.describe_quant()}: {bits_per_weight(g.tensors)}"
+
+
+def bits_per_weight(tensors) -> str:
+    """Bits per weight over every tensor; where the layers' (blk.*) differ, theirs too and the
+    tensors outside them that hold a large share of the weights, at their type: a small model's
+    one figure is mostly its embedding's (llama.cpp keeps token_embd at 6-8 bits in every mix)."""
+    n = sum(t.n_elements for t in tensors) or 1
+    bits = 8 * sum(t.n_bytes for t in tensors) / n
+    layers = [t for t in tensors if t.name.startswith("blk.")]
+    in_layers = 8 * sum(t.n_bytes for t in layers) / max(sum(t.n_elements for t in layers), 1)
+    if not layers or abs(in_layers - bits) < 0.5:
+        return f"{bits:.2f} bits/weight"
+    big = [f"{t.name} ({100 * t.n_elements / n:.0f}% of the weights) is {t.type_name}" for t in tensors
+           if not t.name.startswith("blk.") and t.n_elements >= 0.1 * n]
+    return f"{bits:.2f} bits/weight, {in_layers:.2f} in the layers" + "".join(f"; {b}" for b in big)
 
 
 def _source(source: Path, spec: GGUFSpec) -> "ModelRef":

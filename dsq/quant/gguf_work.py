@@ -72,6 +72,11 @@ class Work:
         files = {"float": self.float, "product": self.product}
         self.state = {k: self.state[k] for k, f in files.items() if f in keep and self._has(k)}
 
+    def reused(self) -> list[str]:
+        """What begin() kept for this run to go on from, in the order the pipeline makes them."""
+        files = {"importance matrix": self.imatrix_file, "float GGUF": self.float, "quantized GGUF": self.product}
+        return [name for name, f in files.items() if f.is_file() and (f != self.float or name == "float GGUF")]
+
     def record(self, name: str) -> None:
         self.state[name] = self.keys[name]
         tmp = self.dir / "state.json.tmp"

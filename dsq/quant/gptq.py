@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsq.quant.blocks import LINEAR_GROUPS, Capture, phase
-from dsq.quant.rtn import IntMethod, IntQuant, group_params, quantize_codes
+from dsq.quant.blocks import Capture, input_stages, phase
+from dsq.quant.moe import calibrates
+from dsq.quant.rtn import IntMethod, IntQuant, group_params, quantize_codes, rtn
 
 if TYPE_CHECKING:
     from dsq.quant.blocks import Block
@@ -193,20 +194,55 @@ class GPTQ(IntMethod):
         return {**super().settings(spec), "act_order": spec.act_order, "damp": spec.damp}
 
     def quantize_block(self, block: "Block", spec: "QuantSpec") -> dict:
+        """Stage by stage (dsq.quant.blocks.input_stages), each group of Linears reading one input
+        solved over one Hessian of that input; a stage's Hessians are gathered in one calibration
+        forward of the block as quantized so far (an MoE layer's in as few forwards as
+        HESSIAN_BYTES allows), so each expert's Hessian holds the tokens its router sent it."""
         out: dict[str, torch.Tensor] = {}
-        lins = block.linears
-        for group in LINEAR_GROUPS:
-            names = [n for n in group if n in lins]
-            if not names:
-                continue
-            with Capture({names[0]: lins[names[0]]}, lambda m: Hessian(m.in_features, m.weight.device)) as cap:
-                with phase("gptq: calibration forwards"):
-                    block.run()
-            # Linears reading the same input share one Hessian, and GPTQ treats rows independently:
-            # one solve over their stacked rows equals separate solves, with a third of the steps
-            with phase("gptq: solve"):
-                w = torch.cat([lins[n].weight.data.float() for n in names])
-                iq = gptq(w, cap.data[names[0]].H, spec.bits, spec.group_size, bool(spec.sym), spec.act_order, spec.damp)
-            for n, part in zip(names, iq.split([lins[n].out_features for n in names])):
-                self.emit(out, n, lins[n], part, spec)
+        for stage in input_stages(block.linears):
+            for chunk in _chunks(stage, block):
+                hessians = self._hessians(block, chunk)
+                for names in chunk:
+                    self._solve(out, block, names, hessians[names[0]], spec)
         return out
+
+    @staticmethod
+    def _hessians(block: "Block", groups: list[list[str]]) -> dict[str, Hessian]:
+        firsts = {g[0]: block.linears[g[0]] for g in groups}
+        with Capture(firsts, lambda m: Hessian(m.in_features, m.weight.device)) as cap:
+            with phase("gptq: calibration forwards"):
+                block.run()
+        return cap.data
+
+    def _solve(self, out: dict, block: "Block", names: list[str], h: Hessian, spec: "QuantSpec") -> None:
+        """Linears reading the same input share one Hessian, and GPTQ treats rows independently:
+        one solve over their stacked rows equals separate solves, with fewer steps. An expert
+        with too few tokens is rounded (RTN) instead."""
+        lins = block.linears
+        if not calibrates(block, names[0], h.n, spec):
+            for n in names:
+                self.emit(out, n, lins[n], rtn(lins[n].weight.data.cpu(), spec.bits, spec.group_size, bool(spec.sym)),
+                          spec)
+            return
+        with phase("gptq: solve"):
+            w = torch.cat([lins[n].weight.data.float() for n in names])
+            iq = gptq(w, h.H, spec.bits, spec.group_size, bool(spec.sym), spec.act_order, spec.damp)
+        for n, part in zip(names, iq.split([lins[n].out_features for n in names])):
+            self.emit(out, n, lins[n], part, spec)
+
+
+HESSIAN_BYTES = 8 << 30  # Hessians gathered in one forward at most (DeepSeek-V3: 257 of 7168^2 floats)
+
+
+def _chunks(stage: list[list[str]], block: "Block") -> list[list[list[str]]]:
+    """A stage's groups in runs whose Hessians fit HESSIAN_BYTES together (one forward each)."""
+    chunks: list[list[list[str]]] = [[]]
+    used = 0
+    for g in stage:
+        size = 4 * block.linears[g[0]].in_features ** 2
+        if chunks[-1] and used + size > HESSIAN_BYTES:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(g)
+        used += size
+    return chunks

@@ -100,6 +100,8 @@ class LayerMethod(Method):
             raise DsqError("--act-order applies to gptq only")
         if not 0 < spec.damp < 1:
             raise DsqError(f"--damp must be in (0, 1), got {spec.damp}")
+        if spec.min_expert_tokens < 0:
+            raise DsqError(f"min_expert_tokens must be 0 or more, got {spec.min_expert_tokens}")
 
     def check(self, spec: QuantSpec) -> None:
         """The method's own rules on its settings."""
@@ -113,11 +115,15 @@ class LayerMethod(Method):
     def output_name(self, spec: QuantSpec) -> str:
         return self.label(spec)
 
-    def kept(self, spec: QuantSpec) -> list[str]:
-        """Module patterns the checkpoint keeps 16-bit."""
-        return ["lm_head"] + list(spec.skip)
+    def kept(self, spec: QuantSpec, kept=None) -> list[str]:
+        """What the checkpoint keeps 16-bit as loaders match modules by substring (AWQ's
+        modules_to_not_convert): the output head, then the skip patterns, or with `kept`
+        (dsq.quant.moe.Kept) whole layers by prefix and every other kept Linear by name."""
+        if kept is None:
+            return ["lm_head"] + list(spec.skip)
+        return ["lm_head"] + kept.layer_prefixes() + kept.outside_layers()
 
-    def quantization_config(self, spec: QuantSpec) -> dict:
+    def quantization_config(self, spec: QuantSpec, kept=None) -> dict:
         raise NotImplementedError
 
     def check_shape(self, name: str, n_out: int, n_in: int, spec: QuantSpec) -> None:
@@ -157,4 +163,27 @@ class LayerMethod(Method):
         return out
 
     def describe(self, out: Path) -> str:
-        return f"{dir_size(out) / 2**20:.1f} MiB"
+        total, kept = dir_size(out), bytes_outside_layers(out)
+        return (f"{total / 2**20:.1f} MiB, of which {kept / 2**20:.1f} MiB ({100 * kept / max(total, 1):.0f}%) are "
+                "the embeddings, the output head and the final norm, kept 16-bit: only the layers' Linears are "
+                "quantized")
+
+
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}
+
+
+def bytes_outside_layers(out: Path) -> int:
+    """Bytes of an HF directory's tensors that are not in a decoder layer (model.layers.*)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), framework="np") as st:
+            for name in st.keys():
+                if ".layers." not in name:
+                    sl = st.get_slice(name)
+                    n = 1
+                    for d in sl.get_shape():
+                        n *= d
+                    total += n * _DTYPE_BYTES.get(sl.get_dtype(), 1)
+    return total

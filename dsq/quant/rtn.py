@@ -7,6 +7,7 @@ Shapes: W (N, K) torch layout; groups run along K; scales/zeros (G, N).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -99,9 +100,15 @@ class IntMethod(LayerMethod):
     def check_shape(self, name: str, n_out: int, n_in: int, spec: "QuantSpec") -> None:
         awq_gptq.check_shape(name, n_out, n_in, spec.bits, spec.group_size, self.name)
 
-    def quantization_config(self, spec: "QuantSpec") -> dict:
+    def quantization_config(self, spec: "QuantSpec", kept=None) -> dict:
+        """GPTQ's config; Linears kept 16-bit as negative `dynamic` rules (GPTQModel's and vLLM's
+        per-module overrides: "-:" + a regex matched at the module name's start)."""
         sym = bool(spec.sym)
-        return awq_gptq.gptq_config(spec.bits, spec.group_size, spec.act_order, sym, spec.damp, sym)
+        qc = awq_gptq.gptq_config(spec.bits, spec.group_size, spec.act_order, sym, spec.damp, sym)
+        if kept is not None and kept.modules:
+            rules = [re.escape(p) for p in kept.layer_prefixes()] + [re.escape(m) + "$" for m in kept.outside_layers()]
+            qc["dynamic"] = {f"-:{r}": {} for r in rules}
+        return qc
 
     def settings(self, spec: "QuantSpec") -> dict:
         return {"group_size": spec.group_size, "symmetric": spec.sym}

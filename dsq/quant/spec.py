@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 # flat option names (the CLI's flags, a recipe's keys) -> CalibSpec fields
 _CALIB_OPTIONS = {"calib": "source", "calib_samples": "samples", "calib_seq_len": "seq_len"}
-_LAYER_OPTIONS = ("bits", "group_size", "sym", "act_order", "damp", "fp8_scheme", "fp8_format", "skip")
+_LAYER_OPTIONS = ("bits", "group_size", "sym", "act_order", "damp", "fp8_scheme", "fp8_format", "skip",
+                  "quantize_dense", "min_expert_tokens")
 EVAL_TOKENS = 2048  # held-out tokens the model card's evaluation reads by default
 
 
@@ -68,6 +69,11 @@ class QuantSpec(_Spec):
     fp8_format: str = "compressed-tensors"  # compressed-tensors | deepseek
     calib: CalibSpec = field(default_factory=CalibSpec)
     skip: list[str] = field(default_factory=list)  # module-name patterns kept 16-bit
+    # mixture-of-experts models (dsq.quant.moe): the dense layers before the first MoE layer
+    # (DeepSeek-V3's first 3) stay 16-bit unless this is set; the routers always do
+    quantize_dense: bool = False
+    # an expert routed fewer calibration tokens than this is quantized by RTN (gptq, awq)
+    min_expert_tokens: int = 128
 
     @classmethod
     def from_options(cls, method: str, options: dict) -> "QuantSpec":
@@ -78,8 +84,10 @@ class QuantSpec(_Spec):
     def needs_calibration(self) -> bool:
         return self.impl.needs_calibration
 
-    def quantization_config(self) -> dict:
-        return self.impl.quantization_config(self)
+    def quantization_config(self, kept=None) -> dict:
+        """The artifact's quantization_config; `kept`: the layers' Linears it keeps 16-bit
+        (dsq.quant.moe.Kept), named the way each format's loaders skip modules."""
+        return self.impl.quantization_config(self, kept)
 
     def record(self) -> dict:
         """The settings as one flat mapping: what dsq_quant.json holds and the resume key hashes."""
@@ -111,10 +119,18 @@ class Step:
     total: int | None = None
     unit: str = "items"  # "bytes" for llama.cpp's quantizer
     item: str = ""  # what is being worked on (the tensor a conversion writes)
+    note: str = ""  # a message to show once (what a resumed run reuses); such a step reports no progress
 
 
 def no_progress(step: Step) -> None:
     """The progress callback that reports nothing."""
+
+
+def interrupted(e: BaseException, kept: str | None) -> BaseException:
+    """What to raise for a stopped run: a KeyboardInterrupt saying what a rerun resumes from."""
+    if not isinstance(e, KeyboardInterrupt) or not kept:
+        return e
+    return KeyboardInterrupt(f"{kept}: run the same command again to resume")
 
 
 OnStep = Callable[[Step], None]  # a progress callback
