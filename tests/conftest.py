@@ -9,8 +9,26 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent))  # benchmarks/ (not installed) for its own tests
 
-# Each test run gets its own dsq cache, except the built-in model which is shared (read-only).
 os.environ.setdefault("DSQ_QUIET", "1")
+
+
+def _own_cache() -> None:
+    """Each test run gets its own dsq cache (a temp folder, removed at exit), so that conversions
+    and calibrations made by tests stay out of the user's; the built-in model's files are shared
+    with the user's cache (DSQ_BUILTIN_CACHE: made once, then only read)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from dsq.runtime.builtin import builtin_dir
+
+    os.environ.setdefault("DSQ_BUILTIN_CACHE", str(builtin_dir()))  # before DSQ_CACHE moves
+    own = tempfile.mkdtemp(prefix="dsq-test-cache-")
+    os.environ["DSQ_CACHE"] = own
+    atexit.register(shutil.rmtree, own, ignore_errors=True)
+
+
+_own_cache()
 
 
 def _has_cuda() -> bool:

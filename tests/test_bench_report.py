@@ -11,9 +11,13 @@ def test_summary_median_and_tail():
             for p, d, t, r in [(100, 10, 80, 5), (200, 20, 40, 7), (300, 30, 27, 6)]]
     (row,) = summarize(recs)
     assert row["decode_tok_s_median"] == 20 and row["prefill_tok_s_median"] == 200
-    assert row["decode_tok_s_p99"] == pytest.approx(10.2)  # slow tail of a rate: its 1st percentile
-    assert row["ttft_ms_p99"] == pytest.approx(79.2)  # slow tail of a latency: its 99th percentile
-    assert row["peak_rss_mb"] == 7 and row["runs"] == 3
+    assert row["decode_tok_s_worst"] == 10 and row["ttft_ms_worst"] == 80  # the slow tail: low rate, high latency
+    assert row["decode_tok_s_p99"] is None and row["ttft_ms_p99"] is None  # 3 runs make no p99
+    assert row["peak_rss_mb"] == 7 and row["runs"] == 3 and row["peak_vram_mb"] == 0.0
+    many = [dict(recs[0], decode_tok_s=float(d), ttft_ms=float(d)) for d in range(1, 101)]
+    (row,) = summarize(many)
+    assert row["decode_tok_s_p99"] == pytest.approx(1.99)  # slow tail of a rate: its 1st percentile
+    assert row["ttft_ms_p99"] == pytest.approx(99.01)  # of a latency: its 99th
 
 
 def _row(backend, gl, decode, prefill=100.0):

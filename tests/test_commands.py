@@ -87,7 +87,10 @@ def test_chat_ends_cleanly_at_eof(runner, tiny_gguf):
     assert r.exit_code == 0, r.output
 
 
-def test_bench_json_and_plot(runner, tmp_path, tiny_gguf):
+def test_bench_json_and_plot(runner, tmp_path, tiny_gguf, monkeypatch):
+    import dsq.cli.bench as bench
+
+    monkeypatch.setattr(bench, "_some_gpu", lambda backends: True)  # a sweep, as on a GPU (here it runs on the CPU)
     jp, pp = tmp_path / "b.json", tmp_path / "b.png"
     r = runner.invoke(app, ["bench", str(tiny_gguf("qwen2", "Q8_0")), "--prompt-tokens", "64", "--gen-tokens", "8",
                             "--repeat", "2", "--gpu-layers", "0,all", "--json", str(jp), "--plot", str(pp)])

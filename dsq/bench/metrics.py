@@ -78,27 +78,54 @@ def cuda_context_bytes() -> int | None:
     return _context["bytes"]
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def release_memory() -> None:
+    """Hand what freed objects held back: Python's garbage, torch's cached GPU blocks, and the C
+    heap's free pages (glibc keeps them otherwise), so that a later baseline is this process's own."""
+    import ctypes
+    import gc
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class PeakMemory:
     """Context manager sampling RSS and GPU memory every `interval` s; peaks in bytes.
 
-    GPU figures are device-wide minus what was in use at `baseline_gpu` (before the model loaded).
+    Figures are above their baselines: RSS above `baseline_rss`, GPU memory (device-wide) above
+    `baseline_gpu` (what was in use before the model loaded). peak_gpu stays None without an
+    NVIDIA GPU.
     """
 
-    def __init__(self, interval: float = 0.02, baseline_gpu: int | None = None):
+    def __init__(self, interval: float = 0.02, baseline_gpu: int | None = None, baseline_rss: int = 0):
         import psutil
 
         self.proc = psutil.Process()
         self.interval = interval
         self.baseline_gpu = baseline_gpu
+        self.baseline_rss = baseline_rss
         self.peak_rss = 0
-        self.peak_gpu = 0
+        self.peak_gpu: int | None = None
         self._stop = threading.Event()
 
     def _sample(self) -> None:
-        self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss)
+        self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss - self.baseline_rss)
         g = gpu_used_bytes()
         if g is not None:
-            self.peak_gpu = max(self.peak_gpu, g - (self.baseline_gpu or 0))
+            self.peak_gpu = max(self.peak_gpu or 0, g - (self.baseline_gpu or 0))
 
     def _loop(self) -> None:
         while not self._stop.is_set():

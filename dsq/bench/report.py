@@ -1,4 +1,5 @@
-"""Bench reports: summary statistics (median, p99), a rich table, JSON, and a plot for sweeps."""
+"""Bench reports: summary statistics (median, and the slow tail: p99 from 100 runs, the worst run
+below that), a rich table, JSON, and a plot for sweeps."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 from pathlib import Path
 
 METRICS = ("prefill_tok_s", "decode_tok_s", "ttft_ms", "tpot_ms")
+P99_RUNS = 100  # runs a p99 needs before it is more than the worst run
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -15,7 +17,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """One row per (backend, gpu_layers): median and p99 of each metric, peak memory."""
+    """One row per (backend, gpu_layers, batch): of each metric the median, the worst run and,
+    from P99_RUNS runs, the p99 (None below that); peak memory (VRAM None without a GPU)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault((r["backend"], str(r["gpu_layers"]), r.get("batch", 1)), []).append(r)
@@ -25,14 +28,26 @@ def summarize(records: list[dict]) -> list[dict]:
                "batch": batch, "runs": len(rs), "prompt_tokens": rs[0]["prompt_tokens"],
                "gen_tokens": rs[0]["gen_tokens"]}
         for m in METRICS:
-            vals = [r[m] for r in rs]
-            row[f"{m}_median"] = round(_pct(vals, 50), 3)
-            # p99 of a rate is its slow tail (1st percentile); of a latency, its 99th
-            row[f"{m}_p99"] = round(_pct(vals, 1 if m.endswith("tok_s") else 99), 3)
+            row.update(_stats(m, [r[m] for r in rs]))
         row["peak_rss_mb"] = max(r["peak_rss_mb"] for r in rs)
-        row["peak_vram_mb"] = max(r["peak_vram_mb"] for r in rs)
+        row["base_rss_mb"] = max(r.get("base_rss_mb", 0.0) for r in rs)
+        vram = [r["peak_vram_mb"] for r in rs if r.get("peak_vram_mb") is not None]
+        row["peak_vram_mb"] = max(vram) if vram else None
         rows.append(row)
     return rows
+
+
+def _stats(metric: str, vals: list[float]) -> dict:
+    """Median, worst and p99 of one metric: the slow tail of a rate is its low end, of a latency its high end."""
+    rate = metric.endswith("tok_s")
+    p99 = round(_pct(vals, 1 if rate else 99), 3) if len(vals) >= P99_RUNS else None
+    return {f"{metric}_median": round(_pct(vals, 50), 3), f"{metric}_worst": (min if rate else max)(vals),
+            f"{metric}_p99": p99}
+
+
+def tail_name(rows: list[dict]) -> str:
+    """What the table's second figure is: p99 where every row has it, else the worst run."""
+    return "p99" if rows and all(r.get("runs", 0) >= P99_RUNS for r in rows) else "worst"
 
 
 def _fmt(x: float) -> str:
@@ -66,29 +81,36 @@ def _ratio(a: dict, b: dict, metric: str) -> float | None:
     return round(a[f"{metric}_median"] / den, 3) if den else None
 
 
+def vram_cell(mib: float | None) -> str:
+    return "n/a" if mib is None else f"{mib:.0f}"
+
+
 def vram_caption(context_bytes: int | None) -> str:
     """What the peak VRAM column counts (bench.metrics.cuda_context_bytes: the CUDA context is made
     before the first configuration, so it is in no row)."""
     if context_bytes is None:
-        return "peak VRAM: GPU memory in use above what the process held before the configuration"
+        return "peak VRAM: GPU memory in use above what the process held before the configuration (n/a: no GPU)"
     held = f" ({context_bytes / 2**20:.0f} MiB)" if context_bytes else ""
     return (f"peak VRAM: above the CUDA context{held}, made before the first configuration; one-time "
             "library workspaces count where first made")
 
 
 def table(rows: list[dict], title: str, context_bytes: int | None = None):
-    """Median / p99 per configuration; with two backends, grouped by split with their ratio."""
+    """Median / worst (or p99) per configuration; with two backends, grouped by split with their ratio."""
     from rich.table import Table
 
     batched = any(r.get("batch", 1) > 1 for r in rows)
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     pair = backends[:2] if len(backends) >= 2 else None
-    caption = "median / p99 over the runs (p99: the slow tail)"
+    tail = tail_name(rows)
+    caption = ("median / p99 over the runs (p99: the slow tail)" if tail == "p99" else
+               f"median / worst of the runs (a p99 needs {P99_RUNS}+ runs)")
     if batched:
         caption += "; with a batch, tok/s count every sequence and TPOT is one step"
     if pair:
         caption += f"; ratio: {pair[0]} / {pair[1]} tok/s at the same split"
-    t = Table(title=title, title_justify="left", caption=f"{caption}\n{vram_caption(context_bytes)}")
+    rss = "peak RSS: above the process before loading (Python, libraries, what earlier configurations left)"
+    t = Table(title=title, title_justify="left", caption=f"{caption}\n{rss}\n{vram_caption(context_bytes)}")
     cols = ["backend", "gpu layers"] + (["batch"] if batched else []) + [
         "prefill tok/s", "decode tok/s", "TTFT ms", "TPOT ms", "peak RSS MiB", "peak VRAM MiB"]
     cols += ["decode ratio", "prefill ratio"] if pair else []
@@ -96,9 +118,9 @@ def table(rows: list[dict], title: str, context_bytes: int | None = None):
         t.add_column(col, justify="left" if col == "backend" else "right")
     ratio_of = {(x["gpu_layers"], x["batch"]): x for x in ratios(rows, *pair)} if pair else {}
     for r in by_split(rows) if pair else rows:
-        cells = [f"{_fmt(r[m + '_median'])} / {_fmt(r[m + '_p99'])}" for m in METRICS]
+        cells = [f"{_fmt(r[m + '_median'])} / {_fmt(r[f'{m}_{tail}'])}" for m in METRICS]
         t.add_row(r["backend"], _gpu_layers_cell(r), *([str(r.get("batch", 1))] if batched else []), *cells,
-                  f"{r['peak_rss_mb']:.0f}", f"{r['peak_vram_mb']:.0f}", *_ratio_cells(r, pair, ratio_of))
+                  f"{r['peak_rss_mb']:.0f}", vram_cell(r["peak_vram_mb"]), *_ratio_cells(r, pair, ratio_of))
     return t
 
 

@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable
 
+from dsq.bench.metrics import release_memory
 from dsq.errors import DsqError
 
 if TYPE_CHECKING:
@@ -27,11 +28,12 @@ class BenchRecord:
     decode_tok_s: float
     ttft_ms: float
     tpot_ms: float
-    peak_rss_mb: float
-    peak_vram_mb: float
+    peak_rss_mb: float  # above base_rss_mb: this configuration's own
+    peak_vram_mb: float | None  # above the GPU memory in use before loading; None without a GPU
     load_s: float
     threads: int
     batch: int = 1  # sequences decoded together; token counts and rates cover all of them
+    base_rss_mb: float = 0.0  # the process before loading (Python, libraries, earlier configurations' leftovers)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -84,8 +86,7 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
     """Benchmark one model (a path, or None for the built-in) across backends x gpu_layers (each a
     GpuLayers, or what GpuLayers.parse takes) x batch sizes (above 1: the native backend's batched
     decode, prompts of the same length)."""
-    from dsq.bench.metrics import PeakMemory, cuda_context_bytes, gpu_used_bytes
-    from dsq.runtime.engine import load
+    from dsq.bench.metrics import cuda_context_bytes
     from dsq.runtime.gpu_layers import GpuLayers
 
     _check_settings(backends, prompt_tokens, gen_tokens, repeat, batch)
@@ -95,38 +96,34 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
     records: list[BenchRecord] = []
     for backend in backends:
         for gl in [GpuLayers.parse(g) for g in gpu_layers]:
-            base_gpu = gpu_used_bytes()
             say(f"{backend}: loading with --gpu-layers {gl}")
-            t0 = time.perf_counter()
-            with PeakMemory(baseline_gpu=base_gpu) as load_mem:
-                m = load(model, backend=backend, ctx=n_ctx, threads=threads, gpu_layers=gl, **(
-                    model_opts.get(backend, {}) if model_opts else {}))
-            loaded = _Loaded(m, str(gl), time.perf_counter() - t0, load_mem, base_gpu)
+            loaded = _load(model, backend, gl, n_ctx, threads, (model_opts or {}).get(backend, {}))
             for B in batch:
                 for rec in _runs(loaded, B, prompt_tokens, gen_tokens, repeat, warmup, say):
                     records.append(rec)
                     if on_record:
                         on_record(rec)
-            del m, loaded
-            _release_gpu_memory()
+            del loaded
+            release_memory()  # what this configuration held, before the next one takes its baselines
     return records
+
+
+def _load(model, backend: str, gl, n_ctx: int, threads: int | None, opts: dict) -> _Loaded:
+    """Load one configuration, timing it and sampling its memory above the process's before."""
+    from dsq.bench.metrics import PeakMemory, gpu_used_bytes, rss_bytes
+    from dsq.runtime.engine import load
+
+    release_memory()
+    base_gpu, base_rss = gpu_used_bytes(), rss_bytes()
+    t0 = time.perf_counter()
+    with PeakMemory(baseline_gpu=base_gpu, baseline_rss=base_rss) as load_mem:
+        m = load(model, backend=backend, ctx=n_ctx, threads=threads, gpu_layers=gl, **opts)
+    return _Loaded(m, str(gl), time.perf_counter() - t0, load_mem, base_gpu, base_rss)
 
 
 def bench_ctx(ctx: int | None, prompt_tokens: int, gen_tokens: int) -> int:
     """The context a bench run loads with: `ctx`, and at least the prompt and the generated tokens."""
     return max(ctx or 0, prompt_tokens + gen_tokens + 8)
-
-
-def _release_gpu_memory() -> None:
-    """Free what the last configuration held before the next one takes its baseline, so each
-    one's peak VRAM is its own (torch's allocator keeps freed blocks until asked)."""
-    import gc
-    import sys
-
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 def _check_settings(backends, prompt_tokens: int, gen_tokens: int, repeat: int, batch: tuple[int, ...]) -> None:
@@ -151,7 +148,8 @@ class _Loaded:
     asked: str  # str(GpuLayers): as the user typed it
     load_s: float
     load_mem: PeakMemory  # peak memory while loading
-    base_gpu: int  # GPU memory in use before loading
+    base_gpu: int | None  # GPU memory in use before loading (None without a GPU)
+    base_rss: int  # the process's RSS before loading
 
 
 def _runs(loaded: _Loaded, B: int, prompt_tokens: int, gen_tokens: int, repeat: int, warmup: bool, say):
@@ -172,7 +170,7 @@ def _runs(loaded: _Loaded, B: int, prompt_tokens: int, gen_tokens: int, repeat: 
         say(f"{m.backend} --gpu-layers {loaded.asked}" + (f" --batch {B}" if B > 1 else "") + f": run {r + 1}/{repeat}")
         st = GenStats()
         m.reset()  # no prefix reuse between repeats: every run prefills the whole prompt
-        with PeakMemory(baseline_gpu=loaded.base_gpu) as mem:
+        with PeakMemory(baseline_gpu=loaded.base_gpu, baseline_rss=loaded.base_rss) as mem:
             _generate(m, prompts, greedy, gen_tokens, st)
         yield _record(loaded, r, B, st, mem)
 
@@ -184,9 +182,13 @@ def _record(loaded: _Loaded, r: int, B: int, st, mem) -> BenchRecord:
         prompt_tokens=st.prompt_tokens, gen_tokens=st.generated_tokens,
         prefill_tok_s=round(st.prefill_tok_s, 2), decode_tok_s=round(st.decode_tok_s, 2),
         ttft_ms=round(st.ttft_s * 1000, 3), tpot_ms=round(st.tpot_ms, 3),
-        peak_rss_mb=round(max(mem.peak_rss, loaded.load_mem.peak_rss) / 2**20, 1),
-        peak_vram_mb=round(max(mem.peak_gpu, loaded.load_mem.peak_gpu) / 2**20, 1),
-        load_s=round(loaded.load_s, 3), threads=m.n_threads, batch=B)
+        peak_rss_mb=_mib(max(mem.peak_rss, loaded.load_mem.peak_rss)),
+        peak_vram_mb=None if mem.peak_gpu is None else _mib(max(mem.peak_gpu, loaded.load_mem.peak_gpu or 0)),
+        load_s=round(loaded.load_s, 3), threads=m.n_threads, batch=B, base_rss_mb=_mib(loaded.base_rss))
+
+
+def _mib(n: int) -> float:
+    return round(n / 2**20, 1)
 
 
 def machine_info() -> dict:

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import Compile, Dtype, KvDtype, ModelArg, Threads, backend_options, command
+from dsq.cli.common import command
+from dsq.cli.options import Compile, Dtype, Force, KvDtype, ModelArg, Threads, backend_options
 
 
 @command("bench", examples=[
@@ -20,7 +21,9 @@ from dsq.cli.common import Compile, Dtype, KvDtype, ModelArg, Threads, backend_o
 ])
 def bench(
     model: ModelArg = None,
-    backend: Annotated[str, typer.Option("--backend", "-b", help="Backends to compare, comma-separated.")] = "llama.cpp",
+    backend: Annotated[str, typer.Option("--backend", "-b", help="Backends to compare, comma-separated: llama.cpp, "
+                                                                  "native or auto (llama.cpp, and native for AWQ / "
+                                                                  "GPTQ / FP8 directories).")] = "auto",
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length (real English text).")] = 512,
     gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Tokens to generate per run.")] = 128,
     repeat: Annotated[int, typer.Option("--repeat", "-r", help="Timed runs per configuration.")] = 3,
@@ -33,6 +36,7 @@ def bench(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the records to this JSON file.")] = None,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Plot tok/s against --gpu-layers (PNG), with "
                                                                      "the offload model's prediction dashed.")] = None,
+    force: Force = False,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One untimed run of the prompt first (autotuning, compiling).")] = True,
     dtype: Dtype = None,
     kv_dtype: KvDtype = None,
@@ -42,64 +46,119 @@ def bench(
 ) -> None:
     """Benchmark speed and memory: tokens/s, TTFT, TPOT, peak RSS/VRAM, --gpu-layers sweeps.
 
-    Prefill and decode tok/s, TTFT and TPOT are reported as median and p99 over --repeat runs;
-    the table goes to stdout, records to --json, a sweep plot to --plot. Two backends are shown
-    side by side at each --gpu-layers with the ratio of the first to the second.
+    Prefill and decode tok/s, TTFT and TPOT are reported as the median and the worst of --repeat
+    runs (the p99 from 100 runs); peak RSS and VRAM above what the process held before loading.
+    The table goes to stdout, records to --json, a sweep plot to --plot. Two backends are shown
+    side by side at each --gpu-layers with the ratio of the first to the second. Without a GPU,
+    a --gpu-layers sweep runs once, on the CPU.
     """
-    import datetime
-
-    from dsq.bench.metrics import cuda_context_bytes
-    from dsq.bench.report import plot, ratios, summarize, table, write_json
-    from dsq.bench.runner import cpu_builds, machine_info, run_bench
-    from dsq.runtime.engine import BACKENDS
-    from dsq.runtime.gpu_layers import GpuLayers, parse_for
     from dsq.runtime.model_ref import resolve_model
-    from dsq.runtime.llama_cpp_backend import supports_gpu_offload
-    from dsq.errors import DsqError
-    from dsq.ui import console, out_console
+    from dsq.ui import console, status
 
     con = console()
-    backends = [b.strip() for b in backend.split(",") if b.strip()]
-    for b in backends:
-        if b not in BACKENDS:
-            raise DsqError(f"unknown backend {b!r}", f"choose from: {', '.join(BACKENDS)}")
-    try:
-        batches = tuple(int(b) for b in batch.split(",") if b.strip())
-    except ValueError:
-        raise DsqError(f"--batch {batch!r} is not a list of whole numbers", "e.g. --batch 1,4,16") from None
+    batches = _batches(batch)
+    for path in (json_path, plot_path):
+        _check_output(path, force)
     ref = resolve_model(model, con)
-    sweep = [parse_for(g, ref.path, ctx or 4096, backends[0] if backends else "native")
-             for g in gpu_layers.split(",") if g.strip()]
-    if "llama.cpp" in backends and any(g != GpuLayers.NONE for g in sweep) and not supports_gpu_offload():
-        con.print("[yellow]note:[/yellow] this llama.cpp build has no GPU support; --gpu-layers has no effect")
+    backends = _backends(ref, backend)
+    sweep = _sweep(ref, gpu_layers, ctx, backends, con)
     opts = {b: backend_options(b, dtype if b == "native" else None, kv_dtype, compile and b == "native")
             for b in backends}
     if chat_turns:
         return _chat_bench(ref, backends, chat_turns, gen_tokens, threads, ctx, opts, json_path, con)
-    with con.status("benchmarking") as status:
+    settings = {"prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeat": repeat, "backends": backends,
+                "gpu_layers": [str(g) for g in sweep], "batch": list(batches)}
+    with status("benchmarking", con) as st:
+        from dsq.bench.runner import run_bench
+
         records = run_bench(str(ref.path), backends=backends, gpu_layers=sweep, prompt_tokens=prompt_tokens,
                             gen_tokens=gen_tokens, repeat=repeat, threads=threads, ctx=ctx, warmup=warmup,
-                            on_status=lambda s: status.update(s), model_opts=opts, batch=batches or (1,))
+                            on_status=lambda s: st.update(s), model_opts=opts, batch=batches)
+    _report(ref, records, settings, json_path, plot_path, ctx, threads)
+
+
+def _batches(batch: str) -> tuple[int, ...]:
+    from dsq.errors import DsqError
+
+    try:
+        return tuple(int(b) for b in batch.split(",") if b.strip()) or (1,)
+    except ValueError:
+        raise DsqError(f"--batch {batch!r} is not a list of whole numbers", "e.g. --batch 1,4,16") from None
+
+
+def _check_output(path: Path | None, force: bool) -> None:
+    """Refuse an existing --json / --plot file (unless --force), or one that cannot be written, before any run."""
+    from dsq.cli.options import check_output_path
+    from dsq.errors import OutputExists
+
+    if path is not None:
+        check_output_path(path, "path")
+    if path is not None and (path.exists() or path.is_symlink()) and not force:
+        raise OutputExists(f"{path} already exists", "pass --force to overwrite it or choose another path")
+
+
+def _backends(ref, backend: str) -> list[str]:
+    from dsq.runtime.engine import pick_backend
+
+    return list(dict.fromkeys(pick_backend(ref, b.strip()) for b in backend.split(",") if b.strip()))
+
+
+def _sweep(ref, gpu_layers: str, ctx: int | None, backends: list[str], con) -> list:
+    """The --gpu-layers values to run. Where no backend can use a GPU (none here, or a llama.cpp
+    build without GPU support), every value runs on the CPU: a sweep of several runs once, as 0."""
+    from dsq.runtime.gpu_layers import GpuLayers, parse_for
+
+    sweep = [parse_for(g, ref.path, ctx or 4096, backends[0]) for g in gpu_layers.split(",") if g.strip()]
+    if all(g == GpuLayers.NONE for g in sweep) or _some_gpu(backends):
+        return sweep
+    if len(sweep) == 1:
+        con.print("[yellow]note:[/yellow] no GPU this run can use: every layer runs on the CPU")
+        return sweep
+    con.print(f"[yellow]note:[/yellow] no GPU this run can use: --gpu-layers {gpu_layers} would all run on the "
+              "CPU, so it runs once, as 0")
+    return [GpuLayers.NONE]
+
+
+def _some_gpu(backends: list[str]) -> bool:
+    """Whether one of the backends can put layers on a GPU here."""
+    from dsq.runtime.llama_cpp_backend import supports_gpu_offload
+    from dsq.runtime.placement import detect_gpu
+
+    if detect_gpu() is None:
+        return False
+    return "native" in backends or supports_gpu_offload()
+
+
+def _report(ref, records, settings: dict, json_path, plot_path, ctx, threads) -> None:
+    """The table on stdout, what computed on the CPU on stderr, the records and the plot."""
+    import datetime
+
+    from dsq.bench.metrics import cuda_context_bytes
+    from dsq.bench.report import plot, ratios, summarize, table, write_json
+    from dsq.bench.runner import cpu_builds, machine_info
+    from dsq.ui import console, out_console
+
+    con = console()
     recs = [r.as_dict() for r in records]
     rows = summarize(recs)
-    title = f"{ref.label}: {prompt_tokens} prompt + {gen_tokens} generated tokens, {repeat} runs"
+    s = settings
+    title = f"{ref.label}: {s['prompt_tokens']} prompt + {s['gen_tokens']} generated tokens, {s['repeat']} runs"
     context = cuda_context_bytes()
     out_console().print(table(rows, title, context))
     builds = cpu_builds()
     con.print(f"CPU code: native kernels {builds['native_cpu_kernels']}; llama.cpp {builds['llama_cpp_cpu']} "
               f"({builds['llama_cpp_lib']})")
     if json_path:
+        backends = s["backends"]
         report = {"model": str(ref.path), "label": ref.label, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                   "machine": machine_info(),
-                  "settings": {"prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeat": repeat,
-                               "backends": backends, "gpu_layers": [str(g) for g in sweep], "batch": list(batches or (1,)),
-                               "threads": records[0].threads,
+                  "settings": {**s, "threads": records[0].threads,
                                "cuda_context_mb": None if context is None else round(context / 2**20, 1)},
                   "runs": recs, "summary": rows, "ratios": ratios(rows, *backends[:2]) if len(backends) > 1 else []}
         write_json(json_path, report)
         con.print(f"wrote {json_path}")
     if plot_path:
-        predicted = _predicted(ref.path, rows, ctx, prompt_tokens, gen_tokens, threads)
+        predicted = _predicted(ref.path, rows, ctx, s["prompt_tokens"], s["gen_tokens"], threads)
         plot(rows, plot_path, title, {k: p.predicted_tok_s for k, p in predicted.items()})
         con.print(f"wrote {plot_path}")
 
@@ -122,11 +181,11 @@ def _chat_bench(ref, backends, turns, gen_tokens, threads, ctx, opts, json_path,
 
     from dsq.bench.report import write_json
     from dsq.bench.runner import machine_info, run_chat_bench
-    from dsq.ui import out_console
+    from dsq.ui import out_console, status
 
-    with con.status("benchmarking a chat") as status:
+    with status("benchmarking a chat", con) as st:
         rows = run_chat_bench(str(ref.path), backends=backends, turns=turns, gen_tokens=gen_tokens, threads=threads,
-                              ctx=ctx or 4096, on_status=lambda s: status.update(s), model_opts=opts)
+                              ctx=ctx or 4096, on_status=lambda s: st.update(s), model_opts=opts)
     t = Table(title=f"{ref.label}: TTFT per chat turn (history kept in the KV cache)", title_justify="left")
     t.add_column("turn", justify="right")
     for b in backends:

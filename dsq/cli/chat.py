@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
-from dsq.cli.common import (Backend, Compile, Ctx, Dtype, GpuLayersOption, KvDtype, MaxTokens, MinP, ModelArg,
-                            RepeatPenalty, Seed, Temperature, Threads, TopK, TopP, backend_options, command)
+from dsq.cli.common import command
+from dsq.cli.options import Loading, ModelArg, Sampling, grouped
 
-HELP = "commands: /reset clears the history, /exit leaves (so does Ctrl-D); Ctrl-C stops a reply"
+HELP = ("commands: /reset clears the history, /exit leaves (so does Ctrl-D); Ctrl-C stops a reply; "
+        "the arrow keys edit the line and recall earlier ones")
+STOPPED = {"loop": "stopped: the reply repeats itself", "interrupted": "stopped"}
 
 
 @command("chat", examples=[
@@ -17,91 +19,116 @@ HELP = "commands: /reset clears the history, /exit leaves (so does Ctrl-D); Ctrl
     "dsq chat DeepSeek-R1-Distill-Qwen-7B-Q4_K_M.gguf --gpu-layers all --hide-thinking",
     'dsq chat --system "Answer in one sentence." --temperature 0.3',
 ])
+@grouped(sampling=Sampling(max_tokens=1024, temperature=0.7, repeat_penalty=1.1), loading=Loading())
 def chat(
     model: ModelArg = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
     hide_thinking: Annotated[bool, typer.Option("--hide-thinking", help="Drop DeepSeek-R1 <think> sections.")] = False,
-    max_tokens: MaxTokens = 1024,
-    temperature: Temperature = 0.7,
-    top_k: TopK = 40,
-    top_p: TopP = 0.95,
-    min_p: MinP = 0.0,
-    repeat_penalty: RepeatPenalty = 1.0,
-    seed: Seed = None,
-    ctx: Ctx = 4096,
-    threads: Threads = None,
-    gpu_layers: GpuLayersOption = "0",
-    backend: Backend = "llama.cpp",
-    dtype: Dtype = None,
-    kv_dtype: KvDtype = None,
-    compile: Compile = False,
+    sampling: Sampling = None,
+    loading: Loading = None,
 ) -> None:
-    """Chat with a model. History is kept; /reset clears it, /exit or Ctrl-D leaves."""
-    from dsq.errors import DsqError
+    """Chat with a model. History is kept; /reset clears it, /exit or Ctrl-D leaves.
+
+    A reply ends at the end of its turn, at --max-tokens, or where it starts repeating one cycle of
+    tokens (a model stuck in a loop); a stats line follows each reply, one stopped with Ctrl-C too.
+    """
     from dsq.runtime.conversation import Conversation
-    from dsq.runtime.engine import load
-    from dsq.runtime.sampling import SamplingParams
-    from dsq.ui import console, out_console
+    from dsq.ui import console
 
-    err, out = console(), out_console()
-    m = load(model, backend=backend, ctx=ctx, threads=threads, gpu_layers=gpu_layers, seed=seed, console=err,
-             **backend_options(backend, dtype, kv_dtype, compile))
-    conversation = Conversation(m, system=system, max_tokens=max_tokens,
-                          sampling=SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed))
+    err = console()
+    sp = sampling.params()
+    m = loading.load(model, seed=sp.seed)
+    conversation = Conversation(m, system=system, max_tokens=sampling.max_tokens, sampling=sp)
     err.print(f"[bold]{m.ref.label}[/bold] [dim]({m.backend}; template: {conversation.template.origin}; {HELP})[/dim]")
-    state = {"in_think": False}
+    if m.ref.builtin:
+        err.print("[dim]The built-in model is a base model, not instruction-tuned: its replies are poor. "
+                  "Pass an instruction-tuned or R1-Distill GGUF for real chat.[/dim]")
+    _loop(conversation, _reader(), _Printer(hide_thinking))
 
-    def on_part(kind: str, text: str) -> None:
+
+def _reader() -> Callable[[str], str]:
+    """input() with line editing and history (prompt_toolkit) on a terminal, plain input() otherwise."""
+    import sys
+
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return input
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import InMemoryHistory
+
+    return PromptSession(history=InMemoryHistory()).prompt
+
+
+class _Printer:
+    """Streams a reply: <think> sections dimmed (or dropped), the answer plain."""
+
+    def __init__(self, hide_thinking: bool):
+        from dsq.ui import out_console
+
+        self.out, self.hide, self.in_think = out_console(), hide_thinking, False
+
+    def __call__(self, kind: str, text: str) -> None:
         if kind == "think":
-            if hide_thinking:
+            if self.hide:
                 return
-            if not state["in_think"]:
-                out.print("[thinking] ", style="dim italic", end="", markup=False)
-                state["in_think"] = True
-            out.print(text, style="dim italic", end="", markup=False)
-        else:
-            if state["in_think"]:
-                out.print("\n[/thinking]", style="dim italic", markup=False)
-                state["in_think"] = False
-                text = text.lstrip("\n")
-            out.print(text, end="", markup=False)
+            if not self.in_think:
+                self.out.print("[thinking] ", style="dim italic", end="", markup=False)
+                self.in_think = True
+            self.out.print(text, style="dim italic", end="", markup=False)
+            return
+        if self.in_think:
+            self.out.print("\n[/thinking]", style="dim italic", markup=False)
+            self.in_think = False
+            text = text.lstrip("\n")
+        self.out.print(text, end="", markup=False)
 
+
+def _loop(conversation, read: Callable[[str], str], printer: _Printer) -> None:
+    from dsq.ui import console
+
+    err = console()
     while True:
         try:
-            line = input("> ")
+            line = read("> ")
         except EOFError:
-            out.print()
-            break
+            printer.out.print()
+            return
         except KeyboardInterrupt:
-            out.print("\n(use /exit or Ctrl-D to leave)")
+            printer.out.print("\n(use /exit or Ctrl-D to leave)")
             continue
         cmd = line.strip()
-        if not cmd:
-            continue
         if cmd in ("/exit", "/quit", "/bye"):
-            break
-        if cmd == "/reset":
-            conversation.reset()
-            err.print("[dim]history cleared[/dim]")
-            continue
-        if cmd in ("/help", "/?"):
-            err.print(f"[dim]{HELP}[/dim]")
-            continue
-        if cmd.startswith("/"):
-            err.print(f"[dim]unknown command {cmd}; {HELP}[/dim]")
-            continue
-        state["in_think"] = False
+            return
+        if cmd:
+            _handle(conversation, line, cmd, printer, err)
+
+
+def _handle(conversation, line: str, cmd: str, printer: _Printer, err) -> None:
+    """One line of input: a /command, or a message and its streamed reply with its stats."""
+    from dsq.errors import DsqError
+
+    if cmd == "/reset":
+        conversation.reset()
+        err.print("[dim]history cleared[/dim]")
+    elif cmd in ("/help", "/?"):
+        err.print(f"[dim]{HELP}[/dim]")
+    elif cmd.startswith("/"):
+        err.print(f"[dim]unknown command {cmd}; {HELP}[/dim]")
+    else:
+        printer.in_think = False
         try:
-            conversation.send(line, on_part)
+            conversation.send(line, printer)
         except KeyboardInterrupt:
-            out.print()
-            err.print("[dim](reply stopped)[/dim]")
-            continue
+            pass
         except DsqError as e:
             err.print(f"error: {e.one_line()}", markup=False)
-            continue
-        out.print()
-        st = conversation.last_stats
-        if st is not None:
-            err.print(f"[dim]{st.generated_tokens} tokens | TTFT {st.ttft_s * 1000:.0f} ms | "
-                      f"{st.decode_tok_s:.1f} tok/s[/dim]")
+            return
+        printer.out.print()
+        _stats_line(conversation.last_stats, err)
+
+
+def _stats_line(st, err) -> None:
+    if st is None:
+        return
+    stopped = STOPPED.get(st.finish_reason)
+    err.print(f"[dim]{st.generated_tokens} tokens | TTFT {st.ttft_s * 1000:.0f} ms | {st.decode_tok_s:.1f} tok/s"
+              + (f" | {stopped}" if stopped else "") + "[/dim]")

@@ -1,19 +1,80 @@
-"""The Typer app, the error boundary every command runs inside, and shared option types."""
+"""The Typer app and the error boundary every command runs inside (options: dsq.cli.options)."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
-import sys
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Callable
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from dsq import __version__
 from dsq.errors import DsqError
 
+# click's exception classes as this typer uses them (newer typers vendor click)
+_BadParameter = typer.BadParameter
+_UsageError = next(c for c in _BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+def _usage_error(e) -> None:
+    """A bad flag or value: one line on stderr. A bad value exits 1 like every user error; a
+    flag or command that does not exist exits 2 (click's usage error)."""
+    if type(e).__name__ == "NoArgsIsHelpError":  # plain `dsq`: its help
+        raise e
+    if isinstance(e, _BadParameter):
+        message = e.message.removeprefix("Value error, ").rstrip(".")
+        message = message[:1].lower() + message[1:] if message[1:2].islower() else message
+        fail(f"invalid value for {_param_name(e)}: {message}")
+    where = e.ctx.command_path if e.ctx is not None else "dsq"
+    fail(f"{e.format_message().rstrip('.')}. See '{where} --help'", 2)
+
+
+def _param_name(e) -> str:
+    p = e.param
+    if p is None:
+        return e.param_hint or "a parameter"
+    longs = [o for o in p.opts if o.startswith("--")]
+    return longs[0] if longs else p.human_readable_name.upper()
+
+
+def _without_flag_types(cmd, ctx) -> None:
+    """On/off flags take no value, so their help shows no type (typer would show <bool>)."""
+    for p in cmd.get_params(ctx):
+        if getattr(p, "is_flag", False):
+            p.metavar = ""
+
+
+class _Command(TyperCommand):
+    def format_help(self, ctx, formatter) -> None:
+        _without_flag_types(self, ctx)
+        return super().format_help(ctx, formatter)
+
+
+class _Group(TyperGroup):
+    """The dsq group: usage errors as one line (see _usage_error), help without flag types."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except _UsageError as e:
+            _usage_error(e)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except _UsageError as e:
+            _usage_error(e)
+
+    def format_help(self, ctx, formatter) -> None:
+        _without_flag_types(self, ctx)
+        return super().format_help(ctx, formatter)
+
+
 app = typer.Typer(
     name="dsq",
+    cls=_Group,
     help="Quantize DeepSeek-family LLMs and run them locally, fast, on any mix of GPU and CPU.\n\n"
          "With no MODEL argument, commands use the built-in Gemma 3 270M (Q4_K_M) model.",
     no_args_is_help=True,
@@ -41,6 +102,23 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+def reflow(doc: str | None) -> str | None:
+    """A docstring as help text: its paragraphs unwrapped, so that the terminal wraps them."""
+    if not doc:
+        return doc
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in para.splitlines()) for para in paragraphs)
+
+
+def _os_error(e: OSError) -> str:
+    """What an OSError from reading or writing a path says, in one line."""
+    return f"cannot use {e.filename}: {e.strerror or e}"
+
+
+def _internal(e: BaseException) -> str:
+    return f"internal error: {type(e).__name__}: {e} (run with DSQ_DEBUG=1 for the traceback and please report it)"
+
+
 def command(name: str, examples: list[str], **kwargs) -> Callable:
     """Register a subcommand whose user errors print one line and exit 1.
 
@@ -57,59 +135,20 @@ def command(name: str, examples: list[str], **kwargs) -> Callable:
                 return fn(*args, **kw)
             except DsqError as e:
                 fail(e.one_line(), e.exit_code)
-            except KeyboardInterrupt:
-                typer.echo("interrupted", err=True)
+            except KeyboardInterrupt as e:  # its message, if any, says what a rerun resumes from
+                typer.echo("interrupted" + (f"; {e}" if str(e) else ""), err=True)
                 raise typer.Exit(130) from None
             except (typer.Exit, typer.Abort):
                 raise
             except MemoryError:
                 fail("out of memory; try a smaller model, a smaller --ctx, or fewer --gpu-layers")
+            except BrokenPipeError:  # stdout closed early (| head): nothing more to say
+                raise typer.Exit(1) from None
+            except OSError as e:  # a path the system refused (a file where a folder must be, permissions)
+                fail(_os_error(e) if e.filename else _internal(e))
             except Exception as e:  # a bug: one line, with the way to see more
-                fail(f"internal error: {type(e).__name__}: {e} (run with DSQ_DEBUG=1 for the traceback "
-                     "and please report it)")
+                fail(_internal(e))
 
-        return app.command(name, epilog=epilog, **kwargs)(wrapper)
+        return app.command(name, epilog=epilog, help=reflow(fn.__doc__), cls=_Command, **kwargs)(wrapper)
 
     return deco
-
-
-# -- shared options ------------------------------------------------------------------------
-ModelArg = Annotated[Optional[str], typer.Argument(
-    help="A .gguf file or an HF model directory. Omit it to use the built-in model.", show_default=False)]
-MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")]
-Temperature = Annotated[float, typer.Option("--temperature", "-t", help="Sampling temperature; 0 = greedy.")]
-TopK = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; 0 = off.")]
-TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass; 1 = off.")]
-MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x the top probability; 0 = off.")]
-RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", help="Penalty for recent tokens; 1 = off.")]
-Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling (reproducible output).")]
-Ctx = Annotated[int, typer.Option("--ctx", "-c", help="Context length in tokens (prompt + reply).")]
-Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: the physical cores this "
-                                                                   "process may run on, one per core, not per SMT "
-                                                                   "thread).")]
-GpuLayersOption = Annotated[str, typer.Option(
-    "--gpu-layers", "-g", help="Layers to put on the GPU: a number, 'all', or 'auto' (fit the free VRAM).")]
-Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
-Backend = Annotated[str, typer.Option("--backend", "-b", help="native (dsq's torch engine) or llama.cpp.")]
-Dtype = Annotated[Optional[str], typer.Option(
-    "--dtype", help="native: activation dtype bf16|fp16|fp32 (default: bf16 on GPU, fp32 on CPU).")]
-KvDtype = Annotated[Optional[str], typer.Option("--kv-dtype", help="KV cache dtype: bf16|fp16|fp32.")]
-Compile = Annotated[bool, typer.Option(
-    "--compile", help="native: torch.compile the decode step, on CUDA or the CPU (starts slower: ~20 s on a "
-    "GPU, ~40 s on 2 CPU cores the first time, ~7 s once cached; decodes faster).")]
-
-
-def backend_options(backend: str, dtype: str | None, kv_dtype: str | None, compile: bool = False) -> dict:
-    """Backend-specific load options from the shared flags."""
-    if backend == "native":
-        return {"dtype": dtype, "kv_dtype": kv_dtype, "compile": compile}
-    if dtype is not None or compile:
-        raise DsqError("--dtype and --compile apply to the native backend", "drop them, or pass --backend native")
-    return {"kv_dtype": kv_dtype} if kv_dtype else {}
-
-
-def stdin_text() -> str | None:
-    if sys.stdin is not None and not sys.stdin.isatty():
-        data = sys.stdin.read()
-        return data if data.strip() else None
-    return None

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import Force, command
+from dsq.cli.common import command
+from dsq.cli.options import Force
 
 
 @command("convert", examples=[
@@ -44,9 +45,12 @@ def convert(
         path = builtin_hf_export(console())
         out_console().print(str(path))
         return
+    from dsq.cli.options import check_output_path
     from dsq.runtime.model_ref import resolve_model
 
     ref = resolve_model(src)
+    if out is not None:
+        check_output_path(Path(out), "OUT")
     if ref.kind == "gguf":
         from dsq.convert.gguf_to_hf import gguf_to_hf
         from dsq.formats.gguf_file import GGUFFile

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import ModelArg, Threads, command
+from dsq.cli.common import command
+from dsq.cli.options import ModelArg, Threads
 
 
 @command("eval", examples=[
@@ -33,7 +34,7 @@ def eval_(
     from dsq.eval.quality import evaluate, source_of
     from dsq.errors import DsqError
     from dsq.runtime.model_ref import resolve_model
-    from dsq.ui import console, out_console
+    from dsq.ui import console, out_console, status
 
     con = console()
     m = resolve_model(model, con)
@@ -43,7 +44,7 @@ def eval_(
     body = text.read_text(encoding="utf-8", errors="replace") if text else None
     if body is not None and not body.strip():
         raise DsqError(f"{text} is empty", "pass a file with text")
-    with con.status("evaluating") as st:
+    with status("evaluating", con) as st:
         r = evaluate(str(m.path), reference, body, ctx=ctx, max_tokens=max_tokens, backend=backend, threads=threads,
                      on_window=lambda i, n: st.update(f"evaluating: window {i}/{n}"))
     if as_json:

@@ -8,13 +8,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import ModelArg, Threads, command
+from dsq.cli.common import command
+from dsq.cli.options import ModelArg, Threads
 
 MIB = 2**20
 
 
 @command("offload", examples=[
-    "dsq offload --vram 1G",
+    "dsq offload --vram 2G",
     "dsq offload DeepSeek-R1-Distill-Llama-8B-Q4_K_M.gguf --vram 6G --ram 32G --ctx 8192",
     "dsq offload model.gguf --backend native --vram 24G --json",
     "dsq offload --calibrate",
@@ -77,11 +78,11 @@ def _calibrate(threads: int | None, as_json: bool) -> None:
     from dsq.bench.metrics import cuda_context_bytes
     from dsq.runtime.machine import calibrate, save_calibration
     from dsq.runtime.placement import detect_gpu
-    from dsq.ui import console
+    from dsq.ui import console, status
 
     con = console()
     cuda_context_bytes()  # the context made (and sized) before the probes, for a --measure after them
-    with con.status("measuring this machine's bandwidths"):
+    with status("measuring this machine's bandwidths", con):
         cal = calibrate(threads, detect_gpu())
     path = save_calibration(cal)
     if as_json:
@@ -183,16 +184,16 @@ def _measure(ref, backend: str, gpu_layers: str | None, ctx: int, prompt_tokens:
     from dsq.bench.runner import bench_ctx, machine_info, run_bench
     from dsq.runtime.machine import machine_bandwidths
     from dsq.runtime.placement import detect_gpu
-    from dsq.ui import console
+    from dsq.ui import console, status
 
     con = console()
     gpu = detect_gpu()
     sweep = _sweep(ref.path, gpu_layers, ctx, backend, gpu is not None)
     bw = machine_bandwidths(gpu, threads=threads, **bw_given)
-    with con.status("measuring") as status:
+    with status("measuring", con) as st:
         records = run_bench(str(ref.path), backends=(backend,), gpu_layers=sweep, prompt_tokens=prompt_tokens,
                             gen_tokens=gen_tokens, repeat=repeat, threads=threads, ctx=ctx,
-                            on_status=lambda s: status.update(s))
+                            on_status=lambda s: st.update(s))
     rows = summarize([r.as_dict() for r in records])
     plans = predicted_plans(ref.path, rows, ctx=bench_ctx(ctx, prompt_tokens, gen_tokens),
                             kv_tokens=prompt_tokens + gen_tokens // 2, bandwidths=bw)
@@ -240,7 +241,7 @@ def _mib(n: int | None) -> float | None:
 def _print_measure(report: dict) -> None:
     from rich.table import Table
 
-    from dsq.bench.report import vram_caption
+    from dsq.bench.report import vram_caption, vram_cell
     from dsq.ui import out_console
 
     s, bw = report["settings"], report["bandwidths"]
@@ -255,7 +256,7 @@ def _print_measure(report: dict) -> None:
     for x in report["splits"]:
         err = "" if x["error_pct"] is None else f"{x['error_pct']:+.0f}%"
         t.add_row(x["gpu_layers"], f"{x['predicted_tok_s']:.1f}", f"{x['measured_tok_s']:.1f}", err,
-                  f"{x['planned_gpu_mb']:.0f}", f"{x['peak_vram_mb']:.0f}")
+                  f"{x['planned_gpu_mb']:.0f}", vram_cell(x["peak_vram_mb"]))
     out = out_console()
     out.print(t)
     out.print(f"Bandwidth: CPU {bw['cpu'] / 1e9:.1f} GB/s, GPU {bw['gpu'] / 1e9:.0f} GB/s, split exchange "

@@ -11,7 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import Force, ModelArg, Threads, command
+from dsq.cli.common import command
+from dsq.cli.options import Force, ModelArg, Threads
 from dsq.quant.spec import EVAL_TOKENS
 
 
@@ -51,7 +52,7 @@ def quantize(
     calib: Annotated[str, typer.Option("--calib", help="builtin, builtin-chat, or a .txt/.jsonl file.")] = "builtin",
     calib_samples: Annotated[int, typer.Option("--calib-samples", help="Calibration sequences.")] = 128,
     calib_seq_len: Annotated[int, typer.Option("--calib-seq-len", help="Tokens per calibration sequence.")] = 512,
-    recipe: Annotated[Optional[str], typer.Option("--recipe", help="Apply a recipe from recipes/ (see recipes/).")] = None,
+    recipe: Annotated[Optional[str], typer.Option("--recipe", help="Apply a recipe from recipes/; MODEL is then the model it names.")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Held-out tokens for the model card's "
                                                                    "eval (0 skips).")] = EVAL_TOKENS,
@@ -63,31 +64,87 @@ def quantize(
     gguf: dsq converts an HF directory to GGUF, then llama.cpp's quantizer makes the K-quants (a
     float GGUF is accepted too). rtn/awq/gptq/fp8: layer by layer into an HF directory with its
     quantization_config, which vLLM, SGLang and dsq's native runtime load, evaluated against the
-    source for its model card before it appears at --out. A killed run resumes when the same
-    command runs again (from the last finished block, or the GGUF pipeline's finished steps).
+    source for its model card before it appears at --out; they quantize the layers' Linears, and
+    the embeddings and output head stay 16-bit (most of a small model's size). A killed or
+    interrupted run resumes when the same command runs again (from the last finished block, or the
+    GGUF pipeline's finished steps). Progress shows as bars on a terminal, as lines in a pipe or a
+    log; the last line gives the whole run's time and each stage's.
     """
-    from dsq import quant
+    from dsq.cli.options import check_output_path
     from dsq.quant.registry import spec_from_options
-    from dsq.ui import console, out_console
+    from dsq.ui import console
 
     con = console()
     opts = dict(method=method.value, qtype=qtype, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
                 damp=damp, fp8_scheme=fp8_scheme, fp8_format=fp8_format, imatrix=imatrix, calib=calib,
                 calib_samples=calib_samples, calib_seq_len=calib_seq_len)
     if recipe:
+        _check_recipe_model(recipe, model)
         opts = _with_recipe(ctx, recipe, opts)
     spec = spec_from_options(opts).validate()  # refuse bad settings before any work
-    src, name = _source(model, con)
+    if out:
+        check_output_path(Path(out), "--out")
+    clock = _Clock()
+    src, name = clock.time("export of the built-in model", lambda: _source(model, con))
     target = Path(out) if out else Path.cwd() / f"{name}-{spec.impl.output_name(spec)}"
-    t0 = time.perf_counter()
-    with _Bars(con) as bars:
-        quant.quantize(src, target, spec, device=device, force=force, threads=threads, progress=bars,
-                       eval_tokens=eval_tokens)
+    _quantize(src, target, spec, clock, con, device=device, force=force, threads=threads, eval_tokens=eval_tokens)
+
+
+def _quantize(src: Path, target: Path, spec, clock: "_Clock", con, **kw) -> None:
+    """Run the quantization with progress bars, then say what was written, in how long, each
+    stage's time, and the evaluation."""
+    from dsq import quant
+    from dsq.ui import out_console
+
+    with _Bars(con, clock) as bars:
+        quant.quantize(src, target, spec, progress=bars, **kw)
     evals = quant.evals_of(target) if spec.impl.writes_card else None
-    con.print(f"[green]wrote[/green] {target} ({spec.impl.describe(target)}) in {time.perf_counter() - t0:.1f}s"
+    con.print(f"[green]wrote[/green] {target} ({spec.impl.describe(target)}) in {clock.summary()}"
               + (f"; held-out perplexity {evals['perplexity']:.3f} (source {evals['source perplexity']:.3f}), "
-                 f"KLD {evals['KLD']:.4f}" if evals else ""))
+                 f"KLD {evals['KLD']:.4f}" if evals else ""), markup=True, highlight=False)
     out_console().print(str(target))
+
+
+def _check_recipe_model(recipe: str, model: str | None) -> None:
+    """A recipe is for the model it names: refuse one given no MODEL (it would run on the built-in model)."""
+    from dsq.errors import DsqError
+    from dsq.quant.recipes import load_recipe
+
+    if model is None:
+        names = load_recipe(recipe)["model"]
+        raise DsqError(f"recipe {recipe} is for {names}, and no MODEL was given",
+                       f"pass that model's directory: dsq quantize --recipe {recipe} ./{names.split('/')[-1]}")
+
+
+class _Clock:
+    """The whole command's time, and each stage's (a stage: a progress task, or a step timed here)."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.stages: dict[str, float] = {}
+        self.current: tuple[str, float] | None = None
+
+    def time(self, name: str, fn):
+        t = time.perf_counter()
+        result = fn()
+        if time.perf_counter() - t >= 0.5:  # only what did work (a cached export is instant)
+            self.stages[name] = time.perf_counter() - t
+        return result
+
+    def start(self, name: str | None) -> None:
+        """`name` begins now (None: the last one ended)."""
+        now = time.perf_counter()
+        if self.current is not None:
+            task, t = self.current
+            self.stages[task] = self.stages.get(task, 0.0) + now - t
+        self.current = None if name is None else (name, now)
+
+    def summary(self) -> str:
+        self.start(None)
+        total = f"{time.perf_counter() - self.t0:.1f}s"
+        if len(self.stages) < 2:
+            return total
+        return total + " (" + ", ".join(f"{k} {v:.1f}s" for k, v in self.stages.items()) + ")"
 
 
 def _with_recipe(ctx: typer.Context, recipe: str, given: dict) -> dict:
@@ -112,16 +169,21 @@ def _source(model: str | None, con):
 
 
 class _Bars:
-    """dsq.quant's progress steps as rich bars: one bar per task, opened by its first step."""
+    """dsq.quant's progress steps as rich bars: one bar per task, opened by its first step (lines
+    instead of bars into a pipe or a log); a step's note printed as a line; each task timed."""
 
-    def __init__(self, con):
-        self.con, self.task, self.stack = con, None, ExitStack()
+    def __init__(self, con, clock: _Clock):
+        self.con, self.clock, self.task, self.stack = con, clock, None, ExitStack()
 
     def __call__(self, step) -> None:
         from dsq.ui import progress_bar
 
+        if step.note:
+            self.con.print(f"[dim]{step.note}[/dim]", highlight=False)
+            return
         if step.task != self.task:
             self._close()
+            self.clock.start(step.task)
             self.bar = self.stack.enter_context(progress_bar(self.con, in_bytes=step.unit == "bytes"))
             self.id, self.task = self.bar.add_task(step.task, total=None), step.task
         self.bar.update(self.id, completed=step.done, total=step.total,

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import (Backend, Compile, Ctx, Dtype, GpuLayersOption, KvDtype, MaxTokens, MinP, ModelArg,
-                            RepeatPenalty, Seed, Temperature, Threads, TopK, TopP, backend_options, command, stdin_text)
+from dsq.cli.common import command
+from dsq.cli.options import Loading, ModelArg, Sampling, grouped, stdin_text
 
 
 @command("run", examples=[
@@ -18,27 +18,16 @@ from dsq.cli.common import (Backend, Compile, Ctx, Dtype, GpuLayersOption, KvDty
     'echo "Once upon a time" | dsq run --json',
     'dsq run ./DeepSeek-R1-Distill-Qwen-1.5B --backend native -p "2+2=" --max-tokens 8',
 ])
+@grouped(sampling=Sampling(), loading=Loading())
 def run(
     model: ModelArg = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text (or pipe it on stdin).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="System message (with --chat).")] = None,
-    max_tokens: MaxTokens = 256,
-    temperature: Temperature = 0.8,
-    top_k: TopK = 40,
-    top_p: TopP = 0.95,
-    min_p: MinP = 0.0,
-    repeat_penalty: RepeatPenalty = 1.0,
-    seed: Seed = None,
+    sampling: Sampling = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-text tokens.")] = False,
-    ctx: Ctx = 4096,
-    threads: Threads = None,
-    gpu_layers: GpuLayersOption = "0",
-    backend: Backend = "llama.cpp",
-    dtype: Dtype = None,
-    kv_dtype: KvDtype = None,
-    compile: Compile = False,
+    loading: Loading = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
 ) -> None:
     """Generate text from a prompt, streamed to stdout.
@@ -46,23 +35,23 @@ def run(
     Timing (TTFT, tokens/s) goes to stderr, so stdout holds only the generated text.
     """
     from dsq.errors import DsqError
-    from dsq.runtime.engine import generate, load
+    from dsq.runtime.engine import generate
     from dsq.ui import console
 
     if prompt is None:
         prompt = stdin_text()
     if prompt is None:
         raise DsqError("no prompt given", 'pass one with -p "..." or pipe it on stdin')
-    m = load(model, backend=backend, ctx=ctx, threads=threads, gpu_layers=gpu_layers, seed=seed, console=console(),
-             **backend_options(backend, dtype, kv_dtype, compile))
+    sp = sampling.params()
+    m = loading.load(model, seed=sp.seed)
 
     def echo(s: str) -> None:
         sys.stdout.write(s)
         sys.stdout.flush()
 
-    result = generate(m, prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                      min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop or (), chat=chat,
-                      system=system, ignore_eos=ignore_eos, on_text=None if as_json else echo)
+    result = generate(m, prompt, max_tokens=sampling.max_tokens, temperature=sp.temperature, top_k=sp.top_k,
+                      top_p=sp.top_p, min_p=sp.min_p, repeat_penalty=sp.repeat_penalty, seed=sp.seed, stop=stop or (),
+                      chat=chat, system=system, ignore_eos=ignore_eos, on_text=None if as_json else echo)
     st = result.stats
     if as_json:
         out = {"model": str(m.ref.path), "backend": m.backend, "gpu_layers": m.gpu_layers.n_gpu_layers,

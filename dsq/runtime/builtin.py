@@ -18,11 +18,20 @@ NAME = "gemma-3-270m-q4_k_m.gguf"
 
 
 def cache_dir() -> Path:
+    """dsq's cache: DSQ_CACHE, else $XDG_CACHE_HOME/dsq (~/.cache/dsq). `dsq cache` shows and clears it."""
     base = os.environ.get("DSQ_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dsq")
     p = Path(base)
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def builtin_dir() -> Path:
+    """Where the built-in model's files are kept: DSQ_BUILTIN_CACHE, else the cache's builtin/.
+    (The test suite gives each run its own cache and points this at the user's: the files are
+    only read once made.)"""
+    d = os.environ.get("DSQ_BUILTIN_CACHE")
+    return Path(d) if d else cache_dir() / "builtin"
 
 
 def _package():
@@ -39,7 +48,7 @@ def _package():
 def builtin_model_path(console=None) -> Path:
     """Path of the assembled built-in GGUF, assembling it on first use."""
     pkg = _package()
-    target = cache_dir() / "builtin" / NAME
+    target = builtin_dir() / NAME
     stamp = target.with_suffix(".sha256")
     if target.is_file() and stamp.is_file() and stamp.read_text().strip() == pkg.EXPECTED_SHA256:
         return target
@@ -75,7 +84,7 @@ def builtin_model_path(console=None) -> Path:
 
 def builtin_hf_export(console=None) -> Path:
     """The built-in model dequantized to a bf16 HF directory (made once, then cached)."""
-    out = cache_dir() / "builtin" / "gemma-3-270m-bf16"
+    out = builtin_dir() / "gemma-3-270m-bf16"
     if (out / "config.json").is_file():
         return out
     from dsq.convert.gguf_to_hf import gguf_to_hf

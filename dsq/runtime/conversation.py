@@ -18,13 +18,36 @@ from dsq.runtime.sampling import SamplingParams
 OnPart = Callable[[str, str], None]  # (kind: "think" | "answer", text)
 
 
+class LoopGuard:
+    """Spots a reply stuck in a loop: its last tokens are one cycle of up to `max_period` tokens
+    repeated at least `repeats` times, over at least `min_span` tokens."""
+
+    def __init__(self, max_period: int = 64, min_span: int = 64, repeats: int = 3):
+        self.max_period, self.min_span, self.repeats = max_period, min_span, repeats
+        self.ids: list[int] = []
+
+    def feed(self, token: int) -> bool:
+        """Take the next token; True when the reply now loops."""
+        ids = self.ids
+        ids.append(token)
+        n = len(ids)
+        for p in range(1, min(self.max_period, n // self.repeats) + 1):
+            span = max(self.min_span, self.repeats * p)
+            if span <= n and ids[-1] == ids[-1 - p] and ids[n - span + p:] == ids[n - span:n - p]:
+                return True
+        return False
+
+
 class Conversation:
     def __init__(self, model: Backend, system: str | None = None, sampling: SamplingParams | None = None,
-                 max_tokens: int = 1024):
+                 max_tokens: int = 1024, stop_loops: bool = True):
+        if max_tokens < 1:
+            raise DsqError(f"--max-tokens must be >= 1, got {max_tokens}")
         self.model = model
         self.system = system
         self.sampling = (sampling or SamplingParams()).validate()
         self.max_tokens = max_tokens
+        self.stop_loops = stop_loops  # end a reply that repeats one cycle of tokens (LoopGuard)
         self.template = chat_template_for(model)
         self.messages: list[dict] = []
         self.last_stats: GenStats | None = None
@@ -54,26 +77,37 @@ class Conversation:
     def send(self, text: str, on_part: OnPart | None = None) -> str:
         """Add a user turn, stream the reply through on_part, return the reply's full text.
 
-        A KeyboardInterrupt stops the reply; what was generated so far stays in the history.
+        A reply that loops ends there (last_stats.finish_reason "loop"). A KeyboardInterrupt stops
+        the reply (finish_reason "interrupted"); what was generated so far stays in the history.
         """
+        self.last_stats = None
         self.messages.append({"role": "user", "content": text})
         ids, thinking = self._prompt_ids()
         splitter = ThinkSplitter(start_thinking=thinking)
         stats = GenStats()
         parts: list[str] = ["<think>\n"] if thinking else []
+        guard = LoopGuard() if self.stop_loops else None
         events = self.model.stream(ids, self.sampling, self.max_tokens, stats)
         try:
             for ev in events:
                 parts.append(ev.text)
-                for kind, s in splitter.feed(ev.text):
-                    if on_part:
-                        on_part(kind, s)
-            for kind, s in splitter.flush():
-                if on_part:
-                    on_part(kind, s)
+                _emit(splitter.feed(ev.text), on_part)
+                if guard is not None and ev.token_id >= 0 and guard.feed(ev.token_id):
+                    stats.finish_reason = "loop"
+                    break
+            _emit(splitter.flush(), on_part)
+        except KeyboardInterrupt:
+            stats.finish_reason = "interrupted"
+            raise
         finally:
             events.close()
             self.last_stats = stats
             reply = "".join(parts)
             self.messages.append({"role": "assistant", "content": strip_think(reply)})
         return reply
+
+
+def _emit(parts: list[tuple[str, str]], on_part: OnPart | None) -> None:
+    if on_part:
+        for kind, text in parts:
+            on_part(kind, text)

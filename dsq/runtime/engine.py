@@ -1,7 +1,7 @@
 """The public entry points: `load` a model on a backend, `generate` text, build chat prompts.
 
     import dsq
-    m = dsq.load()                      # built-in model, llama.cpp backend
+    m = dsq.load()                      # built-in model, llama.cpp backend (auto)
     r = dsq.generate(m, "The history of", max_tokens=32, temperature=0)
     print(r.text, r.stats.decode_tok_s)
 """
@@ -17,18 +17,50 @@ from dsq.runtime.backend import Backend
 from dsq.runtime.chat_template import ChatTemplate, pick_template
 from dsq.runtime.generate import GenStats, StopMatcher
 from dsq.runtime.gpu_layers import GpuLayers, parse_for
+from dsq.runtime.model_ref import ModelRef
 from dsq.runtime.sampling import SamplingParams
 
 BACKENDS = ("native", "llama.cpp")
+AUTO = "auto"  # llama.cpp, or native for weights only it runs (pick_backend)
 
 
-def load(model: str | Path | None = None, *, backend: str = "llama.cpp", ctx: int = 4096,
+def native_only_format(ref: ModelRef) -> str | None:
+    """The weight format of an HF directory that llama.cpp cannot take (AWQ, GPTQ, FP8, ... as its
+    quantization_config names it), or None."""
+    if ref.kind != "hf":
+        return None
+    from dsq.formats.hf import HFModelDir
+
+    qc = HFModelDir(ref.path).config.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    return str(method or "quantized").upper()
+
+
+def pick_backend(ref: ModelRef, backend: str | None = AUTO) -> str:
+    """The backend that runs `ref`: as asked, or for "auto" (or None) llama.cpp, unless the
+    weights are in a format only the native backend runs."""
+    fmt = native_only_format(ref)
+    if backend in (None, AUTO):
+        return "native" if fmt else "llama.cpp"
+    if backend not in BACKENDS:
+        raise DsqError(f"unknown backend {backend!r}", f"choose one of: {', '.join(BACKENDS)} (or {AUTO})")
+    if backend == "llama.cpp" and fmt:
+        raise DsqError(f"llama.cpp cannot run {ref.path.name}: its weights are {fmt}, which llama.cpp does not "
+                       "read", "pass --backend native (or leave --backend out to pick it)")
+    return backend
+
+
+def load(model: str | Path | ModelRef | None = None, *, backend: str = AUTO, ctx: int = 4096,
          threads: int | None = None, gpu_layers: GpuLayers | int | str = 0, seed: int | None = None,
          console=None, **kwargs) -> Backend:
-    """Load MODEL (a .gguf, an HF directory, or None for the built-in model) on a backend.
+    """Load MODEL (a .gguf, an HF directory, a resolved ModelRef, or None for the built-in model)
+    on a backend.
 
     backend "llama.cpp" runs GGUF (HF directories are converted once, cached); "native" runs
-    both formats in dsq's own torch engine (kwargs: dtype, kv_dtype, cuda_graph).
+    both formats in dsq's own torch engine (kwargs: dtype, kv_dtype, cuda_graph); "auto" is
+    llama.cpp, or native for AWQ / GPTQ / FP8 directories (pick_backend).
     gpu_layers: a number, "all" or "auto" (GpuLayers.parse). threads: CPU threads (default:
     runtime/threads.py default_threads, the physical cores).
     """
@@ -36,11 +68,10 @@ def load(model: str | Path | None = None, *, backend: str = "llama.cpp", ctx: in
     from dsq.runtime.threads import default_threads
 
     threads = threads or default_threads()  # one default for both backends
-    if backend not in BACKENDS:
-        raise DsqError(f"unknown backend {backend!r}", f"choose one of: {', '.join(BACKENDS)}")
     if ctx < 16:
         raise DsqError(f"--ctx must be at least 16, got {ctx}")
-    ref = resolve_model(model, console)
+    ref = model if isinstance(model, ModelRef) else resolve_model(model, console)
+    backend = pick_backend(ref, backend)
     ngl = parse_for(gpu_layers, ref.path, ctx, backend)
     if backend == "native":
         from dsq.runtime.native import NativeModel

@@ -1,0 +1,148 @@
+"""Options the commands share: single flags, and the groups that `run` and `chat` both take
+(sampling, loading), spread into a command's flags by `grouped`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import sys
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from dsq.errors import DsqError
+
+ModelArg = Annotated[Optional[str], typer.Argument(
+    help="A .gguf file or an HF model directory. Omit it to use the built-in model.", show_default=False)]
+MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Most tokens to generate.")]
+Temperature = Annotated[float, typer.Option("--temperature", "-t", help="Sampling temperature; 0 = greedy.")]
+TopK = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; 0 = off.")]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass; 1 = off.")]
+MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x the top probability; 0 = off.")]
+RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", help="Penalty for the last 64 tokens; 1 = off.")]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling (reproducible output).")]
+Ctx = Annotated[int, typer.Option("--ctx", "-c", help="Context length in tokens (prompt + reply).")]
+Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: the physical cores this "
+                                                                   "process may run on, one per core, not per SMT "
+                                                                   "thread).")]
+GpuLayersOption = Annotated[str, typer.Option(
+    "--gpu-layers", "-g", help="Layers to put on the GPU: a number, 'all', or 'auto' (fit the free VRAM).")]
+Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
+Backend = Annotated[str, typer.Option(
+    "--backend", "-b", help="llama.cpp, native (dsq's torch engine), or auto: llama.cpp, and native for AWQ / "
+    "GPTQ / FP8 directories, which only it runs.")]
+Dtype = Annotated[Optional[str], typer.Option(
+    "--dtype", help="native: activation dtype bf16|fp16|fp32 (default: bf16 on GPU, fp32 on CPU).")]
+KvDtype = Annotated[Optional[str], typer.Option("--kv-dtype", help="KV cache dtype: bf16|fp16|fp32.")]
+Compile = Annotated[bool, typer.Option(
+    "--compile", help="native: torch.compile the decode step, on CUDA or the CPU (starts slower: ~20 s on a "
+    "GPU, ~40 s on 2 CPU cores the first time, ~7 s once cached; decodes faster).")]
+
+
+@dataclass
+class Sampling:
+    """How tokens are picked (`run` and `chat`; each its own defaults)."""
+
+    max_tokens: MaxTokens = 256
+    temperature: Temperature = 0.8
+    top_k: TopK = 40
+    top_p: TopP = 0.95
+    min_p: MinP = 0.0
+    repeat_penalty: RepeatPenalty = 1.0
+    seed: Seed = None
+
+    def params(self):
+        from dsq.runtime.sampling import SamplingParams
+
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.repeat_penalty,
+                              self.seed).validate()
+
+
+@dataclass
+class Loading:
+    """Where and how a model runs."""
+
+    ctx: Ctx = 4096
+    threads: Threads = None
+    gpu_layers: GpuLayersOption = "0"
+    backend: Backend = "auto"
+    dtype: Dtype = None
+    kv_dtype: KvDtype = None
+    compile: Compile = False
+
+    def load(self, model: str | None, seed: int | None = None):
+        """The model on the backend that runs it (--backend auto: llama.cpp, or native for weights
+        only it runs, said on stderr)."""
+        from dsq.runtime.engine import load, native_only_format, pick_backend
+        from dsq.runtime.model_ref import resolve_model
+        from dsq.ui import console
+
+        con = console()
+        ref = resolve_model(model, con)
+        backend = pick_backend(ref, self.backend)
+        if backend != self.backend and backend == "native":
+            con.print(f"[dim]{native_only_format(ref)} weights: running on the native backend "
+                      "(llama.cpp takes GGUF)[/dim]")
+        return load(ref, backend=backend, ctx=self.ctx, threads=self.threads, gpu_layers=self.gpu_layers, seed=seed,
+                    console=con, **backend_options(backend, self.dtype, self.kv_dtype, self.compile))
+
+
+def grouped(**groups) -> Callable:
+    """Spread each option group (a dataclass instance holding the command's defaults) into the
+    command's flags, where its parameter stands; the command receives the group filled in."""
+
+    def deco(fn: Callable) -> Callable:
+        hints = typing.get_type_hints(fn, include_extras=True)
+        params = []
+        for p in inspect.signature(fn).parameters.values():
+            if p.name in groups:
+                params += _group_params(groups[p.name])
+            else:
+                params.append(p.replace(annotation=hints.get(p.name, p.annotation)))
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kw):
+            for name, group in groups.items():
+                kw[name] = type(group)(**{f.name: kw.pop(f.name) for f in dataclasses.fields(group)})
+            return fn(*args, **kw)
+
+        wrapper.__signature__ = inspect.Signature(params)
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        return wrapper
+
+    return deco
+
+
+def _group_params(group) -> list[inspect.Parameter]:
+    hints = typing.get_type_hints(type(group), include_extras=True)
+    return [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=getattr(group, f.name),
+                              annotation=hints[f.name]) for f in dataclasses.fields(group)]
+
+
+def backend_options(backend: str, dtype: str | None, kv_dtype: str | None, compile: bool = False) -> dict:
+    """Backend-specific load options from the shared flags."""
+    if backend == "native":
+        return {"dtype": dtype, "kv_dtype": kv_dtype, "compile": compile}
+    if dtype is not None or compile:
+        raise DsqError("--dtype and --compile apply to the native backend", "drop them, or pass --backend native")
+    return {"kv_dtype": kv_dtype} if kv_dtype else {}
+
+
+def check_output_path(path: Path, flag: str) -> None:
+    """Refuse an output path whose folder cannot be made: a file where a folder must be."""
+    for parent in path.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise DsqError(f"cannot write {path}: {parent} is a file, not a folder", f"choose another {flag}")
+            return
+
+
+def stdin_text() -> str | None:
+    if sys.stdin is not None and not sys.stdin.isatty():
+        data = sys.stdin.read()
+        return data if data.strip() else None
+    return None
