@@ -208,6 +208,9 @@ class NativeModel:
         self.dtype = model.dtype
         if fuse:
             model.fuse_projections()
+        from dsq.runtime.fused_layer import attach
+
+        self.fused_layers = attach(model)  # CPU layers whose decode step is one C call
         self.arch = gguf_name(config["model_type"])
         self.n_ctx = n_ctx
         self.kv_dtype = parse_dtype(kv_dtype, self.dtype)
