@@ -9,7 +9,7 @@ down Q6_K where llama.cpp gives them more bits, dsq.bench.random_gguf's rule), b
 (~132 MB a layer at 8B), an 8B output head in Q6_K and a 256-token float embedding (not timed:
 the decode step starts after it). Times, at cache position --pos, one layer (forward_layers over
 layer 0) and the whole step (--layers layers, final norm, head), each fused and op by op, medians
-of --repeat calls, the two variants alternated. With --gguf: the file through NativeModel (all on
+and best of --repeat calls, the two variants alternated call by call. With --gguf: the file through NativeModel (all on
 the CPU, or split with --gpu-layers, where the CPU part is what changes), its real decode step
 (`_decode`) timed both ways. Prints ms per layer and per step, their ratio, and the largest
 difference between the two variants' logits relative to the largest logit.
@@ -62,25 +62,19 @@ def _build(shape: str, layers: int, seed: int = 0):
     return model
 
 
-def _median_ms(fn, repeat: int) -> float:
-    ts = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        ts.append(1e3 * (time.perf_counter() - t))
-    return statistics.median(ts)
-
-
-def _race(variants: dict, repeat: int, rounds: int = 3) -> dict:
-    """Median ms of each variant (name -> (set up, run)), alternated in `rounds` rounds."""
-    out = {k: [] for k in variants}
-    for _ in range(rounds):
+def _race(variants: dict, repeat: int) -> dict:
+    """ms of each variant (name -> (set up, run)): the calls alternate variant by variant, `repeat`
+    of each after 3 warm-ups, so load from other processes hits both alike. Returns
+    {"median": {name: ms}, "best": {name: ms}} (best: the least disturbed call)."""
+    ts = {k: [] for k in variants}
+    for r in range(repeat + 3):
         for name, (setup, fn) in variants.items():
             setup()
-            for _ in range(3):
-                fn()
-            out[name].append(_median_ms(fn, max(1, repeat // rounds)))
-    return {k: min(v) for k, v in out.items()}
+            t = time.perf_counter()
+            fn()
+            if r >= 3:
+                ts[name].append(1e3 * (time.perf_counter() - t))
+    return {"median": {k: statistics.median(v) for k, v in ts.items()}, "best": {k: min(v) for k, v in ts.items()}}
 
 
 def synthetic(a) -> dict:
@@ -110,7 +104,7 @@ def synthetic(a) -> dict:
                       a.repeat)
         step = _race({"fused": (on, lambda: model(tok, slots, cache, pad, kv_len=a.pos + 1, last_only=True)),
                       "op by op": (off, lambda: model(tok, slots, cache, pad, kv_len=a.pos + 1, last_only=True))},
-                     max(3, a.repeat // 4))
+                     max(3, a.repeat // 3))
         on()
         got = model(tok, slots, cache, pad, kv_len=a.pos + 1, last_only=True)
         off()
@@ -147,7 +141,7 @@ def from_gguf(a) -> dict:
         def off():
             model._fused_decode = None
 
-        ms = _race({"fused": (on, step), "op by op": (off, step)}, max(3, a.repeat // 2))
+        ms = _race({"fused": (on, step), "op by op": (off, step)}, a.repeat)
         on()
         got = step().float().cpu()
         off()
@@ -178,14 +172,15 @@ def main(argv=None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     r = from_gguf(a) if a.gguf else synthetic(a)
-    f, o = r["step_ms"]["fused"], r["step_ms"]["op by op"]
-    if "layer_ms" in r:
-        lf, lo = r["layer_ms"]["fused"], r["layer_ms"]["op by op"]
-        print(f"one layer:   fused {lf:8.3f} ms   op by op {lo:8.3f} ms   ratio {lo / lf:5.2f}x   "
-              f"saved {lo - lf:6.3f} ms")
     n = r.get("covered", r.get("layers"))
-    print(f"decode step: fused {f:8.2f} ms   op by op {o:8.2f} ms   ratio {o / f:5.2f}x   "
-          f"saved {(o - f) / max(n, 1):6.3f} ms a covered layer ({n})")
+    for stat in ("median", "best"):
+        if "layer_ms" in r:
+            lf, lo = r["layer_ms"][stat]["fused"], r["layer_ms"][stat]["op by op"]
+            print(f"one layer, {stat:6}: fused {lf:8.3f} ms   op by op {lo:8.3f} ms   ratio {lo / lf:5.2f}x   "
+                  f"saved {lo - lf:6.3f} ms")
+        f, o = r["step_ms"][stat]["fused"], r["step_ms"][stat]["op by op"]
+        print(f"step, {stat:6}:      fused {f:8.2f} ms   op by op {o:8.2f} ms   ratio {o / f:5.2f}x   "
+              f"saved {(o - f) / max(n, 1):6.3f} ms a covered layer ({n})")
     print(f"logits: largest difference {r['logits_rel_diff']:.2e} of the largest logit; build {r['isa']}")
     if a.json:
         with open(a.json, "w") as fh:
