@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import weakref
 
 import torch
@@ -131,12 +132,12 @@ class FusedLayer:
 
 class FusedDecode:
     """The covered layers of one model (`layers[i]`: a FusedLayer or None) and the scratch their
-    calls share (grown to the largest batch and cache seen, never per token)."""
+    calls share (one per OS thread, grown to the largest batch and cache seen, never per token)."""
 
     def __init__(self, model, layers: list[FusedLayer | None]):
         self.args, self.layers = model.args, layers
         self.lib = cpu.library()[0]
-        self.scratch, self._need = torch.empty(0), {}
+        self._local, self._need = threading.local(), {}
         self._caches = weakref.WeakKeyDictionary()  # cache -> per-layer (k ptr, v ptr, strides) or None
 
     def begin(self, x: torch.Tensor, slots: torch.Tensor, cache, pad: torch.Tensor | None,
@@ -149,14 +150,15 @@ class FusedDecode:
         key = (B, L)
         if key not in self._need:
             self._need[key] = max(cpu.layer_scratch(f.desc, B, L, self.lib) for f in self.layers if f is not None)
-        if self.scratch.numel() < self._need[key]:
-            self.scratch = torch.empty(self._need[key])
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.numel() < self._need[key]:
+            scratch = self._local.scratch = torch.empty(self._need[key])
         pad = torch.zeros(B, dtype=torch.int64) if pad is None else pad.to("cpu", torch.int64).contiguous()
         slot = int(slots[0])
         S = kv_len if kv_len is not None else L
         if not 0 <= slot < S <= L:
             return None
-        return _Step(self, cache, B, slot, pad, S)
+        return _Step(self, cache, B, slot, pad, S, scratch)
 
     def cache_ptrs(self, cache) -> list:
         got = self._caches.get(cache)
@@ -181,8 +183,8 @@ class _Step:
     """One decode step's calls: `run(i, x)` runs layer i on x in one C call, or returns None for a
     layer it does not cover (the caller then runs it op by op)."""
 
-    def __init__(self, fd: FusedDecode, cache, B: int, slot: int, pad: torch.Tensor, S: int):
-        self.fd, self.B, self.slot, self.pad, self.S = fd, B, slot, pad, S
+    def __init__(self, fd: FusedDecode, cache, B: int, slot: int, pad: torch.Tensor, S: int, scratch: torch.Tensor):
+        self.fd, self.B, self.slot, self.pad, self.S, self.scratch = fd, B, slot, pad, S, scratch
         self.ptrs = fd.cache_ptrs(cache)
         self.fn = fd.lib.dsq_layer_decode
         self.threads = torch.get_num_threads()
@@ -194,7 +196,7 @@ class _Step:
             return None
         if x is not self.x:  # the caller's tensor stays as it was: work on a copy
             self.x = x.to("cpu", torch.float32, copy=True).contiguous()
-        s = self.fd.scratch
+        s = self.scratch
         if self.fn(f.addr, self.x.data_ptr(), self.B, p[0], p[1], p[2], p[3], self.slot, self.pad.data_ptr(), self.S,
                    p[4], p[5], p[6], s.data_ptr(), s.numel(), self.threads):
             raise ValueError(f"dsq_layer_decode refused layer {i} at slot {self.slot} (out of memory?)")
