@@ -237,3 +237,30 @@ def test_coverage(tiny_gguf, tiny_dir, monkeypatch):
     with torch.no_grad():
         assert model._fused_decode.begin(x, torch.tensor([0]), cache, None, 1) is not None
     assert model._fused_decode.begin(x, torch.tensor([0]), cache, None, 1) is None  # gradients wanted: op by op
+
+
+def test_builtin_model_past_its_window(builtin_gguf):
+    """The built-in Gemma 3 270M (its mix stores v in another type than q/k in some layers: a fused
+    q/k projection and a separate v) decodes past its sliding window (512) as the op-by-op step does."""
+    from dsq.runtime.native import NativeModel
+
+    m = NativeModel(builtin_gguf, "gguf", n_ctx=600)
+    model = m.model
+    assert m.fused_layers == len(model.model.layers) and model.args.sliding_window == 512
+    assert 2 in {f.desc.n_qkv for f in model._fused_decode.layers}
+    assert {f.desc.window for f in model._fused_decode.layers} == {0, 512}
+    ids = [(7 * i) % 5000 + 100 for i in range(516)]
+    outs = []
+    for fused in (True, False):
+        keep = model._fused_decode
+        model._fused_decode = keep if fused else None
+        with torch.inference_mode():
+            cache = model.make_cache(1, 600, torch.float32)
+            logits = model(torch.tensor([ids]), torch.arange(516), cache, kv_len=516, last_only=True)[:, -1]
+            out = [logits]
+            for s in range(516, 520):  # slots past the window: the first tokens fall out of sliding layers
+                logits = model(logits.argmax(-1)[:, None], torch.tensor([s]), cache, kv_len=s + 1, last_only=True)[:, -1]
+                out.append(logits)
+        model._fused_decode = keep
+        outs.append(torch.stack(out))
+    assert _rel(outs[0], outs[1]) < _tol()
