@@ -52,7 +52,8 @@ def _build(shape: str, layers: int, seed: int = 0):
         for parent in (layer.self_attn, layer.mlp):
             for name, g in gguf.items():
                 if name in parent._modules:
-                    setattr(parent, name, linear(parent._modules[name], tensor_type("Q4_K_M", f"blk.{i}.{g}.weight", n_file)))
+                    qtype = tensor_type("Q4_K_M", f"blk.{i}.{g}.weight", n_file)
+                    setattr(parent, name, linear(parent._modules[name], qtype))
     for name, m in list(model.named_modules()):
         if type(m).__name__ == "RMSNorm":
             m.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(m.weight.shape[0]), requires_grad=False)

@@ -259,7 +259,8 @@ def test_builtin_model_past_its_window(builtin_gguf):
             logits = model(torch.tensor([ids]), torch.arange(516), cache, kv_len=516, last_only=True)[:, -1]
             out = [logits]
             for s in range(516, 520):  # slots past the window: the first tokens fall out of sliding layers
-                logits = model(logits.argmax(-1)[:, None], torch.tensor([s]), cache, kv_len=s + 1, last_only=True)[:, -1]
+                tok = logits.argmax(-1)[:, None]
+                logits = model(tok, torch.tensor([s]), cache, kv_len=s + 1, last_only=True)[:, -1]
                 out.append(logits)
         model._fused_decode = keep
         outs.append(torch.stack(out))

@@ -51,7 +51,8 @@ def uncovered(model, i: int) -> str | None:
         return "q and k norms with different eps"
     for name, m in [*_qkv(attn), ("o_proj", attn.o_proj), *_gate_up(mlp), ("down_proj", mlp.down_proj)]:
         if type(m) is not GGUFLinear or m.qtype not in cpu.GGML_TYPES:
-            return f"{name} is {type(m).__name__}{f' {m.qtype}' if hasattr(m, 'qtype') else ''}, not GGUF blocks the C kernels read"
+            what = f"{type(m).__name__}{f' {m.qtype}' if hasattr(m, 'qtype') else ''}"
+            return f"{name} is {what}, not GGUF blocks the C kernels read"
         if not m.raw.is_cpu or not m.raw.is_contiguous():
             return f"{name} is not contiguous on the CPU"
         if m.bias is not None and (m.bias.dtype != torch.float32 or not m.bias.is_cpu or not m.bias.is_contiguous()):
@@ -205,7 +206,9 @@ class _Step:
 
 def attach(model) -> int:
     """Give `model` the one-call decode of each covered CPU layer (model._fused_decode); returns
-    how many layers are covered (0: none, nothing attached)."""
+    how many layers are covered (0: none, nothing attached). Call it once the layers' tensors are
+    final: the descriptors point into them (and keep them alive), so a tensor replaced afterwards
+    (pinned, moved) would be read from its old copy."""
     model._fused_decode = None
     if os.environ.get("DSQ_FUSED_LAYER", "1") == "0" or not cpu.has("dsq_layer_decode"):
         return 0
