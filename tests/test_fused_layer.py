@@ -206,6 +206,11 @@ def test_layer_decode_refuses_bad_arguments():
         cpu.layer_decode(f.desc, x, kc, kc.clone(), 0, pad, 1, cos, sin, scratch=torch.empty(10))
     with pytest.raises(ValueError, match="refused"):
         cpu.layer_decode(f.desc, x, kc, kc.clone(), 0, torch.tensor([1]), 1, cos, sin)  # position -1
+    f.desc.o.K += 1  # a descriptor whose projections do not fit the layer
+    with pytest.raises(ValueError, match="refused"):
+        cpu.layer_decode(f.desc, x, kc, kc.clone(), 0, pad, 1, cos, sin)
+    f.desc.o.K -= 1
+    assert kc.abs().sum() == 0  # nothing written by the refused calls
     y = cpu.layer_decode(f.desc, x.clone(), kc, kc.clone(), 0, pad, 1, cos, sin)
     assert y.isfinite().all() and kc[:, :, 0].abs().sum() > 0 and kc[:, :, 1:].abs().sum() == 0
 
