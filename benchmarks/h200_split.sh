@@ -8,6 +8,8 @@
 #   bash benchmarks/h200_split.sh tests    # the CUDA tests of the native runtime
 #   bash benchmarks/h200_split.sh offload  # dsq offload --calibrate, then --measure at each split
 #   bash benchmarks/h200_split.sh bench    # dsq bench, both engines at each split with their ratio and plot
+#   bash benchmarks/h200_split.sh fused    # one C call per CPU layer against op by op: one 8B layer and a
+#                                          # synthetic 32-layer step, then the GGUF's decode step at each split
 #
 # The machine has no dsq install: the C kernels are built in place and dsq.kernels is linked to
 # kernels/. Wheels the image lacks (gguf, diskcache) travel in .whl/.
@@ -56,6 +58,18 @@ if [ "$PART" = build ]; then
 fi
 
 llama_bins || exit 1
+if [ "$PART" = fused ]; then  # (llama.cpp: the GGUF tokenizer)
+  GGUF=${GGUF:-/tmp/r8b.gguf}
+  THREADS=${THREADS:-$(lscpu -p=CORE | grep -v '^#' | sort -u | wc -l)}
+  timeout 240 python3 -m benchmarks.fused_layer --shape "${SHAPE:-llama3-8b}" --layers 32 --threads "$THREADS" \
+    --json "$OUT/fused_layer_synthetic.json" 2>&1 | grep -v -i warn | tail -6
+  [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape "${SHAPE:-llama3-8b}" --mix Q4_K_M | tail -1
+  for g in ${FUSED_SPLITS:-0 8 24}; do
+    timeout 150 python3 -m benchmarks.fused_layer --gguf "$GGUF" --gpu-layers "$g" --threads "$THREADS" \
+      --json "$OUT/fused_layer_g$g.json" 2>&1 | grep -v -i warn | tail -4
+  done
+  exit 0
+fi
 if [ "$PART" = tests ]; then
   timeout 300 python3 -m pytest -q -x tests/test_native_cuda.py ${TESTS:+-k "$TESTS"} 2>&1 | tail -15
   exit 0

@@ -5,7 +5,10 @@
 For each split: tok/s over a short greedy decode, then one profiled step of the same decode
 (torch profiler, CPU and CUDA activities): the top ops by self CPU time, and wall time per decoder
 layer and for the head, measured with a device sync around each (so the per-layer figures add the
-syncs' cost; the tok/s figure has none).
+syncs' cost; the tok/s figure has none). The per-layer and per-kernel figures are of the op-by-op
+step (hooks and kernel wrappers do not see inside the one C call a covered CPU layer otherwise
+makes: dsq/runtime/fused_layer.py; `python -m benchmarks.fused_layer` times that call); tok/s is
+the default step's.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def _layer_times(m, prompt: list[int], steps: int = 3) -> dict:
     hooks = [h for name, mod in mods for h in (mod.register_forward_pre_hook(pre(name)),
                                                 mod.register_forward_hook(post(name)))]
     graph, m._graph = m._graph, None  # eager steps: hooks see each layer
+    fused, m.model._fused_decode = m.model._fused_decode, None  # op by op: hooks see each CPU layer
     try:
         from dsq.runtime.generate import GenStats
         from dsq.runtime.sampling import SamplingParams
@@ -66,6 +70,7 @@ def _layer_times(m, prompt: list[int], steps: int = 3) -> dict:
             pass
     finally:
         m._graph = graph
+        m.model._fused_decode = fused
         for h in hooks:
             h.remove()
     # the first entry of each is the prefill
@@ -113,6 +118,7 @@ def _kernel_times(m, prompt: list[int], steps: int = 4) -> dict:
         return timed
 
     names = ["gguf_linear", "int_linear", "fp8_linear", "rms_norm", "attn_step", "attn_decode"]
+    fused, m.model._fused_decode = m.model._fused_decode, None  # op by op: each kernel call seen
     m.reset()
     for _ in m.stream(prompt, SamplingParams(temperature=0), 2, GenStats(), ignore_eos=True):
         pass
@@ -123,6 +129,7 @@ def _kernel_times(m, prompt: list[int], steps: int = 4) -> dict:
         st = GenStats()
         for _ in m.stream(prompt, SamplingParams(temperature=0), steps + 1, st, ignore_eos=True):
             pass
+    m.model._fused_decode = fused
     per_step = {k: 1e3 * sum(v) / (steps + 1) for k, v in acc.items()}  # prefill included once: small
     out = {k: round(v, 3) for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])}
     gb = {k: round(float(k.split("(")[1].split(" MB")[0]) / 1e3 / (statistics.median(acc[k])), 1)
@@ -196,10 +203,14 @@ def main(argv=None) -> None:
         load_s = time.perf_counter() - t
         prompt = bench_prompt(m, a.prompt_tokens)
         rate = _decode_rate(m, prompt, a.gen_tokens)
+        fused, m.model._fused_decode = m.model._fused_decode, None
+        rate_op = _decode_rate(m, prompt, a.gen_tokens) if fused is not None else rate
+        m.model._fused_decode = fused
         layers = _layer_times(m, prompt)
         cpu = sum(v for k, v in layers.items() if "(cpu)" in k)
         gpu = sum(v for k, v in layers.items() if "(cuda)" in k)
         row = {"gpu_layers": g, "decode_tok_s": round(rate, 2), "step_ms": round(1e3 / rate, 2), "load_s": round(load_s, 1),
+               "fused_cpu_layers": getattr(m, "fused_layers", 0), "op_by_op_decode_tok_s": round(rate_op, 2),
                "threads": m.n_threads, "cpu_layers_ms": round(cpu, 2), "gpu_layers_ms": round(gpu, 2),
                "head_ms": round(layers.get("head", 0.0), 2), **_vram(m),
                "layer_ms": {k: round(v, 3) for k, v in layers.items()}}

@@ -105,6 +105,14 @@ def load(isa: str):
                                           ctypes.c_void_p, ctypes.c_float, *[ctypes.c_void_p] * 4,
                                           ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                           ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+        if hasattr(lib, "dsq_layer_decode"):
+            lib.dsq_layer_scratch.restype = ctypes.c_int64
+            lib.dsq_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+            lib.dsq_layer_decode.restype = ctypes.c_int
+            lib.dsq_layer_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                             ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64,
+                                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                             ctypes.c_int64, ctypes.c_int]
         if hasattr(lib, "dsq_round_x8"):  # the avx2 build's rounding of x to int8 (its tests)
             lib.dsq_round_x8.restype = ctypes.c_int
             lib.dsq_round_x8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -286,6 +294,66 @@ def attn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch
                          slots.data_ptr(), S, None if mask is None else mask.data_ptr(), scale, out.data_ptr()):
         raise ValueError(f"dsq_attn_step refused q {_desc(q)}, cache {_desc(k_cache)} (or ran out of memory)")
     return out
+
+
+class Proj(ctypes.Structure):
+    """One GGUF projection of a LayerDesc (csrc/layer_cpu.inc dsq_proj): blocks, type, N, K, bias."""
+    _fields_ = [("w", ctypes.c_void_p), ("qtype", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
+                ("bias", ctypes.c_void_p)]
+
+
+class LayerDesc(ctypes.Structure):
+    """A decoder layer as dsq_layer_decode reads it (csrc/layer_cpu.inc dsq_layer_desc, field for
+    field): pointers into tensors the builder keeps alive (dsq/runtime/fused_layer.py)."""
+    _fields_ = [*[(n, ctypes.c_int64) for n in ("hidden", "n_head", "n_kv", "head_dim", "ffn", "window", "act",
+                                                "sandwich", "n_qkv", "n_gu")],
+                *[(n, ctypes.c_float) for n in ("eps", "qk_eps", "scale", "pad0")],
+                *[(n, ctypes.c_void_p) for n in ("attn_norm", "attn_out_norm", "ffn_norm", "ffn_out_norm", "q_norm",
+                                                 "k_norm")],
+                ("qkv", Proj * 3), ("o", Proj), ("gu", Proj * 2), ("down", Proj)]
+
+
+ACTS = {"silu": 0, "gelu_tanh": 1}
+
+
+def layer_scratch(desc: LayerDesc, B: int, S: int, lib=None) -> int:
+    """Floats of scratch layer_decode needs for B rows over S cache slots."""
+    return int(_lib_with(lib, "dsq_layer_scratch").dsq_layer_scratch(ctypes.addressof(desc), B, S))
+
+
+def layer_decode(desc: LayerDesc, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int,
+                 pad: torch.Tensor, S: int, cos: torch.Tensor, sin: torch.Tensor, scratch: torch.Tensor | None = None,
+                 lib=None, threads: int | None = None) -> torch.Tensor:
+    """One decode step of a whole decoder layer in one C call (csrc/layer_cpu.inc): x (B, 1, hidden)
+    or (B, hidden) contiguous float32, updated in place and returned; the new token's keys and values
+    written into k_cache / v_cache (B, Hk, >= S, D) at column `slot`; attention over columns
+    pad[b]..slot (and the window) of the first S; rope rows slot - pad[b] of cos / sin (L, D).
+    `scratch` (float32, layer_scratch floats at least) is made when not given. The runtime's decode
+    step calls the library directly (dsq/runtime/fused_layer.py); this checks its arguments."""
+    lib = _lib_with(lib, "dsq_layer_decode")
+    B, D = x.shape[0], desc.head_dim
+    f32 = torch.float32
+    if not (x.dtype == k_cache.dtype == v_cache.dtype == cos.dtype == sin.dtype == f32 and x.is_contiguous()
+            and x.numel() == B * desc.hidden and k_cache.shape[:2] == (B, desc.n_kv) and k_cache.shape[3] == D
+            and 1 <= S <= k_cache.shape[2] and 0 <= slot < S and v_cache.shape == k_cache.shape
+            and v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1 and k_cache.stride(-2) == D
+            and cos.shape == sin.shape and cos.ndim == 2 and cos.shape[1] == D and cos.is_contiguous()
+            and sin.is_contiguous() and pad.dtype == torch.int64 and pad.shape == (B,) and pad.is_contiguous()
+            and all(t.is_cpu for t in (x, k_cache, v_cache, cos, sin, pad))):
+        raise ValueError(f"layer_decode: needs float32 CPU x (B, {desc.hidden}), caches (B, {desc.n_kv}, >= S, {D}), "
+                         f"cos/sin (L, {D}) and int64 pad (B,), got x {_desc(x)}, cache {_desc(k_cache)}, "
+                         f"cos {_desc(cos)}, pad {_desc(pad)}, S={S}, slot={slot}")
+    need = layer_scratch(desc, B, S, lib)
+    if scratch is None:
+        scratch = torch.empty(need)
+    if scratch.dtype != f32 or not scratch.is_contiguous() or scratch.numel() < need:
+        raise ValueError(f"layer_decode: scratch needs {need} contiguous float32 values, got {_desc(scratch)}")
+    if lib.dsq_layer_decode(ctypes.addressof(desc), x.data_ptr(), B, k_cache.data_ptr(), v_cache.data_ptr(),
+                            k_cache.stride(0), k_cache.stride(1), slot, pad.data_ptr(), S, cos.data_ptr(),
+                            sin.data_ptr(), cos.shape[0], scratch.data_ptr(), scratch.numel(),
+                            threads or torch.get_num_threads()):
+        raise ValueError(f"dsq_layer_decode refused x {_desc(x)} at slot {slot} (bad positions, or out of memory)")
+    return x
 
 
 def _lib_with(lib, fn: str):

@@ -90,6 +90,32 @@ def test_split_model_matches_the_cpu_one(qtype, tiny_gguf):
     assert toks[0] == toks[1]
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
+def test_split_cpu_layer_in_one_call(qtype, tiny_gguf):
+    """The split step's CPU layer decodes through one C call (dsq/runtime/fused_layer.py): its
+    descriptor points at the weights as they end up (StreamedLayers pins them after loading), and
+    the captured split step decodes the op-by-op CPU layer's greedy tokens."""
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.native import NativeModel
+    from dsq.runtime.sampling import SamplingParams
+
+    m = NativeModel(tiny_gguf("llama", qtype), "gguf", n_ctx=256, gpu_layers=1)
+    assert m.fused_layers == 1 and m._split is not None
+    layer, f = m.model.model.layers[0], m.model._fused_decode.layers[0]
+    first = next(mod for n, mod in layer.self_attn._modules.items() if n in ("qkv_proj", "qk_proj", "q_proj"))
+    assert f.desc.qkv[0].w == first.raw.data_ptr() and f.desc.down.w == layer.mlp.down_proj.raw.data_ptr()
+    toks = []
+    for fused in (True, False):
+        keep = m.model._fused_decode
+        m.model._fused_decode = keep if fused else None
+        m.reset()
+        st = GenStats()
+        list(m.stream(IDS[:30], SamplingParams(temperature=0), 24, st, ignore_eos=True))
+        m.model._fused_decode = keep
+        toks.append(st.token_ids)
+    assert toks[0] == toks[1]
+
+
 def _prefill_two_chunks(m):
     """(first chunk's logits, a second chunk's after the cached prefix, layer 0's keys and values)."""
     pad = torch.zeros(1, dtype=torch.long)

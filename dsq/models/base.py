@@ -415,6 +415,7 @@ class Transformer(nn.Module):
 
     Layer: type = DecoderLayer
     Cache: type = KVCache
+    _fused_decode = None  # the runtime's one-call decode of CPU layers (dsq/runtime/fused_layer.py), if attached
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -509,7 +510,16 @@ class Transformer(nn.Module):
             pad = torch.zeros(x.shape[0], dtype=torch.long, device=slots.device)
         S = kv_len if kv_len is not None else cache.length
         per_dev: dict = {}
+        # a decode step's covered CPU layers: one C call each (dsq/runtime/fused_layer.py, attached at load)
+        step = None
+        if not torch.compiler.is_compiling() and self._fused_decode is not None and x.shape[1] == 1:
+            step = self._fused_decode.begin(x, slots, cache, pad, kv_len)
         for i in range(start, end):
+            if step is not None:
+                y = step.run(i, x)
+                if y is not None:
+                    x = y
+                    continue
             layer = self.model.layers[i]
             cos, sin, mask, sl = self.layer_context(i, cache.k[i].device, slots, pad, S, cache, per_dev)
             x = layer(x.to(sl.device, layer.input_layernorm.weight.dtype), cos, sin, mask, cache, sl, kv_len)

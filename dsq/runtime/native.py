@@ -217,6 +217,11 @@ class NativeModel:
         self.head_device = module_device(model.lm_head)
         self.seed = seed
         self._prepare_steps(model, cuda_graph, compile)
+        from dsq.runtime.fused_layer import attach
+
+        # CPU layers whose decode step is one C call; last: the pointers are taken from the tensors as
+        # they end up (StreamedLayers moves the CPU layers' weights into pinned memory)
+        self.fused_layers = attach(model)
 
     def _prepare_steps(self, model, cuda_graph: bool, compile: bool | str) -> None:
         """The decode step: captured as a CUDA graph with every layer on one GPU (compiled first

@@ -10,3 +10,4 @@
 #include "intq_cpu.inc"
 #include "norm_cpu.inc"
 #include "attn_cpu.inc"
+#include "layer_cpu.inc"
