@@ -173,17 +173,24 @@ class NativeModel:
     def __init__(self, path: str | Path, kind: str, *, ref: ModelRef | None = None, n_ctx: int = 4096,
                  gpu_layers: GpuLayers | int | str = 0, dtype: str | None = None, kv_dtype: str | None = None,
                  threads: int | None = None, seed: int | None = None, cuda_graph: bool = True, fuse: bool = True,
-                 compile: bool | str = False):
+                 compile: bool | str = False, experts: str = "auto"):
+        from dsq.runtime.experts import parse_experts, resolve_experts
         from dsq.runtime.native_loader import load_gguf, load_hf
 
         self.path = Path(path)
         if threads:
             torch.set_num_threads(threads)
         gpu = torch.device("cuda") if torch.cuda.is_available() else None
-        placed = GpuLayers.parse(gpu_layers).resolve(self.path if kind == "gguf" else None, n_ctx).on(gpu)
+        asked = GpuLayers.parse(gpu_layers)
+        file = self.path if kind == "gguf" else None
+        shape_of = self.path if kind in ("gguf", "hf") else None
+        # where the routed experts run (runtime/experts.py): "cpu" or "gpu" from here on
+        self.experts = resolve_experts(parse_experts(experts), shape_of, n_ctx, gpu,
+                                       asked.resolve(file, n_ctx) if not asked.auto else asked)
+        placed = asked.resolve(file, n_ctx, experts=self.experts).on(gpu)
         dt = parse_dtype(dtype, torch.bfloat16 if placed.n_gpu_layers != 0 else torch.float32)
         loader = load_gguf if kind == "gguf" else load_hf
-        model, config = loader(self.path, dt, placed, gpu)
+        model, config = loader(self.path, dt, placed, gpu, experts=self.experts)
         self._setup(model, config, _tokenizer(self.path, kind, config), ref=ref or ModelRef(kind, self.path),
                     n_ctx=n_ctx, gpu_layers=placed, kv_dtype=kv_dtype, seed=seed, cuda_graph=cuda_graph, fuse=fuse,
                     compile=compile)
@@ -203,6 +210,10 @@ class NativeModel:
 
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.ref = ref
+        if not hasattr(self, "experts"):  # from_model: as the model holds them
+            from dsq.models.deepseek_model import CPURoutedExperts
+
+            self.experts = "cpu" if any(isinstance(m, CPURoutedExperts) for m in model.modules()) else "gpu"
         self.n_threads = torch.get_num_threads()
         self.gpu_layers = GpuLayers.parse(gpu_layers)
         self.dtype = model.dtype

@@ -1,0 +1,125 @@
+"""--experts cpu: a DeepSeek model's routed experts kept in RAM as the GGUF's stacked blocks and run
+by one C call per MoE layer (CPURoutedExperts), the rest of the model where it would be. CI has no
+GPU, so the CPU stands in for it: the "GPU part" runs on the CPU device and the experts through the
+C kernel path; the logits must be those of the all-in-one model on tiny random deepseek_v2 and
+deepseek_v3 GGUFs. The CUDA test (skipped without a GPU) runs the real split: attention, router,
+shared experts on the GPU, the experts in RAM, the hidden state across once per MoE layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsq.cli import app
+from test_cli_errors import one_line_error
+
+KINDS = ["deepseek_v2", "deepseek_v3"]
+IDS = [5, 17, 99, 250, 31, 7, 400, 12, 3, 77] * 3
+QTYPES = ["Q4_K_M", "Q8_0"]
+
+
+def _load(path, experts, **kw):
+    from dsq.runtime.native import NativeModel
+
+    return NativeModel(path, "gguf", n_ctx=128, dtype="fp32", experts=experts, **kw)
+
+
+def _greedy(m, n=8):
+    from dsq.runtime.sampling import SamplingParams
+
+    return [e.token_id for e in m.stream(IDS[:12], SamplingParams(temperature=0.0), n, ignore_eos=True)
+            if e.token_id >= 0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_cpu_experts_equal_the_all_in_one_model(kind, qtype, tiny_gguf):
+    from dsq.models.deepseek_model import CPURoutedExperts, MoE
+
+    path = tiny_gguf(kind, qtype)
+    whole, split = _load(path, "gpu"), _load(path, "cpu")
+    assert whole.experts == "gpu" and split.experts == "cpu"
+    moes = [layer.mlp for layer in split.model.model.layers if isinstance(layer.mlp, MoE)]
+    assert moes and all(isinstance(m.experts, CPURoutedExperts) for m in moes)
+    # the stacked blocks are the file's (memory-mapped) tensor, not a copy
+    from dsq.runtime.experts import _stacked
+
+    raws = [e.down_proj.raw for e in whole.model.model.layers[-1].mlp.experts]
+    stacked = _stacked(raws)
+    assert all(stacked[i].data_ptr() == r.data_ptr() and torch.equal(stacked[i], r) for i, r in enumerate(raws))
+    assert _stacked([r.clone() for r in raws]).data_ptr() != raws[0].data_ptr()  # scattered: copied
+    a, b = whole.logits(IDS), split.logits(IDS)
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
+    # decode through the cache: the same greedy tokens
+    assert _greedy(whole) == _greedy(split)
+
+
+def test_cpu_experts_refuse_float_experts(tiny_gguf, tiny_dir):
+    from dsq.errors import UnsupportedModel
+
+    for path, kind in ((tiny_gguf("deepseek_v3", "F32"), "gguf"), (tiny_dir("deepseek_v3"), "hf")):
+        from dsq.runtime.native import NativeModel
+
+        with pytest.raises(UnsupportedModel, match="--experts cpu runs GGUF experts"):
+            NativeModel(path, kind, n_ctx=64, dtype="fp32", experts="cpu")
+        # auto never picks what cannot run
+        assert NativeModel(path, kind, n_ctx=64, dtype="fp32", experts="auto").experts == "gpu"
+
+
+def test_cli_experts_flag(runner, tiny_gguf):
+    path = str(tiny_gguf("deepseek_v3", "Q4_K_M"))
+    r = runner.invoke(app, ["run", path, "-b", "native", "--experts", "cpu", "-p", "hello", "-n", "4", "-t", "0"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["run", path, "-b", "native", "--experts", "sideways", "-p", "hello", "-n", "2"])
+    assert r.exit_code == 1 and one_line_error(r).startswith("error: --experts takes cpu, gpu or auto")
+    r = runner.invoke(app, ["run", path, "-b", "llama.cpp", "--experts", "cpu", "-p", "hello", "-n", "2"])
+    assert r.exit_code == 1 and "--backend native" in one_line_error(r)
+
+
+def test_offload_plans_experts_in_ram(tiny_gguf):
+    """With the experts in RAM the GPU holds every layer less their experts, the CPU reads a
+    token's share of them, and each MoE layer on the GPU pays one exchange."""
+    from dsq.runtime.machine import Bandwidths
+    from dsq.runtime.model_shape import load_shape
+    from dsq.runtime.placement import plan_placement
+
+    shape = load_shape(tiny_gguf("deepseek_v3", "Q4_K_M"))
+    bw = Bandwidths(cpu=10e9, gpu=100e9, split_overhead_s=1e-4, source="test")
+    gpu = plan_placement(shape, 1 << 40, ctx=64, backend="native", gpu_layers="all", bandwidths=bw, experts="gpu")
+    cpu = plan_placement(shape, 1 << 40, ctx=64, backend="native", gpu_layers="all", bandwidths=bw, experts="cpu")
+    experts = sum(shape.expert_bytes)
+    n_moe = sum(1 for e in shape.expert_bytes if e)
+    assert (gpu.experts, cpu.experts) == ("gpu", "cpu") and cpu.expert_bytes_cpu == experts
+    assert gpu.gpu_total_bytes - cpu.gpu_total_bytes == experts
+    assert cpu.cpu_total_bytes - gpu.cpu_total_bytes == experts
+    read = sum(e * shape.n_expert_used // shape.n_expert for e in shape.expert_bytes)
+    assert gpu.bytes_per_token_gpu - cpu.bytes_per_token_gpu == read
+    assert cpu.bytes_per_token_cpu - gpu.bytes_per_token_cpu == read
+    assert cpu.split_overhead_s == pytest.approx(n_moe * 1e-4)
+    # auto: everything fits, all on the GPU is faster; a budget without room for the experts: cpu
+    assert plan_placement(shape, 1 << 40, ctx=64, backend="native", gpu_layers="all", bandwidths=bw,
+                          experts="auto").experts == "gpu"
+    tight = cpu.gpu_total_bytes + 1024
+    assert plan_placement(shape, tight, ctx=64, backend="native", gpu_layers="all", bandwidths=bw,
+                          experts="auto").experts == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_experts_cpu_rest_on_gpu(kind, tiny_gguf):
+    """The real split: every layer but the routed experts on the GPU (bf16), the experts' blocks in
+    RAM; the greedy tokens and logits match the all-on-GPU model's."""
+    from dsq.models.deepseek_model import CPURoutedExperts
+
+    path = tiny_gguf(kind, "Q4_K_M")
+    from dsq.runtime.native import NativeModel
+
+    whole = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="gpu")
+    split = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="cpu")
+    cpu_parts = [m for m in split.model.modules() if isinstance(m, CPURoutedExperts)]
+    assert cpu_parts and all(p.gate.device.type == "cpu" for p in cpu_parts)
+    assert all(str(d) == "cuda:0" for d in split.model.layer_devices())
+    a, b = whole.logits(IDS), split.logits(IDS)
+    assert np.abs(a - b).max() <= 5e-2 * np.abs(a).max()  # bf16 activations on both
+    assert _greedy(whole) == _greedy(split)
