@@ -320,6 +320,8 @@ class CPURoutedExperts(nn.Module):
 class MoE(nn.Module):
     """Router + routed experts + shared experts (HF names: mlp.gate, mlp.experts.N, mlp.shared_experts)."""
 
+    overlap = True  # routed experts in RAM: the GPU runs the shared experts meanwhile (False: one after the other)
+
     def __init__(self, args: DeepseekArgs):
         super().__init__()
         self.gate = Router(args)
@@ -335,7 +337,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        if isinstance(self.experts, CPURoutedExperts) and x.device.type != "cpu":
+        if self.overlap and isinstance(self.experts, CPURoutedExperts) and x.device.type != "cpu":
             # the GPU runs the shared experts while the CPU runs the routed ones
             sent = self.experts.send(flat, ids, weights)
             shared = self.shared_experts(x) if self.shared_experts is not None else None
