@@ -94,3 +94,27 @@ def test_moe_experts_bad_input():
         cpu.moe_experts(x, ids, w, g, u, d[:, :32], qtypes)
     with pytest.raises(ValueError, match="C kernels run"):
         cpu.moe_experts(x, ids, w, g, u, d, ("F16", "Q8_0", "Q8_0"))
+
+
+def test_moe_host_struct_over_fixed_buffers():
+    """dsq_moe_host (the CUDA host function) over buffers refilled between calls, as a captured
+    decode step refills them: each call equals moe_experts on that call's inputs; a bad id fails
+    and leaves NaNs in out."""
+    rng = np.random.default_rng()
+    qtypes = ("Q4_K", "Q4_K", "Q6_K")
+    g, u, d = _experts(qtypes, 8, 512, 256, rng)
+    x, out = torch.zeros(1, 512), torch.zeros(1, 512)
+    ids, w = torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 3)
+    args = cpu.moe_host_args(x, ids, w, g, u, d, qtypes, out, threads=2)
+    assert cpu.moe_host_fn() is not None
+    for _ in range(3):
+        x.copy_(torch.randn(1, 512) * 0.1)
+        i2, w2 = _choices(1, 8, 3, rng)
+        ids.copy_(i2)
+        w.copy_(w2)
+        cpu.run_moe_host(args)
+        torch.testing.assert_close(out, cpu.moe_experts(x, ids, w, g, u, d, qtypes, threads=2), rtol=0, atol=0)
+    ids[0, 0] = 8
+    with pytest.raises(ValueError, match="refused"):
+        cpu.run_moe_host(args)
+    assert torch.isnan(out).all()

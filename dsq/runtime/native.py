@@ -233,7 +233,9 @@ class NativeModel:
         """The decode step: captured as a CUDA graph with every layer on one GPU (compiled first
         with `compile`); with the layers split between the CPU and one GPU, the GPU part captured
         (_SplitStep); on the CPU, compiled with `compile` (_CompiledStep); eager otherwise, and
-        always for a model whose step depends on its tokens (MoE routing: model.graph_safe)."""
+        always for a model whose step depends on its tokens (MoE routing: model.graph_safe, unless
+        its routed experts are in RAM and queued on the stream, runtime/experts.py)."""
+        self._moe = any(hasattr(layer.mlp, "experts") for layer in model.model.layers)
         if not model.graph_safe:
             if compile:
                 warnings.warn("--compile: this model routes tokens to experts, so its decode step runs eagerly",
@@ -251,7 +253,7 @@ class NativeModel:
         self._batch = None  # (B, cache length, cache, captured step) of the last batch (generate_batch)
         if cuda_graph and str(self.head_device) == "cuda:0":
             if set(devs) == {"cuda:0"}:
-                self._graph = self._capture(self.cache, 1)
+                self._graph = self._capture_moe(model) if self._moe else self._capture(self.cache, 1)
             elif split:
                 self._split = self._capture_split(model, devs.index("cuda:0"), mode if compile else False)
         self._streamed = None  # the CPU layers' prompt chunks on the GPU
@@ -387,6 +389,18 @@ class NativeModel:
         tail = detok.flush()
         if tail:
             yield TokenEvent(-1, tail)
+
+    def _capture_moe(self, model) -> _GraphedStep | None:
+        """A MoE step with its experts in RAM captured as one CUDA graph (their C calls as host
+        nodes); a capture that fails costs a warning, and the step runs eagerly (still without a
+        host sync per layer)."""
+        try:
+            return self._capture(self.cache, 1)
+        except Exception as e:  # noqa: BLE001 - the eager step works without the graph
+            warnings.warn(f"capturing the MoE decode step failed, decoding eagerly: "
+                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=3)
+            torch.cuda.synchronize()
+            return None
 
     def _capture_split(self, model, start: int, compile_mode) -> _SplitStep:
         """The split decode step, its GPU part compiled when asked; a compile that fails to capture
