@@ -129,6 +129,32 @@ def test_offload_plans_experts_in_ram(tiny_gguf):
                           experts="auto").experts == "cpu"
 
 
+def test_experts_gpu_that_cannot_fit_says_what_to_do(tiny_gguf, monkeypatch):
+    """On a (pretend) GPU too small for the layers with their experts: --experts gpu is one line
+    naming --experts cpu; auto picks cpu; a GPU with room keeps them there."""
+    from dsq.errors import DsqError
+    from dsq.runtime import experts, placement
+    from dsq.runtime.gpu_layers import GpuLayers
+    from dsq.runtime.machine import Bandwidths, GpuInfo
+
+    path = tiny_gguf("deepseek_v3", "Q4_K_M")
+    bw = Bandwidths(cpu=10e9, gpu=100e9, split_overhead_s=1e-4, source="test")
+    monkeypatch.setattr("dsq.runtime.machine.machine_bandwidths", lambda *a, **k: bw)
+    need = {e: placement.plan_placement(path, 1 << 40, ctx=64, backend="native", gpu_layers="all", bandwidths=bw,
+                                        experts=e).gpu_total_bytes for e in ("gpu", "cpu")}
+    assert need["cpu"] < need["gpu"]
+    between = (need["cpu"] + need["gpu"]) // 2
+    monkeypatch.setattr(placement, "detect_gpu", lambda: GpuInfo("pretend", 1 << 40, between))
+    cuda = torch.device("cuda")
+    with pytest.raises(DsqError) as e:
+        experts.resolve_experts("gpu", path, 64, cuda, GpuLayers.ALL)
+    assert "--experts cpu" in e.value.one_line() and "\n" not in e.value.one_line()
+    assert experts.resolve_experts("auto", path, 64, cuda, GpuLayers.ALL) == "cpu"
+    monkeypatch.setattr(placement, "detect_gpu", lambda: GpuInfo("pretend", 1 << 40, 1 << 40))
+    assert experts.resolve_experts("gpu", path, 64, cuda, GpuLayers.ALL) == "gpu"
+    assert experts.resolve_experts("auto", path, 64, cuda, GpuLayers.ALL) == "gpu"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_experts_cpu_rest_on_gpu(kind, tiny_gguf, monkeypatch):
