@@ -440,7 +440,9 @@ class NativeModel:
             try:
                 cache = self.model.make_cache(B, cap, self.kv_dtype)
                 self._batch = (B, cap, cache, self._capture(cache, B))
-            except torch.cuda.OutOfMemoryError:
+            except Exception as e:  # noqa: BLE001 - out of memory, or a MoE step that did not capture
+                if not isinstance(e, torch.cuda.OutOfMemoryError) and not self._moe:
+                    raise
                 cache = None  # release it before handing the memory back
                 torch.cuda.empty_cache()
                 return None
