@@ -4,8 +4,9 @@ GPU or in RAM (--experts), and what that projects to for a full-depth model.
     python -m benchmarks.moe_layers V3SLICE.gguf --experts cpu,gpu [--threads N] [--steps 16] [--json out.json]
 
 For each placement (every layer and the head on the GPU, the experts where --experts says): greedy
-decode tok/s over --steps tokens, then the same steps with a device sync around each part (so
-the parts add the syncs' cost; the tok/s figure has none): per layer its attention, router,
+decode tok/s over --steps tokens (the captured step where there is one), then the same steps
+eagerly with a device sync around each part (so the parts add the syncs' and the eager launches'
+cost; the tok/s figure has neither): per layer its attention, router,
 routed experts (in RAM: the C call and the hidden state's trip, one sync), shared experts, or its
 dense MLP; and the head. The routed experts' bytes a token reads (from the file's block types)
 over their time gives the bandwidth the C kernel reached.
@@ -89,13 +90,14 @@ def _part_times(m, prompt: list[int], steps: int) -> dict[str, float]:
     hooks = [h for name, mod in _parts(m.model) for h in (mod.register_forward_pre_hook(pre(name)),
                                                           mod.register_forward_hook(post(name)))]
     MoE.overlap = False
+    graph, m._graph = m._graph, None  # eager steps: the hooks see each part
     try:
         m.reset()
         with torch.inference_mode():
             for _ in m.stream(prompt, SamplingParams(temperature=0), steps, GenStats(), ignore_eos=True):
                 pass
     finally:
-        MoE.overlap = True
+        MoE.overlap, m._graph = True, graph
         for h in hooks:
             h.remove()
     n = len(prompt) and 1  # the prefill's marks come first: drop them
