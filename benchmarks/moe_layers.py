@@ -150,8 +150,13 @@ def project(r: dict, full_layers: int, full_dense: int, cpu_bws: list[float], gp
             gpu = (full_dense * d_ms + (full_layers - full_dense) * rest + head) * gpu_slowdown
             return 1e3 / (gpu + (full_layers - full_dense) * experts_ms)
 
+        parts_ms = sum(t[k] for k in t if k.endswith(".layer")) + head
         row = {"experts": p["experts"], "dense_layer_ms": round(d_ms, 3), "moe_layer_ms": round(moe_ms, 3),
                "experts_ms": round(exp_ms, 3), "head_ms": round(head, 3),
+               # the slice's step: as decoded (captured where it can be) and as its timed parts add up
+               # (eager, a sync around each): the parts' overhead, which the projection carries too
+               "slice_step_ms": round(1e3 / p["decode_tok_s"], 3) if p["decode_tok_s"] else None,
+               "slice_parts_ms": round(parts_ms, 3),
                "projected_tok_s_here": round(tok_s(exp_ms), 2)}
         if p["experts"] == "cpu" and p["expert_gb_s"]:
             row["projected_tok_s_at_cpu_gb_s"] = {bw: round(tok_s(exp_ms * p["expert_gb_s"] / bw), 2)
