@@ -34,12 +34,18 @@ def check_backend(value: str, backend: str) -> str:
 
 
 def is_moe(model: Path | None) -> bool:
-    """Whether the GGUF file or HF directory `model` has routed experts (from its metadata)."""
+    """Whether the GGUF file or HF directory `model` has routed experts (its metadata or
+    config.json; no tensor is read)."""
     if model is None:
         return False
-    from dsq.runtime.model_shape import load_shape
+    p = Path(model)
+    if p.is_dir():
+        from dsq.formats.hf import HFModelDir
 
-    return bool(load_shape(model).n_expert)
+        return bool(HFModelDir(p).config.get("n_routed_experts"))
+    from dsq.formats.gguf_file import GGUFFile
+
+    return bool(GGUFFile(p).arch_field("expert_count", 0))
 
 
 def cpu_runnable(model: Path) -> bool:
