@@ -45,6 +45,9 @@ if [ "$PART" = v2lite ]; then
       > "$D/plan_$ex.json" 2>/dev/null || echo "offload plan ($ex) failed"
   done
   python3 -m benchmarks.moe_table "$D"
+  echo "== the experts' C call against per-expert GEMM calls, $THREADS threads"
+  timeout 90 python3 -m benchmarks.moe_cpu --shape deepseek-v2-lite --rows 1,4,64 --threads "$THREADS" \
+    --json "$D/moe_cpu_v2lite.json" 2>&1 | tail -5
   exit 0
 fi
 
@@ -56,6 +59,8 @@ if [ "$PART" = v3slice ]; then
   echo "written in $(( $(date +%s) - t )) s"
   timeout 420 python3 -m benchmarks.moe_layers "$GGUF" --experts "${EXPERTS:-cpu,gpu}" --threads "$THREADS" \
     --steps 16 --json "$D/v3slice_layers.json" 2>&1 | grep -v -i warn | tail -40
+  timeout 120 python3 -m benchmarks.moe_cpu --shape deepseek-v3-slice --rows 1,8 --threads "$THREADS" \
+    --json "$D/moe_cpu_v3.json" 2>&1 | tail -4
   exit 0
 fi
 echo "unknown part $PART (v2lite or v3slice)"; exit 1

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks import moe_layers, moe_table
+from benchmarks import moe_cpu, moe_layers, moe_table
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +49,13 @@ def test_table_ratios_and_rooflines(tmp_path):
     assert cpu["llama_decode"] is None and cpu["decode_ratio"] is None  # missing files: empty cells
     md = moe_table.markdown(rows).splitlines()
     assert len(md) == 4 and "1.50x" in md[2] and md[3].count("| - ") >= 6
+
+
+def test_cpu_call_against_per_expert_calls():
+    """moe_cpu checks the one call against the per-expert calls on every run (it raises if they
+    differ) and reports both times and the bytes the call read."""
+    rows = moe_cpu.run("tiny-deepseek-v3", [1, 3], threads=1, n_expert=None, repeat=1)
+    assert [r["rows"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["one_call_ms"] > 0 and r["per_expert_ms"] > 0 and r["one_call_gb_s"] > 0
+        assert r["ratio"] == pytest.approx(r["per_expert_ms"] / r["one_call_ms"], rel=0.02)
