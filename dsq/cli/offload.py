@@ -76,7 +76,8 @@ def offload(
     if experts == "auto" and be != "native":
         experts = "gpu"
     if measure:
-        return _measure(ref, be, gpu_layers, ctx, prompt_tokens, gen_tokens, repeat, threads, bw_given, as_json)
+        return _measure(ref, be, gpu_layers, ctx, prompt_tokens, gen_tokens, repeat, threads, bw_given, as_json,
+                        experts)
     _plan(ref, be, vram, ram, ctx, gpu_layers, bw_given, as_json, experts)
 
 
@@ -189,8 +190,9 @@ def _style(device: str) -> str | None:
 
 # -- --measure ---------------------------------------------------------------------------------------
 def _measure(ref, backend: str, gpu_layers: str | None, ctx: int, prompt_tokens: int, gen_tokens: int,
-             repeat: int, threads: int | None, bw_given: dict, as_json: bool) -> None:
-    """Predicted beside measured decode tok/s at each split, timed by dsq bench's runner."""
+             repeat: int, threads: int | None, bw_given: dict, as_json: bool, experts: str = "gpu") -> None:
+    """Predicted beside measured decode tok/s at each split, timed by dsq bench's runner (the
+    native backend with its routed experts where `experts` says)."""
     from dsq.bench.metrics import cuda_context_bytes
     from dsq.bench.prediction import predicted_plans
     from dsq.bench.report import summarize
@@ -206,10 +208,12 @@ def _measure(ref, backend: str, gpu_layers: str | None, ctx: int, prompt_tokens:
     with status("measuring", con) as st:
         records = run_bench(str(ref.path), backends=(backend,), gpu_layers=sweep, prompt_tokens=prompt_tokens,
                             gen_tokens=gen_tokens, repeat=repeat, threads=threads, ctx=ctx,
-                            on_status=lambda s: st.update(s))
+                            on_status=lambda s: st.update(s),
+                            model_opts={"native": {"experts": experts}} if backend == "native" else None)
     rows = summarize([r.as_dict() for r in records])
     plans = predicted_plans(ref.path, rows, ctx=bench_ctx(ctx, prompt_tokens, gen_tokens),
-                            kv_tokens=prompt_tokens + gen_tokens // 2, bandwidths=bw)
+                            kv_tokens=prompt_tokens + gen_tokens // 2, bandwidths=bw,
+                            experts=records[0].experts if records else "gpu")  # as the runs resolved it
     splits = [_compare(r, plans[(r["backend"], str(r["gpu_layers"]))]) for r in rows]
     report = {"model": str(ref.path), "label": ref.label, "backend": backend, "machine": machine_info(),
               "bandwidths": {"cpu": bw.cpu, "gpu": bw.gpu, "split_overhead_s": bw.split_overhead_s,
