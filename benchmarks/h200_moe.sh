@@ -6,6 +6,7 @@
 #                                        # all on the GPU and with -ot exps=CPU, dsq bench native with
 #                                        # --experts gpu and cpu, the offload plan of each: one table with
 #                                        # ratios and rooflines (benchmarks/moe_table.py). ~4-5 min
+#   bash benchmarks/h200_moe.sh tests    # the CUDA tests of the experts in RAM (and test_deepseek's). ~1 min
 #   bash benchmarks/h200_moe.sh v3slice  # random V3-width slice (1 dense + 1 MoE layer of 256 experts,
 #                                        # ~7 GB): per-layer and per-part times with the experts in RAM
 #                                        # and on the GPU, and the full 61-layer projection
@@ -14,7 +15,7 @@
 # Setup as benchmarks/h200_split.sh (sourced for its functions): the C kernels built in place, the
 # carried wheels (.whl/) and llama.cpp binaries (.llbin/, else built from .llsrc/). Results under $OUT.
 set -uo pipefail
-PART=${1:?v2lite or v3slice}
+PART=${1:?tests, v2lite or v3slice}
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 ROOT=$PWD
@@ -27,6 +28,11 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)" | tr -s ' '
 
 llama_bins || exit 1  # llama-bench, and the library dsq's GGUF tokenizer loads
+if [ "$PART" = tests ]; then
+  timeout 400 python3 -m pytest -q -rs tests/test_deepseek_experts_cpu.py tests/test_deepseek.py -k "cuda or stand_in" \
+    2>&1 | tail -15
+  exit 0
+fi
 if [ "$PART" = v2lite ]; then
   GGUF=${GGUF:-/tmp/v2lite.Q4_K_M.gguf}
   t=$(date +%s)
@@ -63,4 +69,4 @@ if [ "$PART" = v3slice ]; then
     --json "$D/moe_cpu_v3.json" 2>&1 | tail -4
   exit 0
 fi
-echo "unknown part $PART (v2lite or v3slice)"; exit 1
+echo "unknown part $PART (tests, v2lite or v3slice)"; exit 1
