@@ -91,7 +91,12 @@ def load(isa: str):
         lib.dsq_gguf_rows.restype = ctypes.c_int
         lib.dsq_gguf_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_int64, ctypes.c_void_p]
-        if hasattr(lib, "dsq_rms_norm"):  # builds older than the norm kernel lack it
+        if hasattr(lib, "dsq_moe_experts"):
+            lib.dsq_moe_experts.restype = ctypes.c_int
+            lib.dsq_moe_experts.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3, *[ctypes.c_int64] * 6,
+                                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        if hasattr(lib, "dsq_rms_norm"):  # builds older than the norm kernel lack it  # builds older than the norm kernel lack it
             lib.dsq_rms_norm.restype = ctypes.c_int
             lib.dsq_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                          ctypes.c_float, ctypes.c_void_p]
@@ -193,6 +198,112 @@ def gguf_rows(ids: torch.Tensor, raw: torch.Tensor, qtype: str, dim: int) -> tor
     if lib.dsq_gguf_rows(raw.data_ptr(), GGML_TYPES[qtype], dim, flat.data_ptr(), flat.numel(), out.data_ptr()):
         raise ValueError(f"dsq_gguf_rows refused {qtype}")
     return out
+
+
+def _moe_check(x, ids, weights, gate, up, down, qtypes, out) -> torch.Tensor:
+    """moe_experts's argument checks; returns the output tensor (`out`, or a new one)."""
+    M, H = x.shape
+    E, I = gate.shape[:2]
+    k = ids.shape[-1] if ids.ndim == 2 else 0
+    if not (x.dtype == weights.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == weights.shape
+            and ids.shape[0] == M and k and all(t.is_contiguous() and t.is_cpu for t in (x, ids, weights))):
+        raise ValueError(f"moe_experts: needs contiguous CPU float32 x (M, H), int64 ids and float32 weights "
+                         f"(M, k), got {_desc(x)}, {_desc(ids)}, {_desc(weights)}")
+    if any(q not in GGML_TYPES for q in qtypes):
+        raise ValueError(f"moe_experts: the C kernels run {', '.join(GGML_TYPES)}, not {'/'.join(qtypes)}")
+    from dsq.kernels.gguf_ref import row_bytes
+
+    want = ((E, I, row_bytes(qtypes[0], H)), (E, I, row_bytes(qtypes[1], H)), (E, H, row_bytes(qtypes[2], I)))
+    for name, t, shape in zip(("gate", "up", "down"), (gate, up, down), want):
+        if (t.dtype != torch.uint8 or tuple(t.shape) != shape or not t.is_cpu or t.stride(2) != 1
+                or t.stride(1) != shape[2]):
+            raise ValueError(f"moe_experts: {name} must be uint8 {shape} with contiguous experts, got {_desc(t)}")
+    y = out if out is not None else torch.empty(M, H)
+    if y.shape != (M, H) or y.dtype != torch.float32 or not y.is_contiguous() or not y.is_cpu:
+        raise ValueError(f"moe_experts: out must be a contiguous float32 ({M}, {H}) CPU tensor, got {_desc(y)}")
+    return y
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                down: torch.Tensor, qtypes: tuple[str, str, str], out: torch.Tensor | None = None, lib=None,
+                threads: int | None = None) -> torch.Tensor:
+    """A MoE layer's routed experts for every row of x in one C call (csrc/moe_cpu.inc; torch
+    reference: moe_ref.moe_experts_ref): x (M, H) float32, ids (M, k) int64 and weights (M, k)
+    float32, all contiguous on the CPU; gate and up (E, I, row bytes), down (E, H, row bytes) uint8
+    GGUF blocks of the (gate, up, down) `qtypes`, each expert's rows contiguous (views into the
+    file's stacked tensors are fine). Returns (M, H) float32 (into `out` if given); `threads` as in
+    gguf_linear. Bad input raises ValueError."""
+    lib = _lib_with(lib, "dsq_moe_experts")
+    y = _moe_check(x, ids, weights, gate, up, down, qtypes, out)
+    E, I = gate.shape[:2]
+    M, H = x.shape
+    if lib.dsq_moe_experts(gate.data_ptr(), up.data_ptr(), down.data_ptr(), *(GGML_TYPES[q] for q in qtypes), E, H, I,
+                           gate.stride(0), up.stride(0), down.stride(0), x.data_ptr(), M, ids.data_ptr(),
+                           weights.data_ptr(), ids.shape[1], y.data_ptr(), threads or torch.get_num_threads()):
+        raise ValueError(f"dsq_moe_experts refused {'/'.join(qtypes)} experts ({E}, {I}, {H}): "
+                         f"an expert id outside 0..{E - 1}, a width the formats do not take, or no memory")
+    return y
+
+
+class MoeArgs(ctypes.Structure):
+    """dsq_moe_host's arguments (csrc/moe_cpu.inc dsq_moe_args)."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in ("gate", "up", "down")] + [
+        (n, ctypes.c_int64) for n in ("qt_gate", "qt_up", "qt_down", "n_expert", "H", "I", "gate_stride", "up_stride",
+                                      "down_stride")] + [
+        ("x", ctypes.c_void_p), ("M", ctypes.c_int64), ("ids", ctypes.c_void_p), ("wts", ctypes.c_void_p),
+        ("k", ctypes.c_int64), ("out", ctypes.c_void_p), ("nthreads", ctypes.c_int64), ("status", ctypes.c_int64)]
+
+
+def moe_host_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                  down: torch.Tensor, qtypes: tuple[str, str, str], out: torch.Tensor,
+                  threads: int | None = None) -> MoeArgs:
+    """moe_experts's call as a struct for dsq_moe_host (a CUDA host function: moe_host_fn), over
+    fixed buffers the caller keeps alive and refills before each call (checked as moe_experts)."""
+    _moe_check(x, ids, weights, gate, up, down, qtypes, out)
+    E, I = gate.shape[:2]
+    M, H = x.shape
+    return MoeArgs(gate.data_ptr(), up.data_ptr(), down.data_ptr(), *(GGML_TYPES[q] for q in qtypes), E, H, I,
+                   gate.stride(0), up.stride(0), down.stride(0), x.data_ptr(), M, ids.data_ptr(), weights.data_ptr(),
+                   ids.shape[1], out.data_ptr(), threads or torch.get_num_threads(), 0)
+
+
+def moe_host_fn(lib=None) -> int | None:
+    """The address of dsq_moe_host (a C function of one pointer, for cuLaunchHostFunc), or None."""
+    lib = lib or library()[0]
+    if lib is None or not hasattr(lib, "dsq_moe_host"):
+        return None
+    return ctypes.cast(lib.dsq_moe_host, ctypes.c_void_p).value
+
+
+def run_moe_host(args: MoeArgs, lib=None) -> None:
+    """Call dsq_moe_host on this thread (what the CUDA callback thread does); raises on failure."""
+    lib = _lib_with(lib, "dsq_moe_host")
+    lib.dsq_moe_host.restype = None
+    lib.dsq_moe_host.argtypes = [ctypes.c_void_p]
+    lib.dsq_moe_host(ctypes.addressof(args))
+    if args.status:
+        raise ValueError("dsq_moe_host refused its arguments (an expert id out of range, or no memory)")
+
+
+@lru_cache(maxsize=1)
+def cuda_host_launcher():
+    """launch(stream handle, C function address, argument address): the CUDA driver's
+    cuLaunchHostFunc, which queues a host function on a stream (and into a CUDA graph being
+    captured on it); None without the driver library."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        fn = cuda.cuLaunchHostFunc
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+
+    def launch(stream: int, host_fn: int, arg: int) -> None:
+        err = fn(stream, host_fn, arg)
+        if err:
+            raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {err}")
+    return launch
 
 
 def set_threads(n: int, lib=None) -> None:

@@ -1,8 +1,11 @@
 """A random-weight GGUF of a named model shape in a llama.cpp type mix, written block by block.
 
     python -m dsq.bench.random_gguf llama3-8b.Q4_K_M.gguf --shape llama3-8b --mix Q4_K_M
+    python -m dsq.bench.random_gguf v2-lite.Q4_K_M.gguf --shape deepseek-v2-lite --mix Q4_K_M
 
-A shape's layout is Llama's, or Qwen2's (q/k/v biases, tied or untied embeddings: arch qwen2).
+A shape's layout is Llama's, or Qwen2's (q/k/v biases, tied or untied embeddings: arch qwen2), or
+DeepSeek's (random_models.DEEPSEEK_SHAPES: MLA and MoE, llama.cpp's `deepseek2` with the stacked
+`*_exps` experts and the MLA keys attn_k_b / attn_v_b, as dsq's converter writes them).
 For side-by-side speed runs of the native runtime and llama.cpp on one file
 (`dsq bench FILE --backend native,llama.cpp`) where no real checkpoint can be had: the quantized
 blocks are random bytes with their scales set so weights stay in a trained model's range
@@ -20,10 +23,12 @@ from typing import Callable
 
 import numpy as np
 
-from dsq.bench.random_models import SHAPES
+from dsq.bench.random_models import DEEPSEEK_SHAPES, SHAPES, deepseek_config
 
 # where each block type's f16 scale d sits (Q4_K's dmin follows it); block sizes: gguf_ref.BLOCKS
-_D_AT = {"Q4_0": 0, "Q8_0": 0, "Q4_K": 0, "Q6_K": 208}
+_D_AT = {"Q4_0": 0, "Q5_0": 0, "Q8_0": 0, "Q4_K": 0, "Q6_K": 208}
+# llama.cpp's quantizer gives a tensor whose rows are no multiple of 256 these instead of a K-quant
+_K_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 _ALL_SAME = {"Q4_0", "Q8_0", "Q6_K"}  # file types whose tensors are all one type
 MIXES = ("Q4_K_M", *sorted(_ALL_SAME))
 
@@ -58,7 +63,7 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
     if cols % per:
         raise ValueError(f"{qtype} needs rows of a multiple of {per} weights, not {cols}")
     b = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
-    d = {"Q4_0": 2.5e-3, "Q8_0": 1.5e-4, "Q4_K": 2e-5, "Q6_K": 5e-6}[qtype]
+    d = {"Q4_0": 2.5e-3, "Q5_0": 1.2e-3, "Q8_0": 1.5e-4, "Q4_K": 2e-5, "Q6_K": 5e-6}[qtype]
     scale = (d * rng.uniform(0.5, 1.5, size=(rows, cols // per))).astype(np.float16)
     at = _D_AT[qtype]
     b[..., at:at + 2] = scale.view(np.uint8).reshape(rows, cols // per, 2)
@@ -111,9 +116,54 @@ def _plan(cfg: dict, mix: str) -> list[tuple[str, tuple[int, ...], str]]:
     return [(n, s, tensor_type(mix, n, L, tied)) for n, s in shapes]
 
 
+def deepseek_tensor_type(mix: str, name: str, cols: int, n_layers: int) -> str:
+    """The block type of a deepseek2 tensor with rows of `cols` weights in file type `mix`: as
+    tensor_type, with the routers and V3's selection bias in F32 and llama.cpp's fallback where
+    the rows are no multiple of a K-quant's 256 (attn_k_b's 128, V2-Lite's expert width 1408)."""
+    if "ffn_gate_inp" in name or "exp_probs_b" in name:
+        return "F32"
+    base = name.replace("_exps.", ".").replace("_shexp.", ".")
+    t = tensor_type(mix, base, n_layers)
+    return _K_FALLBACK.get(t, t) if t in _K_FALLBACK and cols % 256 else t
+
+
+def _deepseek_plan(cfg: dict, mix: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """[(GGUF name, shape (..., rows, cols) or (n,), type)] of a deepseek2 file in llama.cpp's order."""
+    h, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    H, nope, rope, v = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
+                        cfg["v_head_dim"])
+    r, q_lora = cfg["kv_lora_rank"], cfg.get("q_lora_rank")
+    E, I, F = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    S = I * cfg["n_shared_experts"]
+    shapes: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (V, h))]
+    for i in range(L):
+        b = f"blk.{i}."
+        q = [(b + "attn_q_a_norm.weight", (q_lora,)), (b + "attn_q_a.weight", (q_lora, h)),
+             (b + "attn_q_b.weight", (H * (nope + rope), q_lora))] if q_lora else [
+            (b + "attn_q.weight", (H * (nope + rope), h))]
+        shapes += [(b + "attn_norm.weight", (h,)), *q, (b + "attn_kv_a_norm.weight", (r,)),
+                   (b + "attn_kv_a_mqa.weight", (r + rope, h)), (b + "attn_k_b.weight", (H, r, nope)),
+                   (b + "attn_v_b.weight", (H, v, r)), (b + "attn_output.weight", (h, H * v)),
+                   (b + "ffn_norm.weight", (h,))]
+        if i < cfg["first_k_dense_replace"]:
+            shapes += [(b + "ffn_gate.weight", (F, h)), (b + "ffn_up.weight", (F, h)), (b + "ffn_down.weight", (h, F))]
+            continue
+        shapes.append((b + "ffn_gate_inp.weight", (E, h)))
+        if cfg["model_type"] == "deepseek_v3":
+            shapes.append((b + "exp_probs_b.bias", (E,)))
+        shapes += [(b + "ffn_gate_exps.weight", (E, I, h)), (b + "ffn_up_exps.weight", (E, I, h)),
+                   (b + "ffn_down_exps.weight", (E, h, I))]
+        if S:
+            shapes += [(b + "ffn_gate_shexp.weight", (S, h)), (b + "ffn_up_shexp.weight", (S, h)),
+                       (b + "ffn_down_shexp.weight", (h, S))]
+    shapes += [("output_norm.weight", (h,)), ("output.weight", (V, h))]
+    return [(n, s, deepseek_tensor_type(mix, n, s[-1], L)) for n, s in shapes]
+
+
 def _f32_values(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Norm weights 1; biases N(0, 0.02), a trained model's range."""
-    if name.endswith(".bias"):
+    """Norm weights 1; biases and routers N(0, 0.02), a trained model's range (a router of equal
+    rows would send every token to the same experts)."""
+    if name.endswith(".bias") or "ffn_gate_inp" in name:
         return (0.02 * rng.standard_normal(shape)).astype(np.float32)
     return np.ones(shape, dtype=np.float32)
 
@@ -133,19 +183,29 @@ def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_
     from dsq.models.registry import arch_for_model_type
     from dsq.models.rope import llama3_rope_factors
 
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
-    cfg = dict(SHAPES[shape])
-    cfg["rope_parameters"] = cfg.pop("rope")
-    if layers is not None:
-        cfg["num_hidden_layers"] = layers
-    plan = _plan(cfg, mix)
+    if shape not in SHAPES and shape not in DEEPSEEK_SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose from {', '.join([*SHAPES, *DEEPSEEK_SHAPES])}")
+    if mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r}; choose from {', '.join(MIXES)}")
+    if layers is not None and layers < 1:
+        raise ValueError(f"--layers must be at least 1, not {layers}")
+    if shape in DEEPSEEK_SHAPES:
+        cfg = deepseek_config(shape, layers)
+        plan = _deepseek_plan(cfg, mix)
+        model_type = cfg["model_type"]
+    else:
+        cfg = dict(SHAPES[shape])
+        cfg["rope_parameters"] = cfg.pop("rope")
+        if layers is not None:
+            cfg["num_hidden_layers"] = layers
+        plan = _plan(cfg, mix)
+        model_type = "qwen2" if cfg.get("attention_bias") else "llama"  # the two layouts of SHAPES
     rng = np.random.default_rng(seed)
     extra = []
     if cfg["rope_parameters"].get("rope_type") == "llama3":
         extra.append(("rope_freqs.weight", llama3_rope_factors(cfg["rope_parameters"], cfg["head_dim"]).numpy()))
 
-    arch = arch_for_model_type("qwen2" if cfg.get("attention_bias") else "llama")  # the two layouts of SHAPES
+    arch = arch_for_model_type(model_type)
     with atomic_output_file(Path(out), force=force) as tmp:
         w = GGUFWriter(str(tmp), arch.gguf_arch)
         w.add_name(f"random {shape} {mix}")
@@ -157,7 +217,7 @@ def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_
                 w.add_tensor_info(name, shp, np.dtype(np.float32), 4 * int(np.prod(shp)),
                                   raw_dtype=GGMLQuantizationType.F32)
             else:
-                byte_shape = (shp[0], row_bytes(t, shp[1]))
+                byte_shape = (*shp[:-1], row_bytes(t, shp[-1]))
                 w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
                                   raw_dtype=GGMLQuantizationType[t])
         for name, data in extra:
@@ -170,7 +230,8 @@ def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_
             if t == "F32":
                 w.write_tensor_data(_f32_values(name, shp, rng))
             else:
-                w.write_tensor_data(random_blocks(t, shp[0], shp[1], rng))
+                rows = int(np.prod(shp[:-1]))
+                w.write_tensor_data(random_blocks(t, rows, shp[-1], rng).reshape(*shp[:-1], -1))
             if progress:
                 progress(name, i + 1, total)
         for name, data in extra:
@@ -182,7 +243,7 @@ def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted([*SHAPES, *DEEPSEEK_SHAPES]))
     ap.add_argument("--mix", default="Q4_K_M", choices=MIXES)
     ap.add_argument("--layers", type=int, help="override the shape's number of layers")
     ap.add_argument("--seed", type=int, default=0)

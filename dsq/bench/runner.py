@@ -34,6 +34,7 @@ class BenchRecord:
     threads: int
     batch: int = 1  # sequences decoded together; token counts and rates cover all of them
     base_rss_mb: float = 0.0  # the process before loading (Python, libraries, earlier configurations' leftovers)
+    experts: str = "gpu"  # where a MoE model's routed experts ran: with their layers, or "cpu" (in RAM)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -184,7 +185,8 @@ def _record(loaded: _Loaded, r: int, B: int, st, mem) -> BenchRecord:
         ttft_ms=round(st.ttft_s * 1000, 3), tpot_ms=round(st.tpot_ms, 3),
         peak_rss_mb=_mib(max(mem.peak_rss, loaded.load_mem.peak_rss)),
         peak_vram_mb=None if mem.peak_gpu is None else _mib(max(mem.peak_gpu, loaded.load_mem.peak_gpu or 0)),
-        load_s=round(loaded.load_s, 3), threads=m.n_threads, batch=B, base_rss_mb=_mib(loaded.base_rss))
+        load_s=round(loaded.load_s, 3), threads=m.n_threads, batch=B, base_rss_mb=_mib(loaded.base_rss),
+        experts=getattr(m, "experts", "gpu"))
 
 
 def _mib(n: int) -> float:

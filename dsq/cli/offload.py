@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import ModelArg, Threads
+from dsq.cli.options import Experts, ModelArg, Threads
 
 MIB = 2**20
 
@@ -20,6 +20,7 @@ MIB = 2**20
     "dsq offload model.gguf --backend native --vram 24G --json",
     "dsq offload --calibrate",
     "dsq offload model.gguf --measure --gpu-layers 0,8,16,24,all",
+    "dsq offload DeepSeek-V3-Q4_K_M.gguf --backend native --vram 24G --ram 512G --experts cpu",
 ])
 def offload(
     model: ModelArg = None,
@@ -42,6 +43,7 @@ def offload(
     gpu_bw: Annotated[Optional[float], typer.Option("--gpu-bw", help="GPU bandwidth in GB/s (default: calibrated, else known card).")] = None,
     cpu_bw: Annotated[Optional[float], typer.Option("--cpu-bw", help="CPU bandwidth in GB/s (default: calibrated, else measured now).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan, calibration or measurement as JSON.")] = False,
+    experts: Experts = "auto",
 ) -> None:
     """Plan the GPU/CPU split for a memory budget and predict decode speed.
 
@@ -68,9 +70,15 @@ def offload(
     be = backend or ("native" if measure else "llama.cpp")
     ref = resolve_model(model, con)
     bw_given = {"gpu_bw": gpu_bw * 1e9 if gpu_bw else None, "cpu_bw": cpu_bw * 1e9 if cpu_bw else None}
+    from dsq.runtime.experts import check_backend, parse_experts
+
+    experts = check_backend(parse_experts(experts), be)
+    if experts == "auto" and be != "native":
+        experts = "gpu"
     if measure:
-        return _measure(ref, be, gpu_layers, ctx, prompt_tokens, gen_tokens, repeat, threads, bw_given, as_json)
-    _plan(ref, be, vram, ram, ctx, gpu_layers, bw_given, as_json)
+        return _measure(ref, be, gpu_layers, ctx, prompt_tokens, gen_tokens, repeat, threads, bw_given, as_json,
+                        experts)
+    _plan(ref, be, vram, ram, ctx, gpu_layers, bw_given, as_json, experts)
 
 
 # -- --calibrate -------------------------------------------------------------------------------------
@@ -96,14 +104,14 @@ def _calibrate(threads: int | None, as_json: bool) -> None:
 
 # -- the plan ----------------------------------------------------------------------------------------
 def _plan(ref, backend: str, vram: str | None, ram: str | None, ctx: int, gpu_layers: str | None,
-          bw_given: dict, as_json: bool) -> None:
+          bw_given: dict, as_json: bool, experts: str = "gpu") -> None:
     from dsq.runtime.gpu_layers import parse_for
     from dsq.runtime.placement import parse_size, plan_placement
 
     vram_b = _vram_budget(vram)
     split = None if gpu_layers is None else parse_for(gpu_layers, ref.path, ctx, backend)
     plan = plan_placement(ref.path, vram=vram_b, ctx=ctx, ram=parse_size(ram), backend=backend,
-                          gpu_layers=split, **bw_given)
+                          gpu_layers=split, experts=experts, **bw_given)
     if vram is not None and (split is None or split.auto):
         _check_budget(plan, vram, ref.label)
     if as_json:
@@ -154,8 +162,14 @@ def _print_plan(plan, label: str) -> None:
     out = out_console()
     out.print(t)
     on_gpu = sum(lc.device == "GPU" for lc in plan.layers)
-    out.print(f"GPU layers: [bold]{on_gpu}[/bold] of {plan.n_layer}, output head on the {plan.output_device} "
-              f"(dsq run -b {plan.backend} --gpu-layers {plan.gpu_layers_arg})")
+    moe = plan.expert_bytes_cpu or any(lc.expert_bytes for lc in plan.layers)
+    run = f"dsq run -b {plan.backend} --gpu-layers {plan.gpu_layers_arg}" + (
+        f" --experts {plan.experts}" if moe and plan.backend == "native" else "")
+    out.print(f"GPU layers: [bold]{on_gpu}[/bold] of {plan.n_layer}, output head on the {plan.output_device} ({run})")
+    if moe:
+        where = "in RAM (CPU)" if plan.experts == "cpu" else "with their layers"
+        out.print(f"Routed experts: [bold]{where}[/bold]" + (
+            f", {plan.expert_bytes_cpu / MIB:.0f} MiB" if plan.experts == "cpu" else ""))
     out.print(f"GPU memory: {plan.gpu_total_bytes / MIB:.0f} MiB of {plan.vram_budget / MIB:.0f} MiB "
               f"(compute buffers {plan.compute_gpu_bytes / MIB:.0f} MiB + reserve)")
     ram_note = "" if plan.ram_budget is None else (
@@ -176,8 +190,9 @@ def _style(device: str) -> str | None:
 
 # -- --measure ---------------------------------------------------------------------------------------
 def _measure(ref, backend: str, gpu_layers: str | None, ctx: int, prompt_tokens: int, gen_tokens: int,
-             repeat: int, threads: int | None, bw_given: dict, as_json: bool) -> None:
-    """Predicted beside measured decode tok/s at each split, timed by dsq bench's runner."""
+             repeat: int, threads: int | None, bw_given: dict, as_json: bool, experts: str = "gpu") -> None:
+    """Predicted beside measured decode tok/s at each split, timed by dsq bench's runner (the
+    native backend with its routed experts where `experts` says)."""
     from dsq.bench.metrics import cuda_context_bytes
     from dsq.bench.prediction import predicted_plans
     from dsq.bench.report import summarize
@@ -193,10 +208,12 @@ def _measure(ref, backend: str, gpu_layers: str | None, ctx: int, prompt_tokens:
     with status("measuring", con) as st:
         records = run_bench(str(ref.path), backends=(backend,), gpu_layers=sweep, prompt_tokens=prompt_tokens,
                             gen_tokens=gen_tokens, repeat=repeat, threads=threads, ctx=ctx,
-                            on_status=lambda s: st.update(s))
+                            on_status=lambda s: st.update(s),
+                            model_opts={"native": {"experts": experts}} if backend == "native" else None)
     rows = summarize([r.as_dict() for r in records])
     plans = predicted_plans(ref.path, rows, ctx=bench_ctx(ctx, prompt_tokens, gen_tokens),
-                            kv_tokens=prompt_tokens + gen_tokens // 2, bandwidths=bw)
+                            kv_tokens=prompt_tokens + gen_tokens // 2, bandwidths=bw,
+                            experts=records[0].experts if records else "gpu")  # as the runs resolved it
     splits = [_compare(r, plans[(r["backend"], str(r["gpu_layers"]))]) for r in rows]
     report = {"model": str(ref.path), "label": ref.label, "backend": backend, "machine": machine_info(),
               "bandwidths": {"cpu": bw.cpu, "gpu": bw.gpu, "split_overhead_s": bw.split_overhead_s,

@@ -31,6 +31,10 @@ Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (
                                                                    "thread).")]
 GpuLayersOption = Annotated[str, typer.Option(
     "--gpu-layers", "-g", help="Layers to put on the GPU: a number, 'all', or 'auto' (fit the free VRAM).")]
+Experts = Annotated[str, typer.Option(
+    "--experts", help="MoE models (DeepSeek), native backend: where the routed experts run. cpu: in RAM "
+    "through the C kernels, the rest of each layer where --gpu-layers puts it; gpu: with their layers; "
+    "auto: the faster placement that fits the free VRAM.")]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
 Backend = Annotated[str, typer.Option(
     "--backend", "-b", help="llama.cpp, native (dsq's torch engine), or auto: llama.cpp, and native for AWQ / "
@@ -73,6 +77,7 @@ class Loading:
     dtype: Dtype = None
     kv_dtype: KvDtype = None
     compile: Compile = False
+    experts: Experts = "auto"
 
     def load(self, model: str | None, seed: int | None = None):
         """The model on the backend that runs it (--backend auto: llama.cpp, or native for weights
@@ -88,7 +93,7 @@ class Loading:
             con.print(f"[dim]{native_only_format(ref)} weights: running on the native backend "
                       "(llama.cpp takes GGUF)[/dim]")
         return load(ref, backend=backend, ctx=self.ctx, threads=self.threads, gpu_layers=self.gpu_layers, seed=seed,
-                    console=con, **backend_options(backend, self.dtype, self.kv_dtype, self.compile))
+                    console=con, **backend_options(backend, self.dtype, self.kv_dtype, self.compile, self.experts))
 
 
 def grouped(**groups) -> Callable:
@@ -123,10 +128,14 @@ def _group_params(group) -> list[inspect.Parameter]:
                               annotation=hints[f.name]) for f in dataclasses.fields(group)]
 
 
-def backend_options(backend: str, dtype: str | None, kv_dtype: str | None, compile: bool = False) -> dict:
+def backend_options(backend: str, dtype: str | None, kv_dtype: str | None, compile: bool = False,
+                    experts: str = "auto") -> dict:
     """Backend-specific load options from the shared flags."""
+    from dsq.runtime.experts import check_backend, parse_experts
+
+    experts = check_backend(parse_experts(experts), backend)
     if backend == "native":
-        return {"dtype": dtype, "kv_dtype": kv_dtype, "compile": compile}
+        return {"dtype": dtype, "kv_dtype": kv_dtype, "compile": compile, "experts": experts}
     if dtype is not None or compile:
         raise DsqError("--dtype and --compile apply to the native backend", "drop them, or pass --backend native")
     return {"kv_dtype": kv_dtype} if kv_dtype else {}

@@ -14,11 +14,14 @@ MoE. `MoE` = `Router` (scores, group-limited top-k, weights as each version defi
 `RoutedExperts` (one MLP per expert, a ModuleList with HF's `experts.N` names) + shared experts.
 A token runs only its experts' weights: with GGUF weights each expert's GGUFLinear holds a view
 into the stacked `*_exps` blocks. The routed experts are one module with one call, so a runtime
-can put them on another device than the rest of the layer and move the hidden state there and back.
+can put them on another device than the rest of the layer and move the hidden state there and back:
+`CPURoutedExperts` keeps the stacked blocks in RAM and runs them with one C call per layer while
+the rest of the layer runs on a GPU.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -244,8 +247,123 @@ class RoutedExperts(nn.ModuleList):
         return out
 
 
+class _Pinned:
+    """Page-locked host buffers for the hidden state's trips to the CPU experts and back, shared by
+    every layer (each layer's copies are done before the next layer writes them: a layer waits for
+    its own copies to the host, which the stream orders after the last layer's copy back)."""
+
+    def __init__(self):
+        self.mem: torch.Tensor | None = None
+
+    def take(self, n: int) -> torch.Tensor:
+        """At least n float32 values of page-locked memory (grown, never shrunk)."""
+        if self.mem is None or self.mem.numel() < n:
+            if self.mem is not None and torch.cuda.is_available():
+                torch.cuda.synchronize()  # copies queued from the old buffer are done before it goes
+            self.mem = torch.empty(max(n, 1 << 16), dtype=torch.float32, pin_memory=True)
+        return self.mem
+
+
+class CPURoutedExperts(nn.Module):
+    """The routed experts of one MoE layer kept in RAM as GGUF blocks (gate and up (E, I, row bytes),
+    down (E, H, row bytes): the file's stacked `ffn_*_exps` tensors, not copied) and run by one C
+    call per layer (kernels/cpu.moe_experts) whatever device the rest of the layer is on. The blocks
+    are plain attributes, not buffers, so moving the layer to a GPU leaves them where they are.
+
+    From a GPU, two ways:
+    - queued (decode, up to QUEUE_ROWS rows): x, the expert ids and the weights are copied into
+      this layer's own pinned buffers, the C call is queued on the stream as a CUDA host function
+      (cuLaunchHostFunc), then the result's copy back: no host sync at all, and a decode step made
+      of these can be captured as one CUDA graph (the model's graph_safe);
+    - sent (prompt chunks, or where the driver's host functions are not at hand, or
+      DSQ_MOE_QUEUE=0): `send` starts the copies to a shared pinned buffer and records an event,
+      the caller queues the GPU's own work (shared experts) behind them, `receive` waits for the
+      event (the layer's one host sync), runs the C call and queues the copy back.
+    On the CPU the call runs directly."""
+
+    QUEUE_ROWS = 16
+    pinned = _Pinned()
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, qtypes: tuple[str, str, str]):
+        super().__init__()
+        self.gate, self.up, self.down, self.qtypes = gate, up, down, tuple(qtypes)
+        self.n_expert, self.inter, self.hidden = gate.shape[0], gate.shape[1], down.shape[1]
+        self._slots: dict = {}  # (device, rows, k) -> a queued call's pinned buffers and C arguments
+
+    def extra_repr(self) -> str:
+        return f"{self.n_expert} experts in RAM, {'/'.join(self.qtypes)}, hidden={self.hidden}, inter={self.inter}"
+
+    @staticmethod
+    def queues(device: torch.device) -> bool:
+        """Whether calls from `device` are queued on its stream (see the class docstring)."""
+        import os
+
+        from dsq.kernels import cpu
+
+        return (device.type == "cuda" and os.environ.get("DSQ_MOE_QUEUE", "1") != "0"
+                and cpu.moe_host_fn() is not None and cpu.cuda_host_launcher() is not None)
+
+    def _run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out=None) -> torch.Tensor:
+        from dsq.kernels import cpu
+
+        return cpu.moe_experts(x, ids, weights, self.gate, self.up, self.down, self.qtypes, out=out)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (N, H), ids and weights (N, k) -> (N, H) in x's dtype, on x's device."""
+        if x.device.type == "cpu":
+            y = self._run(x.float().contiguous(), ids.long().contiguous(), weights.float().contiguous())
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if x.shape[0] <= self.QUEUE_ROWS and self.queues(x.device):
+            return self.queued(x, ids, weights)
+        return self.receive(self.send(x, ids, weights))
+
+    def queued(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The call queued on x's stream between the copies (no host sync)."""
+        from dsq.kernels import cpu
+
+        N, k = ids.shape
+        key = (x.device, N, k)
+        if key not in self._slots:
+            hx, hy = (torch.empty(N, self.hidden, pin_memory=True) for _ in range(2))
+            hid, hw = torch.empty(N, k, dtype=torch.int64, pin_memory=True), torch.empty(N, k, pin_memory=True)
+            args = cpu.moe_host_args(hx, hid, hw, self.gate, self.up, self.down, self.qtypes, hy,
+                                     threads=torch.get_num_threads())
+            self._slots[key] = (hx, hid, hw, hy, args)
+        hx, hid, hw, hy, args = self._slots[key]
+        hx.copy_(x.float(), non_blocking=True)
+        hid.copy_(ids.long(), non_blocking=True)
+        hw.copy_(weights.float(), non_blocking=True)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        cpu.cuda_host_launcher()(stream, cpu.moe_host_fn(), ctypes.addressof(args))
+        return hy.to(x.device, non_blocking=True).to(x.dtype)
+
+    def send(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
+        """Queue x, ids and weights's copies to the host; returns what `receive` needs."""
+        N, H = x.shape
+        k = ids.shape[1]
+        mem = self.pinned.take(2 * N * H + 2 * N * k)
+        hx, hy = mem[:N * H].view(N, H), mem[N * H:2 * N * H].view(N, H)
+        hw = mem[2 * N * H:2 * N * H + N * k].view(N, k)
+        hid = mem[2 * N * H + N * k:2 * N * H + 2 * N * k].view(torch.int32)[:N * k].view(N, k)
+        hx.copy_(x.float(), non_blocking=True)
+        hw.copy_(weights.float(), non_blocking=True)
+        hid.copy_(ids.to(torch.int32), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return x, hx, hid, hw, hy, done
+
+    def receive(self, sent: tuple) -> torch.Tensor:
+        """Wait for `send`'s copies, run the experts, queue the result's copy to x's device."""
+        x, hx, hid, hw, hy, done = sent
+        done.synchronize()
+        self._run(hx, hid.long(), hw, out=hy)
+        return hy.to(x.device, non_blocking=True).to(x.dtype)
+
+
 class MoE(nn.Module):
     """Router + routed experts + shared experts (HF names: mlp.gate, mlp.experts.N, mlp.shared_experts)."""
+
+    overlap = True  # routed experts in RAM: the GPU runs the shared experts meanwhile (False: one after the other)
 
     def __init__(self, args: DeepseekArgs):
         super().__init__()
@@ -262,6 +380,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
+        if (self.overlap and isinstance(self.experts, CPURoutedExperts) and x.device.type != "cpu"
+                and not (flat.shape[0] <= CPURoutedExperts.QUEUE_ROWS and CPURoutedExperts.queues(x.device))):
+            # the GPU runs the shared experts while the CPU runs the routed ones
+            sent = self.experts.send(flat, ids, weights)
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
+            y = self.experts.receive(sent).view_as(x)
+            return y + shared if shared is not None else y
         y = self.experts(flat, ids, weights).view_as(x)
         return y + self.shared_experts(x) if self.shared_experts is not None else y
 
@@ -280,4 +405,13 @@ class DeepseekTransformer(Transformer):
 
     @property
     def graph_safe(self) -> bool:
-        return not any(isinstance(layer.mlp, MoE) for layer in self.model.layers)
+        """Dense layers only, or every MoE layer's experts in RAM and queued from a GPU (no host
+        control flow: the C call is a host function on the stream)."""
+        from dsq.models.base import module_device
+
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                dev = module_device(layer.input_layernorm)
+                if not (isinstance(layer.mlp.experts, CPURoutedExperts) and CPURoutedExperts.queues(dev)):
+                    return False
+        return True

@@ -62,7 +62,8 @@ def load(model: str | Path | ModelRef | None = None, *, backend: str = AUTO, ctx
     both formats in dsq's own torch engine (kwargs: dtype, kv_dtype, cuda_graph); "auto" is
     llama.cpp, or native for AWQ / GPTQ / FP8 directories (pick_backend).
     gpu_layers: a number, "all" or "auto" (GpuLayers.parse). threads: CPU threads (default:
-    runtime/threads.py default_threads, the physical cores).
+    runtime/threads.py default_threads, the physical cores). experts="cpu"|"gpu"|"auto": where a
+    MoE model's routed experts run (runtime/experts.py; cpu is the native backend's).
     """
     from dsq.runtime.model_ref import ensure_gguf, resolve_model
     from dsq.runtime.threads import default_threads
@@ -73,6 +74,12 @@ def load(model: str | Path | ModelRef | None = None, *, backend: str = AUTO, ctx
     ref = model if isinstance(model, ModelRef) else resolve_model(model, console)
     backend = pick_backend(ref, backend)
     ngl = parse_for(gpu_layers, ref.path, ctx, backend)
+    if "experts" in kwargs:  # MoE models: where the routed experts run (runtime/experts.py)
+        from dsq.runtime.experts import check_backend, parse_experts
+
+        kwargs["experts"] = check_backend(parse_experts(kwargs["experts"]), backend)
+        if backend != "native":
+            kwargs.pop("experts")
     if backend == "native":
         from dsq.runtime.native import NativeModel
 

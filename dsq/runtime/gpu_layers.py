@@ -63,13 +63,14 @@ class GpuLayers:
             raise ValueError("--gpu-layers auto is not resolved yet (GpuLayers.resolve)")
         return self.n
 
-    def resolve(self, model: Path | None, ctx: int, backend: str = "native") -> GpuLayers:
+    def resolve(self, model: Path | None, ctx: int, backend: str = "native", experts: str = "gpu") -> GpuLayers:
         """This value for the model file `model` (a GGUF, or an HF directory) on `backend`: 'auto' as
         the layer count that backend's placement plan picks for the GPU's free memory (0 without a
-        GPU or without llama.cpp's GPU offload; every layer where no file is named), and a count
-        past the model's layers and output head as all of it. Other values stay as they are."""
+        GPU or without llama.cpp's GPU offload; every layer where no file is named; `experts`: where
+        a MoE model's routed experts sit, runtime/experts.py), and a count past the model's layers
+        and output head as all of it. Other values stay as they are."""
         if self.auto:
-            n = -1 if model is None else _planned_layers(model, ctx, backend)
+            n = -1 if model is None else _planned_layers(model, ctx, backend, experts)
             return GpuLayers(n, text=self.text)
         if model is not None and self.n > 0 and self.n > _n_layer(model):
             return GpuLayers(-1, text=self.text)
@@ -109,7 +110,7 @@ def _n_layer(model: Path) -> int:
     return n_layer_of(model)
 
 
-def _planned_layers(model: Path, ctx: int, backend: str) -> int:
+def _planned_layers(model: Path, ctx: int, backend: str, experts: str = "gpu") -> int:
     """The --gpu-layers count of `backend`'s placement plan for this GPU's free memory (nominal
     bandwidths: the choice hardly depends on them, and nothing is measured at load)."""
     from dsq.runtime.machine import machine_bandwidths
@@ -119,7 +120,7 @@ def _planned_layers(model: Path, ctx: int, backend: str) -> int:
     if gpu is None or (backend == "llama.cpp" and not _llama_cpp_offloads()):
         return 0
     plan = plan_placement(model, vram=gpu.free_bytes, ctx=ctx, backend=backend,
-                          bandwidths=machine_bandwidths(gpu, measure=False))
+                          bandwidths=machine_bandwidths(gpu, measure=False), experts=experts)
     return -1 if plan.gpu_layers_arg == "all" else plan.gpu_layers
 
 

@@ -173,17 +173,24 @@ class NativeModel:
     def __init__(self, path: str | Path, kind: str, *, ref: ModelRef | None = None, n_ctx: int = 4096,
                  gpu_layers: GpuLayers | int | str = 0, dtype: str | None = None, kv_dtype: str | None = None,
                  threads: int | None = None, seed: int | None = None, cuda_graph: bool = True, fuse: bool = True,
-                 compile: bool | str = False):
+                 compile: bool | str = False, experts: str = "auto"):
+        from dsq.runtime.experts import parse_experts, resolve_experts
         from dsq.runtime.native_loader import load_gguf, load_hf
 
         self.path = Path(path)
         if threads:
             torch.set_num_threads(threads)
         gpu = torch.device("cuda") if torch.cuda.is_available() else None
-        placed = GpuLayers.parse(gpu_layers).resolve(self.path if kind == "gguf" else None, n_ctx).on(gpu)
+        asked = GpuLayers.parse(gpu_layers)
+        file = self.path if kind == "gguf" else None
+        shape_of = self.path if kind in ("gguf", "hf") else None
+        # where the routed experts run (runtime/experts.py): "cpu" or "gpu" from here on
+        self.experts = resolve_experts(parse_experts(experts), shape_of, n_ctx, gpu,
+                                       asked.resolve(file, n_ctx) if not asked.auto else asked)
+        placed = asked.resolve(file, n_ctx, experts=self.experts).on(gpu)
         dt = parse_dtype(dtype, torch.bfloat16 if placed.n_gpu_layers != 0 else torch.float32)
         loader = load_gguf if kind == "gguf" else load_hf
-        model, config = loader(self.path, dt, placed, gpu)
+        model, config = loader(self.path, dt, placed, gpu, experts=self.experts)
         self._setup(model, config, _tokenizer(self.path, kind, config), ref=ref or ModelRef(kind, self.path),
                     n_ctx=n_ctx, gpu_layers=placed, kv_dtype=kv_dtype, seed=seed, cuda_graph=cuda_graph, fuse=fuse,
                     compile=compile)
@@ -203,6 +210,10 @@ class NativeModel:
 
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.ref = ref
+        if not hasattr(self, "experts"):  # from_model: as the model holds them
+            from dsq.models.deepseek_model import CPURoutedExperts
+
+            self.experts = "cpu" if any(isinstance(m, CPURoutedExperts) for m in model.modules()) else "gpu"
         self.n_threads = torch.get_num_threads()
         self.gpu_layers = GpuLayers.parse(gpu_layers)
         self.dtype = model.dtype
@@ -227,7 +238,9 @@ class NativeModel:
         """The decode step: captured as a CUDA graph with every layer on one GPU (compiled first
         with `compile`); with the layers split between the CPU and one GPU, the GPU part captured
         (_SplitStep); on the CPU, compiled with `compile` (_CompiledStep); eager otherwise, and
-        always for a model whose step depends on its tokens (MoE routing: model.graph_safe)."""
+        always for a model whose step depends on its tokens (MoE routing: model.graph_safe, unless
+        its routed experts are in RAM and queued on the stream, runtime/experts.py)."""
+        self._moe = any(hasattr(layer.mlp, "experts") for layer in model.model.layers)
         if not model.graph_safe:
             if compile:
                 warnings.warn("--compile: this model routes tokens to experts, so its decode step runs eagerly",
@@ -245,7 +258,7 @@ class NativeModel:
         self._batch = None  # (B, cache length, cache, captured step) of the last batch (generate_batch)
         if cuda_graph and str(self.head_device) == "cuda:0":
             if set(devs) == {"cuda:0"}:
-                self._graph = self._capture(self.cache, 1)
+                self._graph = self._capture_moe(model) if self._moe else self._capture(self.cache, 1)
             elif split:
                 self._split = self._capture_split(model, devs.index("cuda:0"), mode if compile else False)
         self._streamed = None  # the CPU layers' prompt chunks on the GPU
@@ -382,6 +395,18 @@ class NativeModel:
         if tail:
             yield TokenEvent(-1, tail)
 
+    def _capture_moe(self, model) -> _GraphedStep | None:
+        """A MoE step with its experts in RAM captured as one CUDA graph (their C calls as host
+        nodes); a capture that fails costs a warning, and the step runs eagerly (still without a
+        host sync per layer)."""
+        try:
+            return self._capture(self.cache, 1)
+        except Exception as e:  # noqa: BLE001 - the eager step works without the graph
+            warnings.warn(f"capturing the MoE decode step failed, decoding eagerly: "
+                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=3)
+            torch.cuda.synchronize()
+            return None
+
     def _capture_split(self, model, start: int, compile_mode) -> _SplitStep:
         """The split decode step, its GPU part compiled when asked; a compile that fails to capture
         costs a warning and the eager part is captured instead."""
@@ -420,7 +445,9 @@ class NativeModel:
             try:
                 cache = self.model.make_cache(B, cap, self.kv_dtype)
                 self._batch = (B, cap, cache, self._capture(cache, B))
-            except torch.cuda.OutOfMemoryError:
+            except Exception as e:  # noqa: BLE001 - out of memory, or a MoE step that did not capture
+                if not isinstance(e, torch.cuda.OutOfMemoryError) and not self._moe:
+                    raise
                 cache = None  # release it before handing the memory back
                 torch.cuda.empty_cache()
                 return None

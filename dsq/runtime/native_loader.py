@@ -81,7 +81,8 @@ def _float32_params(module: nn.Module) -> None:
                 setattr(m, name, nn.Parameter(p.float(), requires_grad=False))
 
 
-def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None):
+def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None,
+            experts: str = "gpu"):
     from dsq.formats.hf import HFModelDir
 
     hf = HFModelDir(path)
@@ -106,6 +107,10 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NO
     if not args.tie_word_embeddings and "lm_head.weight" not in sd:
         raise BadModelFile(f"{path} lacks lm_head.weight and does not tie embeddings", "fix tie_word_embeddings")
     model.tie_weights()
+    if experts == "cpu":
+        from dsq.runtime.experts import experts_to_cpu
+
+        experts_to_cpu(model)  # refuses: an HF directory's experts are not GGUF blocks
     _place(model, gpu_layers, gpu)
     prepare_kernels(model)
     _release_cached_memory(gpu)
@@ -142,7 +147,8 @@ def _swap_quantized(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor]
         set_module(model, name, new)
 
 
-def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None):
+def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None,
+              experts: str = "gpu"):
     from dsq.convert.gguf_to_hf import gguf_plan, hf_config_from_gguf
     from dsq.formats.gguf_file import GGUFFile
 
@@ -162,6 +168,10 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.
     model.load_state_dict(sd, strict=False, assign=True)
     if "model.embed_tokens.weight" in sd:
         model.tie_weights()
+    if experts == "cpu":
+        from dsq.runtime.experts import experts_to_cpu
+
+        experts_to_cpu(model)
     _place(model, gpu_layers, gpu)
     prepare_kernels(model)
     _release_cached_memory(gpu)

@@ -10,6 +10,10 @@ the context length, plus compute buffers. Each backend places a `--gpu-layers N`
 Decode speed is a bandwidth model: every weight byte is read once per token, GPU bytes at the GPU's
 bandwidth and CPU bytes at the CPU's (machine.Bandwidths, calibrated by `dsq offload --calibrate`),
 each scaled by the backend's achieved share of it, plus a split's per-token exchange.
+MoE models (native): `experts="cpu"` keeps every layer's routed experts in RAM, whatever device the
+rest of the layer is on; a token then reads its share of them at the CPU's bandwidth and each MoE
+layer on the GPU exchanges the hidden state once. `experts="auto"` takes the faster of the two
+placements that fit.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ __all__ = ["GpuInfo", "ModelShape", "Plan", "detect_gpu", "parse_size", "plan_pl
 GiB, MiB = 1 << 30, 1 << 20
 GPU_RESERVE = 512 * MiB  # CUDA context, cuBLAS workspace, fragmentation
 BACKENDS = ("native", "llama.cpp")
+EXPERTS = ("auto", "gpu", "cpu")  # where a MoE model's routed experts sit (--experts)
 # Rows of one native prompt chunk (runtime/native.py PREFILL_CHUNK), what its GPU buffers hold.
 NATIVE_CHUNK_ROWS = 512
 
@@ -109,6 +114,8 @@ class Plan:
     min_gpu_bytes: int = 0  # GPU memory the smallest placement with a layer on the GPU needs
     split_overhead_s: float = 0.0  # per token, counted where the CPU and the GPU each hold a part
     bandwidth_source: str = ""
+    experts: str = "gpu"  # the routed experts with their layers ("gpu"), or all in RAM ("cpu")
+    expert_bytes_cpu: int = 0  # routed experts held in RAM
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -155,8 +162,11 @@ class _Costs:
     """Bytes one model at one context needs on each device, and reads per token, on one backend."""
 
     def __init__(self, shape: ModelShape, ctx: int, backend: str, n_ubatch: int, swa_full: bool,
-                 kv_tokens: int | None, reserve: int):
+                 kv_tokens: int | None, reserve: int, experts_cpu: bool = False):
         self.shape, self.backend, self.reserve = shape, backend, reserve
+        self.experts_cpu = experts_cpu and bool(shape.expert_bytes)
+        stored = shape.expert_bytes or [0] * shape.n_layer
+        self.experts = stored if self.experts_cpu else [0] * shape.n_layer  # bytes kept in RAM per layer
         self.kv_el = _KV_ELEMENT[backend]
         full = swa_full or backend == "native"  # the native cache holds every slot on every layer
         per_slot = shape.n_head_kv * (shape.head_dim_k + shape.head_dim_v)
@@ -165,7 +175,7 @@ class _Costs:
         self.weights = [sum(t.values()) for t in shape.layers]
         self.cpu_weights = [_cpu_weight(t, backend) for t in shape.layers]
         # what a token reads of each: MoE blocks run only the chosen routed experts
-        self.gpu_read = [shape.read_bytes(i, w) for i, w in enumerate(self.weights)]
+        self.gpu_read = [shape.read_bytes(i, w) - self._expert_read(i) for i, w in enumerate(self.weights)]
         self.cpu_read = [shape.read_bytes(i, w) for i, w in enumerate(self.cpu_weights)]
         self.kv_slots = [per_slot * n for n in lens]  # elements held
         self.kv_read = [per_slot * min(kv_tokens or ctx, n) for n in lens]  # elements read per token
@@ -173,6 +183,17 @@ class _Costs:
         # a micro-batch's activations (f32) on the CPU; on the GPU also its logits and attention scores
         self.compute_cpu = ub * 4 * (8 * shape.n_embd + 2 * shape.n_ff)
         self.llama_compute_gpu = self.compute_cpu + ub * 4 * shape.n_vocab + ub * shape.n_head * min(ctx, 4096) * 4
+
+    def _expert_read(self, i: int) -> int:
+        """Of layer i's stored bytes a token reads, those of its routed experts kept in RAM."""
+        e = self.experts[i]
+        if not e or not self.shape.n_expert:
+            return 0
+        return e * self.shape.n_expert_used // self.shape.n_expert
+
+    def moe_on_gpu(self, opt: _Option) -> int:
+        """MoE layers on the GPU whose experts are in RAM: one exchange each per token."""
+        return sum(1 for i, g in enumerate(opt.on_gpu) if g and self.experts[i])
 
     def compute_gpu(self, opt: _Option) -> int:
         if self.backend == "llama.cpp":
@@ -187,7 +208,8 @@ class _Costs:
         if not any(opt.on_gpu) and not opt.head_gpu:
             return 0
         s = self.shape
-        layers = sum(w + self.layer_kv(i, True) for i, w in enumerate(self.weights) if opt.on_gpu[i])
+        layers = sum(w - self.experts[i] + self.layer_kv(i, True) for i, w in enumerate(self.weights)
+                     if opt.on_gpu[i])
         head = s.output_bytes if opt.head_gpu else 0
         embed = s.embed_bytes if opt.embed_gpu and not (s.tied and opt.head_gpu) else 0
         return layers + head + embed + self.compute_gpu(opt) + self.reserve
@@ -195,6 +217,7 @@ class _Costs:
     def cpu_bytes(self, opt: _Option) -> int:
         s = self.shape
         layers = sum(w + self.layer_kv(i, False) for i, w in enumerate(self.cpu_weights) if not opt.on_gpu[i])
+        layers += sum(e for i, e in enumerate(self.experts) if opt.on_gpu[i])
         head = s.output_bytes if not opt.head_gpu and not s.tied else 0
         embed = 0 if opt.embed_gpu else s.embed_bytes
         return layers + head + embed + s.misc_bytes + self.compute_cpu
@@ -208,6 +231,7 @@ class _Costs:
         for i, g in enumerate(opt.on_gpu):
             if g:
                 gpu += self.gpu_read[i] + self.kv_read[i] * el["GPU"]
+                cpu += self._expert_read(i)
             else:
                 cpu += self.cpu_read[i] + self.kv_read[i] * el["CPU"]
         if opt.head_gpu:
@@ -220,8 +244,12 @@ class _Costs:
         """Predicted seconds per decoded token."""
         eff = EFFICIENCY[self.backend]
         gpu, cpu = self.per_token(opt)
-        return _transfer(gpu, bw.gpu * eff.gpu) + _transfer(cpu, bw.cpu * eff.cpu) + (
-            bw.split_overhead_s if opt.split else 0.0)
+        return _transfer(gpu, bw.gpu * eff.gpu) + _transfer(cpu, bw.cpu * eff.cpu) + self.overhead(opt, bw)
+
+    def overhead(self, opt: _Option, bw: Bandwidths) -> float:
+        """Per token: a layer split's exchange, and one more per MoE layer on the GPU whose experts
+        are in RAM (the same round trip of one hidden state)."""
+        return (bw.split_overhead_s if opt.split else 0.0) + bw.split_overhead_s * self.moe_on_gpu(opt)
 
     def roofline_seconds(self, opt: _Option, bw: Bandwidths) -> float:
         gpu, cpu = self.per_token(opt)
@@ -271,7 +299,7 @@ def plan_placement(model: str | Path | ModelShape, vram: int, ctx: int = 4096, r
                    gpu_bw: float | None = None, cpu_bw: float | None = None, n_ubatch: int = 512,
                    reserve: int = GPU_RESERVE, swa_full: bool = True, *, backend: str = "llama.cpp",
                    gpu_layers: GpuLayers | int | str | None = None, kv_tokens: int | None = None,
-                   bandwidths: Bandwidths | None = None) -> Plan:
+                   bandwidths: Bandwidths | None = None, experts: str = "gpu") -> Plan:
     """Choose what `backend` puts on the GPU for `vram` bytes (or take `gpu_layers` as given; 'auto'
     chooses) and predict decode tok/s.
 
@@ -279,21 +307,41 @@ def plan_placement(model: str | Path | ModelShape, vram: int, ctx: int = 4096, r
     backend does, so that chat turns can reuse the cached prefix); False sizes them to the window.
     kv_tokens: tokens in the cache while decoding (default: a full context), what attention reads.
     bandwidths: the machine's figures (default: machine_bandwidths, with gpu_bw / cpu_bw first).
+    experts: "gpu" (the routed experts with their layers), "cpu" (all in RAM: native only), or
+    "auto" (native: of the two, the faster predicted placement that fits).
     """
     shape = load_shape(model)
     if ctx < 1:
         raise DsqError(f"--ctx must be positive, got {ctx}")
     if backend not in BACKENDS:
         raise DsqError(f"unknown backend {backend!r}", f"choose one of: {', '.join(BACKENDS)}")
+    if experts not in EXPERTS:
+        raise DsqError(f"--experts takes {', '.join(EXPERTS)}, got {experts!r}")
+    if experts == "cpu" and backend != "native":
+        raise DsqError("--experts cpu is the native backend's placement",
+                       "pass --backend native (llama.cpp's own tools take -ot exps=CPU)")
     notes: list[str] = []
     bw = bandwidths or _bandwidths(cpu_bw, gpu_bw, vram, notes)
-    costs = _Costs(shape, ctx, backend, n_ubatch, swa_full, kv_tokens, reserve)
     given = None if gpu_layers is None else GpuLayers.parse(gpu_layers)
-    if given is None or given.auto:
-        opt = _choose(costs, _options(shape, backend), vram, bw)
-    else:
-        opt = _option(shape, backend, given.count(shape.n_layer))
-    return _plan(shape, costs, opt, bw, vram, ctx, ram, notes, chosen=given is None or given.auto)
+    kinds = ["gpu", "cpu"] if experts == "auto" and backend == "native" and shape.expert_bytes else [
+        "cpu" if experts == "cpu" else "gpu"]
+    picked = []
+    for kind in kinds:
+        costs = _Costs(shape, ctx, backend, n_ubatch, swa_full, kv_tokens, reserve, experts_cpu=kind == "cpu")
+        if given is None or given.auto:
+            opt = _choose(costs, _options(shape, backend), vram, bw)
+        else:
+            opt = _option(shape, backend, given.count(shape.n_layer))
+        picked.append((costs.gpu_bytes(opt) > vram, costs.seconds(opt, bw), kind, costs, opt))
+    _, _, kind, costs, opt = min(picked, key=lambda p: p[:2])  # one that fits, then the fastest
+    plan = _plan(shape, costs, opt, bw, vram, ctx, ram, notes, chosen=given is None or given.auto)
+    plan.experts = kind if shape.expert_bytes else "gpu"
+    plan.expert_bytes_cpu = sum(costs.experts)
+    if costs.experts_cpu:
+        plan.notes.append(f"routed experts in RAM: {plan.expert_bytes_cpu / MiB:.0f} MiB, a token reads "
+                          f"{sum(costs._expert_read(i) for i in range(shape.n_layer)) / MiB:.0f} "
+                          f"MiB of them; the hidden state crosses once per MoE layer")
+    return plan
 
 
 def _plan(shape: ModelShape, costs: _Costs, opt: _Option, bw: Bandwidths, vram: int, ctx: int,
@@ -317,7 +365,7 @@ def _plan(shape: ModelShape, costs: _Costs, opt: _Option, bw: Bandwidths, vram: 
                 1.0 / t_roof if t_roof else 0.0, 1.0 / t_pred if t_pred else 0.0, fits_ram, notes,
                 backend=costs.backend, gpu_layers_arg="all" if everything else str(opt.n),
                 embed_device="GPU" if opt.embed_gpu else "CPU", min_gpu_bytes=min_gpu,
-                split_overhead_s=bw.split_overhead_s if opt.split else 0.0, bandwidth_source=bw.source)
+                split_overhead_s=costs.overhead(opt, bw), bandwidth_source=bw.source)
 
 
 def _plan_notes(opt: _Option, vram: int, gpu_total: int, min_gpu: int, fits_ram: bool | None, chosen: bool,

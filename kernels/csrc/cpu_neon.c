@@ -7,6 +7,7 @@
 #endif
 #include <arm_neon.h>
 #include "gguf_cpu.inc"
+#include "moe_cpu.inc"
 #include "intq_cpu.inc"
 #include "norm_cpu.inc"
 #include "attn_cpu.inc"

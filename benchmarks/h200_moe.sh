@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# DeepSeek MoE on the H200 machine, through the device tool, from the repo root: the routed experts
+# on the GPU and in RAM (--experts gpu / cpu), native against llama.cpp (-ot exps=CPU).
+#
+#   bash benchmarks/h200_moe.sh v2lite   # random DeepSeek-V2-Lite-shape Q4_K_M GGUF (~10 GB); llama-bench
+#                                        # all on the GPU and with -ot exps=CPU, dsq bench native with
+#                                        # --experts gpu and cpu, the offload plan of each: one table with
+#                                        # ratios and rooflines (benchmarks/moe_table.py). ~4-5 min
+#   bash benchmarks/h200_moe.sh tests    # the CUDA tests of the experts in RAM (and test_deepseek's). ~1 min
+#   bash benchmarks/h200_moe.sh v3slice  # random V3-width slice (1 dense + 1 MoE layer of 256 experts,
+#                                        # ~7 GB): per-layer and per-part times with the experts in RAM
+#                                        # and on the GPU, and the full 61-layer projection
+#                                        # (benchmarks/moe_layers.py). ~3 min
+#
+# Setup as benchmarks/h200_split.sh (sourced for its functions): the C kernels built in place, the
+# carried wheels (.whl/) and llama.cpp binaries (.llbin/, else built from .llsrc/). Results under $OUT.
+set -uo pipefail
+PART=${1:?tests, v2lite or v3slice}
+OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+ROOT=$PWD
+LL=/tmp/ll/llama.cpp
+eval "$(sed -n '/^setup_python()/,/^}/p;/^llama_bins()/,/^}/p' benchmarks/h200_split.sh)"  # its two functions
+setup_python
+THREADS=${THREADS:-16}
+D=$OUT/moe; mkdir -p "$D"
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)" | tr -s ' '
+
+llama_bins || exit 1  # llama-bench, and the library dsq's GGUF tokenizer loads
+if [ "$PART" = tests ]; then
+  timeout 400 python3 -m pytest -q -rs tests/test_deepseek_experts_cpu.py tests/test_deepseek.py -k "cuda or stand_in" \
+    2>&1 | tail -15
+  exit 0
+fi
+if [ "$PART" = v2lite ]; then
+  GGUF=${GGUF:-/tmp/v2lite.Q4_K_M.gguf}
+  t=$(date +%s)
+  [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape deepseek-v2-lite --mix Q4_K_M 2>/dev/null | tail -1
+  echo "written in $(( $(date +%s) - t )) s"
+  echo "== llama-bench, $THREADS threads: all on the GPU, then -ot exps=CPU"
+  timeout 150 "$LL/build/bin/llama-bench" -m "$GGUF" -ngl 99 -p 64 -n 32 -r 2 -t "$THREADS" -o json \
+    > "$D/llama_gpu.json" 2>"$D/llama_gpu.log" || tail -3 "$D/llama_gpu.log"
+  timeout 150 "$LL/build/bin/llama-bench" -m "$GGUF" -ngl 99 -ot exps=CPU -p 64 -n 32 -r 2 -t "$THREADS" -o json \
+    > "$D/llama_cpu.json" 2>"$D/llama_cpu.log" || tail -3 "$D/llama_cpu.log"
+  for ex in gpu cpu; do
+    echo "== dsq bench native, --experts $ex"
+    timeout 200 python3 -m dsq bench "$GGUF" -b native -g all --experts "$ex" --prompt-tokens 64 --gen-tokens 32 \
+      --repeat 2 --threads "$THREADS" --json "$D/dsq_$ex.json" --force 2>&1 | grep -v -i warn | grep -E "^\||native" | tail -4
+    timeout 60 python3 -m dsq offload "$GGUF" -b native -g all --experts "$ex" --threads "$THREADS" --json \
+      > "$D/plan_$ex.json" 2>/dev/null || echo "offload plan ($ex) failed"
+  done
+  python3 -m benchmarks.moe_table "$D"
+  echo "== the experts' C call against per-expert GEMM calls, $THREADS threads"
+  timeout 90 python3 -m benchmarks.moe_cpu --shape deepseek-v2-lite --rows 1,4,64 --threads "$THREADS" \
+    --json "$D/moe_cpu_v2lite.json" 2>&1 | tail -5
+  exit 0
+fi
+
+if [ "$PART" = v3slice ]; then
+  GGUF=${GGUF:-/tmp/v3slice.Q4_K_M.gguf}
+  t=$(date +%s)
+  [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape deepseek-v3-slice --layers "${LAYERS:-2}" \
+    --mix Q4_K_M 2>/dev/null | tail -1
+  echo "written in $(( $(date +%s) - t )) s"
+  timeout 420 python3 -m benchmarks.moe_layers "$GGUF" --experts "${EXPERTS:-cpu,gpu}" --threads "$THREADS" \
+    --steps 16 --json "$D/v3slice_layers.json" 2>&1 | grep -v -i warn | tail -40
+  exit 0
+fi
+echo "unknown part $PART (tests, v2lite or v3slice)"; exit 1

@@ -1,0 +1,120 @@
+"""The CPU routed-experts kernel (csrc/moe_cpu.inc, cpu.moe_experts) against its torch reference
+(moe_ref.moe_experts_ref) on fresh random blocks: every build this CPU runs, mixed formats per
+projection as llama.cpp's K-quant mixes make them, one row (decode) and many (prefill), experts
+chosen by several rows, experts as strided views of a larger stacked tensor; and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsq.kernels import cpu
+from dsq.kernels.moe_ref import moe_experts_ref
+from test_kernels_ref import int8_x, random_blocks
+
+BUILDS = [isa for isa in cpu.supported_isas() if cpu.load(isa) is not None and hasattr(cpu.load(isa), "dsq_moe_experts")]
+pytestmark = pytest.mark.skipif(not BUILDS, reason="no CPU kernels built")
+
+MIXES = [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q4_0", "Q5_0", "Q5_0"), ("Q5_K", "Q6_K", "Q8_0")]
+
+
+def _experts(qtypes, E, H, I, rng, extra_rows: int = 0):
+    """(gate, up, down) stacked blocks; extra_rows > 0 makes each a view of a taller tensor."""
+    def stack(q, rows, cols):
+        b = np.stack([random_blocks(q, rows + extra_rows, cols, rng) for _ in range(E)])
+        return torch.from_numpy(b)[:, :rows]
+    g, u, d = stack(qtypes[0], I, H), stack(qtypes[1], I, H), stack(qtypes[2], H, I)
+    return g, u, d
+
+
+def _choices(M, E, k, rng):
+    ids = torch.stack([torch.from_numpy(rng.permutation(E)[:k]) for _ in range(M)]).long()
+    return ids, torch.from_numpy(rng.uniform(0.1, 1.0, (M, k)).astype(np.float32))
+
+
+def _per_expert(x, ids, w, g, u, d, qtypes, lib):
+    """The same sum from separate gguf_linear calls of the same build (the same rounding of x)."""
+    H, I = x.shape[1], g.shape[1]
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        xe = x[rows].contiguous()
+        h = torch.nn.functional.silu(cpu.gguf_linear(xe, g[e], qtypes[0], H, lib=lib)) * \
+            cpu.gguf_linear(xe, u[e], qtypes[1], H, lib=lib)
+        out.index_add_(0, rows, cpu.gguf_linear(h.contiguous(), d[e], qtypes[2], I, lib=lib) * w[rows, slot, None])
+    return out
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("qtypes", MIXES)
+@pytest.mark.parametrize("M", [1, 3, 19])
+def test_moe_experts_matches_reference(isa, qtypes, M):
+    rng = np.random.default_rng()
+    E, k, H = 8, 3, 512
+    I = 256 if qtypes[2].endswith("_K") else 288  # 288: rows of 32-blocks that are no multiple of 256
+    g, u, d = _experts(qtypes, E, H, I, rng, extra_rows=int(rng.integers(0, 3)))
+    x = torch.randn(M, H) * 0.1
+    ids, w = _choices(M, E, k, rng)
+    lib = cpu.load(isa)
+    out = torch.full((M, H), float("nan"))
+    y = cpu.moe_experts(x, ids, w, g, u, d, qtypes, out=out, lib=lib)
+    assert y.data_ptr() == out.data_ptr() and torch.isfinite(y).all()
+    same = _per_expert(x, ids, w, g, u, d, qtypes, lib)
+    scale = float(same.abs().max())
+    assert float((y - same).abs().max()) <= 1e-5 * scale
+    ref = moe_experts_ref(x, ids, w, g, u, d, qtypes)
+    int8 = any(int8_x(isa, q, 1) for q in qtypes)  # x rounded to int8 per 32 values at M = 1 (avx2)
+    assert float((y - ref).abs().max()) <= (3e-2 if int8 else 1e-4) * float(ref.abs().max())
+
+
+def test_moe_experts_threads_split_across_experts():
+    """Many threads over few rows: the result does not depend on the thread count."""
+    rng = np.random.default_rng()
+    qtypes = ("Q4_K", "Q4_K", "Q6_K")
+    g, u, d = _experts(qtypes, 16, 512, 256, rng)
+    x = torch.randn(2, 512) * 0.1
+    ids, w = _choices(2, 16, 6, rng)
+    one = cpu.moe_experts(x, ids, w, g, u, d, qtypes, threads=1)
+    for t in (2, 5, 12):
+        torch.testing.assert_close(cpu.moe_experts(x, ids, w, g, u, d, qtypes, threads=t), one, rtol=0, atol=0)
+
+
+def test_moe_experts_bad_input():
+    rng = np.random.default_rng()
+    qtypes = ("Q8_0", "Q8_0", "Q8_0")
+    g, u, d = _experts(qtypes, 4, 64, 32, rng)
+    x = torch.randn(2, 64)
+    ids, w = _choices(2, 4, 2, rng)
+    with pytest.raises(ValueError, match="expert id"):
+        cpu.moe_experts(x, ids + 4, w, g, u, d, qtypes)
+    with pytest.raises(ValueError, match="float32"):
+        cpu.moe_experts(x.double(), ids, w, g, u, d, qtypes)
+    with pytest.raises(ValueError, match="down must be"):
+        cpu.moe_experts(x, ids, w, g, u, d[:, :32], qtypes)
+    with pytest.raises(ValueError, match="C kernels run"):
+        cpu.moe_experts(x, ids, w, g, u, d, ("F16", "Q8_0", "Q8_0"))
+
+
+def test_moe_host_struct_over_fixed_buffers():
+    """dsq_moe_host (the CUDA host function) over buffers refilled between calls, as a captured
+    decode step refills them: each call equals moe_experts on that call's inputs; a bad id fails
+    and leaves NaNs in out."""
+    rng = np.random.default_rng()
+    qtypes = ("Q4_K", "Q4_K", "Q6_K")
+    g, u, d = _experts(qtypes, 8, 512, 256, rng)
+    x, out = torch.zeros(1, 512), torch.zeros(1, 512)
+    ids, w = torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 3)
+    args = cpu.moe_host_args(x, ids, w, g, u, d, qtypes, out, threads=2)
+    assert cpu.moe_host_fn() is not None
+    for _ in range(3):
+        x.copy_(torch.randn(1, 512) * 0.1)
+        i2, w2 = _choices(1, 8, 3, rng)
+        ids.copy_(i2)
+        w.copy_(w2)
+        cpu.run_moe_host(args)
+        torch.testing.assert_close(out, cpu.moe_experts(x, ids, w, g, u, d, qtypes, threads=2), rtol=0, atol=0)
+    ids[0, 0] = 8
+    with pytest.raises(ValueError, match="refused"):
+        cpu.run_moe_host(args)
+    assert torch.isnan(out).all()
