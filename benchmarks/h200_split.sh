@@ -61,11 +61,11 @@ llama_bins || exit 1
 if [ "$PART" = fused ]; then  # (llama.cpp: the GGUF tokenizer)
   GGUF=${GGUF:-/tmp/r8b.gguf}
   THREADS=${THREADS:-$(lscpu -p=CORE | grep -v '^#' | sort -u | wc -l)}
-  timeout 240 python3 -m benchmarks.fused_layer --shape "${SHAPE:-llama3-8b}" --layers 32 --threads "$THREADS" \
+  timeout 240 python3 -m benchmarks.layer_decode --shape "${SHAPE:-llama3-8b}" --layers 32 --threads "$THREADS" \
     --json "$OUT/fused_layer_synthetic.json" 2>&1 | grep -v -i warn | tail -6
   [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape "${SHAPE:-llama3-8b}" --mix Q4_K_M | tail -1
   for g in ${FUSED_SPLITS:-0 8 24}; do
-    timeout 150 python3 -m benchmarks.fused_layer --gguf "$GGUF" --gpu-layers "$g" --threads "$THREADS" \
+    timeout 150 python3 -m benchmarks.layer_decode --gguf "$GGUF" --gpu-layers "$g" --threads "$THREADS" \
       --json "$OUT/fused_layer_g$g.json" 2>&1 | grep -v -i warn | tail -4
   done
   exit 0

@@ -7,7 +7,7 @@ For each split: tok/s over a short greedy decode, then one profiled step of the 
 layer and for the head, measured with a device sync around each (so the per-layer figures add the
 syncs' cost; the tok/s figure has none). The per-layer and per-kernel figures are of the op-by-op
 step (hooks and kernel wrappers do not see inside the one C call a covered CPU layer otherwise
-makes: dsq/runtime/fused_layer.py; `python -m benchmarks.fused_layer` times that call); tok/s is
+makes: dsq/runtime/fused_layer.py; `python -m benchmarks.layer_decode` times that call); tok/s is
 the default step's.
 """
 

@@ -1,8 +1,8 @@
 """How much does one C call per CPU decoder layer (dsq_layer_decode, dsq/runtime/fused_layer.py) save
 against the op-by-op eager decode step, per layer and for a whole step?
 
-    python -m benchmarks.fused_layer [--shape llama3-8b] [--layers 32] [--threads N] [--json out.json]
-    python -m benchmarks.fused_layer --gguf MODEL.gguf [--gpu-layers 8] [--threads N]
+    python -m benchmarks.layer_decode [--shape llama3-8b] [--layers 32] [--threads N] [--json out.json]
+    python -m benchmarks.layer_decode --gguf MODEL.gguf [--gpu-layers 8] [--threads N]
 
 Without --gguf: random GGUF blocks of the shape in llama.cpp's Q4_K_M mix (q/k/o/gate/up Q4_K, v and
 down Q6_K where llama.cpp gives them more bits, dsq.bench.random_gguf's rule), built in memory
