@@ -1,0 +1,54 @@
+"""`dsq serve`: an OpenAI-compatible server with continuous batching."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from dsq.cli.common import command
+from dsq.cli.options import Ctx, Dtype, ModelArg, Threads
+
+
+@command("serve", examples=[
+    "dsq serve",
+    "dsq serve model.gguf --port 8080 --ctx 8192 --max-seqs 16",
+    'curl http://127.0.0.1:8000/v1/chat/completions -d \'{"messages": [{"role": "user", "content": "Hi"}]}\'',
+])
+def serve(
+    model: ModelArg = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")]
+    = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on.")] = 8000,
+    ctx: Ctx = 4096,
+    threads: Threads = None,
+    dtype: Dtype = None,
+    kv_tokens: Annotated[Optional[int], typer.Option(
+        "--kv-tokens", min=1, help="Tokens the paged KV cache holds, all sequences together (default 4 x --ctx).")]
+    = None,
+    block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")] = 16,
+    max_seqs: Annotated[int, typer.Option("--max-seqs", help="Most sequences decoded together in a step.")] = 32,
+    prefill_chunk: Annotated[int, typer.Option(
+        "--prefill-chunk", help="Most prompt tokens run in one step, between decode steps.")] = 512,
+    prefix_cache: Annotated[bool, typer.Option(
+        "--prefix-cache/--no-prefix-cache", help="Share KV blocks of a repeated prompt prefix.")] = True,
+    drain: Annotated[float, typer.Option("--drain", help="Seconds SIGTERM waits for running requests.")] = 60.0,
+) -> None:
+    """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics), on dsq's native engine.
+
+    Implemented: streaming (SSE) and not; usage counts; stop strings, max_tokens, temperature,
+    top_p, seed; DeepSeek-R1 reasoning as `reasoning_content`; continuous batching (requests join
+    and leave the running batch every step) over a paged KV cache with admission by free blocks
+    and preemption when it is full; chunked prefill; prefix caching (hit rate in /metrics);
+    SIGTERM lets running requests finish, then exits 0.
+
+    Not implemented yet: the GPU (it serves on the CPU), DeepSeek V2/V3 models, --kv-dtype fp8,
+    speculative decoding, --backend llama.cpp, n > 1, logprobs, tools.
+    """
+    from dsq.serve.server import build, run
+    from dsq.ui import console
+
+    engine, api = build(model, ctx=ctx, threads=threads, dtype=dtype, kv_tokens=kv_tokens, block_size=block_size,
+                        max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, console=console())
+    run(engine, api, host, port, drain)

@@ -1,0 +1,279 @@
+"""The serving engine: one loop, on its own thread, over a paged KV cache (continuous batching).
+
+Every step it
+1. takes in new requests and drops cancelled ones (a client that went away), freeing their blocks;
+2. admits waiting requests, oldest first, while the pool has blocks for their prompt (after the
+   prefix cache's share) and fewer than `max_seqs` run;
+3. runs up to `prefill_chunk` prompt tokens of admitted requests (chunked prefill: a long prompt
+   enters over several steps, between the running requests' decode steps), each request alone
+   (B = 1, as `dsq run` prefills);
+4. runs one decode step for every request past its prompt, together (B = rows), after giving
+   each the block its next token needs; when the pool is empty the newest request is preempted
+   (its blocks freed, its prompt and generated tokens recomputed when it is admitted again).
+
+A request's state: `tokens` (prompt, then generated), `computed` (tokens whose keys/values are
+in its blocks). Prefilling while computed < len(tokens); decoding when computed == len(tokens) - 1
+(the last sampled token is not yet run). Events go back through the request's `emit`, called on
+the engine's thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dsq.runtime.generate import StopMatcher
+from dsq.runtime.sampling import Sampler, SamplingParams
+from dsq.serve.paged import PagedKV
+
+_RECENT = 64  # tokens the repeat penalty looks back over (as dsq run)
+
+
+@dataclass
+class Event:
+    kind: str  # "text", "done" or "error"
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    emit: Callable[[Event], None]
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    id: int = field(default_factory=itertools.count().__next__)
+    # engine state
+    tokens: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    generated: int = 0
+    cached_tokens: int = 0
+    cancelled: bool = False
+    finished: bool = False
+    sampler: Sampler | None = None
+    detok: object = None
+    stopper: StopMatcher | None = None
+    t_submit: float = 0.0
+
+
+class Engine:
+    def __init__(self, nm, *, kv_tokens: int, block_size: int = 16, max_seqs: int = 32, prefill_chunk: int = 512,
+                 prefix_cache: bool = True, kv_dtype: torch.dtype | None = None):
+        self.nm, self.model, self.tok = nm, nm.model, nm.tokenizer
+        self.n_ctx, self.block_size, self.max_seqs = nm.n_ctx, block_size, max_seqs
+        self.prefill_chunk, self.prefix_cache = prefill_chunk, prefix_cache
+        num_blocks = max(-(-kv_tokens // block_size), -(-nm.n_ctx // block_size) + 1)
+        self.kv = PagedKV(self.model, num_blocks, block_size, nm.n_ctx + block_size, kv_dtype)
+        self.pool = self.kv.pool
+        self.device = nm.head_device
+        self.inbox: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.cv = threading.Condition()
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "preempted": 0, "prompt_tokens": 0,
+                         "generated_tokens": 0, "steps": 0, "failed": 0}
+
+    # -- outside the loop (any thread) ----------------------------------------------------
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._loop, name="dsq-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+    def submit(self, req: Request) -> None:
+        req.tokens = list(req.prompt)
+        req.t_submit = time.perf_counter()
+        with self.cv:
+            self.inbox.append(req)
+            self.cv.notify()
+
+    def cancel(self, req: Request) -> None:
+        with self.cv:
+            req.cancelled = True
+            self.cv.notify()
+
+    def metrics(self) -> dict:
+        p = self.pool
+        held = sum(1 for r in p.ref if r > 0)
+        return {**self.counters, "running": len(self.running), "waiting": len(self.waiting) + len(self.inbox),
+                "kv_blocks_total": p.num_blocks, "kv_blocks_held": held, "kv_blocks_cached": len(p.evictable),
+                "kv_block_size": self.block_size, "prefix_cache_lookup_tokens": p.lookups,
+                "prefix_cache_hit_tokens": p.hits, "prefix_cache_hit_rate": round(p.hit_rate, 4)}
+
+    # -- the loop -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self.cv:
+                while not (self.stopping or self.inbox or self.waiting or self.running):
+                    self.cv.wait()
+                if self.stopping:
+                    break
+                while self.inbox:
+                    self.waiting.append(self.inbox.popleft())
+                    self.counters["requests"] += 1
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - a bug in a step fails its requests, not the server
+                traceback.print_exc()
+                for r in list(self.running) + list(self.waiting):
+                    self._fail(r, f"internal error: {type(e).__name__}: {e}")
+                self.running, self.waiting = [], deque()
+        for r in list(self.running) + list(self.waiting) + list(self.inbox):
+            self._fail(r, "the server is shutting down")
+
+    def step(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        self._prefill()
+        self._decode()
+        self.counters["steps"] += 1
+
+    def _drop_cancelled(self) -> None:
+        for r in [r for r in self.running if r.cancelled]:
+            self._retire(r)
+            self.counters["cancelled"] += 1
+        for r in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(r)
+            self.counters["cancelled"] += 1
+
+    def _admit(self) -> None:
+        bs = self.block_size
+        while self.waiting and len(self.running) < self.max_seqs:
+            r = self.waiting[0]
+            n = len(r.tokens)
+            matched = self.pool.match(r.tokens, n - 1) if self.prefix_cache else []
+            need = -(-(n + 1) // bs) - len(matched)
+            # keep a block per running sequence in reserve, so admitting does not force preemption at once
+            if need > self.pool.available() - len(self.running):
+                self.pool.release(matched)
+                if not self.running:  # nothing will free blocks: cannot happen with a pool >= the context
+                    self.waiting.popleft()
+                    self._fail(r, "the KV cache cannot hold this request")
+                    continue
+                break
+            self.waiting.popleft()
+            r.blocks = matched + [self.pool.allocate() for _ in range(-(-n // bs) - len(matched))]
+            r.computed = len(matched) * bs
+            r.cached_tokens = max(r.cached_tokens, r.computed) if r.generated == 0 else r.cached_tokens
+            if r.sampler is None:
+                r.sampler = Sampler(r.sampling, self.device)
+                r.detok = self.tok.stream()
+                r.stopper = StopMatcher(r.stop)
+                self.counters["prompt_tokens"] += len(r.prompt)
+            self.running.append(r)
+
+    def _prefill(self) -> None:
+        budget = self.prefill_chunk
+        for r in list(self.running):
+            if budget <= 0:
+                break
+            n = len(r.tokens)
+            if r.computed >= n or r.finished:
+                continue
+            # chunk boundaries at multiples of prefill_chunk, as dsq run's prefill has them
+            end = min(n, (r.computed // self.prefill_chunk + 1) * self.prefill_chunk, r.computed + budget)
+            logits = self.kv.forward([r.tokens[r.computed:end]], [r.computed], [r.blocks])
+            budget -= end - r.computed
+            r.computed = end
+            if end == n:
+                if self.prefix_cache:
+                    self.pool.register(r.tokens[:n], r.blocks)
+                self._take(r, logits[0:1])
+
+    def _decode(self) -> None:
+        rows = [r for r in self.running if not r.finished and r.computed == len(r.tokens) - 1]
+        if not rows:
+            return
+        bs = self.block_size
+        for r in list(rows):
+            if r not in self.running:  # preempted below for an older row
+                continue
+            while r.computed // bs >= len(r.blocks):
+                if self.pool.available() == 0 and not self._preempt(exclude=r):
+                    break
+                r.blocks.append(self.pool.allocate())
+        rows = [r for r in rows if r in self.running and r.computed // bs < len(r.blocks)]
+        if not rows:
+            return
+        logits = self.kv.forward([[r.tokens[-1]] for r in rows], [r.computed for r in rows], [r.blocks for r in rows])
+        for i, r in enumerate(rows):
+            r.computed += 1
+            self._take(r, logits[i:i + 1])
+
+    def _preempt(self, exclude: Request) -> bool:
+        """Free the newest running request's blocks (it is prefilled again later); False when
+        nothing else runs."""
+        for victim in reversed(self.running):
+            if victim is not exclude:
+                self.running.remove(victim)
+                self.pool.release(victim.blocks)
+                victim.blocks, victim.computed = [], 0
+                self.waiting.appendleft(victim)
+                self.counters["preempted"] += 1
+                return True
+        return False
+
+    def _take(self, r: Request, logits: torch.Tensor) -> None:
+        """Sample r's next token from its logits (1, V) and hand its text on."""
+        recent = None
+        if r.sampling.repeat_penalty != 1.0:
+            recent = torch.tensor([r.tokens[-_RECENT:]], device=logits.device)
+        t = int(r.sampler(logits, recent)[0])
+        if not r.ignore_eos and self.tok.is_eog(t):
+            return self._finish(r, "stop")
+        r.tokens.append(t)
+        r.generated += 1
+        self.counters["generated_tokens"] += 1
+        text, stopped = r.stopper.feed(r.detok.push(t))
+        if text:
+            r.emit(Event("text", text))
+        if stopped:
+            return self._finish(r, "stop", flush=False)
+        if r.generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
+            self._finish(r, "length")
+
+    def _finish(self, r: Request, reason: str, flush: bool = True) -> None:
+        if flush:
+            text, stopped = r.stopper.feed(r.detok.flush())
+            text += "" if stopped else r.stopper.flush()
+            if text:
+                r.emit(Event("text", text))
+            if stopped:
+                reason = "stop"
+        usage = {"prompt_tokens": len(r.prompt), "completion_tokens": r.generated,
+                 "total_tokens": len(r.prompt) + r.generated,
+                 "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+        self._retire(r)
+        self.counters["finished"] += 1
+        r.emit(Event("done", finish_reason=reason, usage=usage))
+
+    def _retire(self, r: Request) -> None:
+        r.finished = True
+        if r in self.running:
+            self.running.remove(r)
+        self.pool.release(r.blocks)
+        r.blocks = []
+
+    def _fail(self, r: Request, message: str) -> None:
+        self._retire(r)
+        self.counters["failed"] += 1
+        r.emit(Event("error", message))
