@@ -9,11 +9,13 @@ Every step it
    (B = 1, as `dsq run` prefills);
 4. runs one decode step for every request past its prompt, together (B = rows), after giving
    each the block its next token needs; when the pool is empty the newest request is preempted
-   (its blocks freed, its prompt and generated tokens recomputed when it is admitted again).
+   (its blocks freed, its prompt and generated tokens recomputed when it is admitted again: its
+   keys/values then come from a prefill, not from decode steps, so a greedy continuation may
+   differ from the one it would have had in rare near-ties).
 
 A request's state: `tokens` (prompt, then generated), `computed` (tokens whose keys/values are
-in its blocks). Prefilling while computed < len(tokens); decoding when computed == len(tokens) - 1
-(the last sampled token is not yet run). Events go back through the request's `emit`, called on
+in its blocks), `target` (len(tokens) when it was admitted). Prefilling while computed < target;
+then decoding, with computed == len(tokens) - 1 (the last sampled token is not yet run). Events go back through the request's `emit`, called on
 the engine's thread.
 """
 
@@ -57,8 +59,10 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
+    target: int = 0  # tokens to prefill since admission (prompt, and generated ones after a preemption)
     generated: int = 0
     cached_tokens: int = 0
+    preemptions: int = 0
     cancelled: bool = False
     finished: bool = False
     sampler: Sampler | None = None
@@ -69,12 +73,13 @@ class Request:
 
 class Engine:
     def __init__(self, nm, *, kv_tokens: int, block_size: int = 16, max_seqs: int = 32, prefill_chunk: int = 512,
-                 prefix_cache: bool = True, kv_dtype: torch.dtype | None = None):
+                 prefix_cache: bool = True, kv_dtype: torch.dtype | None = None, n_ctx: int | None = None):
         self.nm, self.model, self.tok = nm, nm.model, nm.tokenizer
-        self.n_ctx, self.block_size, self.max_seqs = nm.n_ctx, block_size, max_seqs
+        self.n_ctx = min(n_ctx or nm.n_ctx, nm.n_ctx)  # the pool always holds one sequence this long
+        self.block_size, self.max_seqs = block_size, max_seqs
         self.prefill_chunk, self.prefix_cache = prefill_chunk, prefix_cache
-        num_blocks = max(-(-kv_tokens // block_size), -(-nm.n_ctx // block_size) + 1)
-        self.kv = PagedKV(self.model, num_blocks, block_size, nm.n_ctx + block_size, kv_dtype)
+        num_blocks = max(-(-kv_tokens // block_size), -(-self.n_ctx // block_size) + 1)
+        self.kv = PagedKV(self.model, num_blocks, block_size, self.n_ctx + block_size, kv_dtype)
         self.pool = self.kv.pool
         self.device = nm.head_device
         self.inbox: deque[Request] = deque()
@@ -120,7 +125,14 @@ class Engine:
 
     # -- the loop -------------------------------------------------------------------------
     def _loop(self) -> None:
+        from dsq.kernels import cpu
+
         torch.set_grad_enabled(False)
+        # torch's (OpenMP's) and the C kernels' thread counts are per OS thread: this one gets the
+        # model's, so each op splits its work (and rounds) as in dsq run
+        torch.set_num_threads(self.nm.n_threads)
+        if cpu.available():
+            cpu.set_threads(self.nm.n_threads)
         while True:
             with self.cv:
                 while not (self.stopping or self.inbox or self.waiting or self.running):
@@ -172,7 +184,7 @@ class Engine:
                 break
             self.waiting.popleft()
             r.blocks = matched + [self.pool.allocate() for _ in range(-(-n // bs) - len(matched))]
-            r.computed = len(matched) * bs
+            r.computed, r.target = len(matched) * bs, n
             r.cached_tokens = max(r.cached_tokens, r.computed) if r.generated == 0 else r.cached_tokens
             if r.sampler is None:
                 r.sampler = Sampler(r.sampling, self.device)
@@ -186,7 +198,7 @@ class Engine:
         for r in list(self.running):
             if budget <= 0:
                 break
-            n = len(r.tokens)
+            n = r.target
             if r.computed >= n or r.finished:
                 continue
             # chunk boundaries at multiples of prefill_chunk, as dsq run's prefill has them
@@ -227,6 +239,7 @@ class Engine:
                 self.running.remove(victim)
                 self.pool.release(victim.blocks)
                 victim.blocks, victim.computed = [], 0
+                victim.preemptions += 1
                 self.waiting.appendleft(victim)
                 self.counters["preempted"] += 1
                 return True
