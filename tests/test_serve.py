@@ -1,0 +1,229 @@
+"""`dsq serve` over HTTP with the official `openai` client: a server started here on 127.0.0.1
+(a free port) with the built-in model. Streaming and not, concurrent greedy requests against
+`dsq run`, prefix-cache hits, the 4xx cases, a client that disconnects, SIGTERM.
+
+Every wait is bounded; the SIGTERM test runs last (it stops the module's server)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+
+ROOT = Path(__file__).resolve().parents[1]
+CTX = 512
+PROMPTS = ["The history of the Roman Empire", "Why is the sky blue?", "def fibonacci(n):",
+           "Once upon a time, in a land far away"]
+N_TOKENS = 16
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dsq", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--ctx", str(CTX), "--max-seqs", "8"], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"dsq serve exited {proc.returncode}: {proc.stdout.read()}")
+        try:
+            if _get(base + "/health")["status"] == "ok":
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("dsq serve did not come up in 180 s")
+    yield {"proc": proc, "base": base}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="none", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    return client.models.list().data[0].id
+
+
+def _metrics(server) -> dict:
+    return _get(server["base"] + "/metrics?format=json")
+
+
+def test_models_and_health(server, client, model_id):
+    assert _get(server["base"] + "/health") == {"status": "ok"}
+    assert model_id == "gemma-3-270m-q4_k_m"
+
+
+def test_completion_streamed_and_whole_agree(client, model_id):
+    whole = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=N_TOKENS, temperature=0)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == N_TOKENS and whole.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=N_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text and text.strip()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == N_TOKENS
+
+
+def test_chat_streamed_and_whole_agree(client, model_id):
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    whole = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=12, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == whole.choices[0].message.content
+
+
+def test_stop_strings_and_seeded_sampling(client, model_id):
+    base = client.completions.create(model=model_id, prompt=PROMPTS[3], max_tokens=N_TOKENS, temperature=0)
+    text = base.choices[0].text
+    words = text.split()
+    stop = words[len(words) // 2]  # a word from the middle of the greedy reply
+    cut = client.completions.create(model=model_id, prompt=PROMPTS[3], max_tokens=N_TOKENS, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[:text.index(stop)]
+    a, b = (client.completions.create(model=model_id, prompt=PROMPTS[1], max_tokens=8, temperature=1.0, top_p=0.9,
+                                      seed=7).choices[0].text for _ in range(2))
+    assert a == b
+
+
+def _dsq_run(prompt: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "dsq", "run", "--backend", "native", "-p", prompt, "--max-tokens",
+                          str(N_TOKENS), "--temperature", "0", "--ctx", str(CTX), "--json"],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["text"]
+
+
+def test_concurrent_greedy_requests_match_dsq_run(server, client, model_id):
+    expected = {p: _dsq_run(p) for p in PROMPTS}
+    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+
+    def one(p: str) -> str:
+        return client.completions.create(model=model_id, prompt=p, max_tokens=N_TOKENS,
+                                         temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, jobs, timeout=300))
+    assert got == [expected[p] for p in jobs]
+    m = _metrics(server)
+    assert m["failed"] == 0 and m["kv_blocks_held"] == 0
+
+
+def test_prefix_cache_hits_on_a_shared_system_prompt(server, client, model_id):
+    system = "You are a patient teacher. Answer every question in one short sentence of plain words. " * 3
+    before = _metrics(server)["prefix_cache_hit_tokens"]
+    usages = []
+    for q in ("What is rain?", "What is snow?"):
+        r = client.chat.completions.create(model=model_id, max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": q}])
+        usages.append(r.usage)
+    assert usages[0].prompt_tokens > 48
+    cached = usages[1].prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached % 16 == 0
+    m = _metrics(server)
+    assert m["prefix_cache_hit_tokens"] - before >= cached and 0 < m["prefix_cache_hit_rate"] <= 1
+
+
+def _raw_post(base: str, path: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(base + path, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client, model_id):
+    status, body = _raw_post(server["base"], "/v1/chat/completions", b'{"messages": [')
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and "JSON" in body["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_id, prompt="word " * (CTX + 10), max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=-3)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model_id, prompt="hi", max_tokens=2, temperature=-1)
+    ok = client.completions.create(model=model_id, prompt="hi", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_a_client_that_disconnects_frees_its_blocks(server):
+    host, port = server["base"].removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": CTX, "temperature": 0, "stream": True, "ignore_eos": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(3):  # a few events: the request is running and holds blocks
+        assert resp.fp.readline()
+    held = _metrics(server)["kv_blocks_held"]
+    cancelled = _metrics(server)["cancelled"]
+    assert held > 0
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        m = _metrics(server)
+        if m["kv_blocks_held"] == 0 and m["cancelled"] > cancelled:
+            break
+        time.sleep(0.2)
+    assert m["kv_blocks_held"] == 0 and m["cancelled"] > cancelled and m["running"] == 0
+
+
+def test_sigterm_drains_running_requests_and_exits_0(server, client, model_id):
+    """Last: stops the module's server."""
+    stream = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    first = next(iter(stream))
+    server["proc"].send_signal(signal.SIGTERM)
+    rest = list(stream)
+    assert rest[-1].usage.completion_tokens == 24  # the running request finished
+    assert "".join(c.choices[0].text for c in [first] + rest if c.choices).strip()
+    assert server["proc"].wait(60) == 0
