@@ -134,3 +134,35 @@ def test_engine_prefix_cache_hits_on_a_shared_system_prompt(builtin):
     shared = len(ids[0]) - 8
     assert m["prefix_cache_hit_tokens"] >= 2 * (shared // 16) * 16 > 0
     assert max(u["prompt_tokens_details"]["cached_tokens"] for u in usages.values()) >= (shared // 16) * 16
+
+
+def test_fp8_kv_holds_twice_the_tokens_at_a_small_quality_cost(builtin):
+    """FP8 (e4m3, a scale per token and head) against float32 KV on held-out text: the prompt
+    goes in four chunks, so later chunks attend over stored (rounded) keys/values. Measured on the
+    built-in model: mean KLD 0.006, top-1 agreement 96%, ppl 24.32 against 24.23 (bf16: KLD 3e-5)."""
+    from tests.tiny import held_out_text
+
+    from dsq.runtime.engine import encode_prompt
+    from dsq.serve.engine import Engine
+    from dsq.serve.paged import FP8
+
+    ratio = PagedKV.bytes_per_block(builtin.model, 16, torch.bfloat16) / PagedKV.bytes_per_block(builtin.model, 16, FP8)
+    assert ratio >= 1.95
+    mem = 64 << 20
+    assert Engine(builtin, kv_bytes=mem, kv_dtype=FP8).pool.num_blocks >= \
+        1.95 * Engine(builtin, kv_bytes=mem, kv_dtype=torch.bfloat16).pool.num_blocks
+    ids = encode_prompt(builtin, held_out_text(3000))[:256]
+    logp = {}
+    for dt in (torch.float32, FP8):
+        kv = PagedKV(builtin.model, 32, 16, 512, dt)
+        table = list(range(17))
+        out = [kv.forward([ids[i:i + 64]], [i], [table], every_position=True)[0] for i in range(0, 256, 64)]
+        logp[dt] = torch.cat(out).float().log_softmax(-1)
+    ref, q = logp[torch.float32], logp[FP8]
+    kld = (ref.exp() * (ref - q)).sum(-1)
+    assert kld.mean() < 0.02
+    assert (ref.argmax(-1) == q.argmax(-1)).float().mean() >= 0.9
+    nll = [-lp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean() for lp in (ref, q)]
+    assert nll[1] - nll[0] < 0.02  # perplexity within 2%
+    texts, usages, _, _ = _run_engine(builtin, [encode_prompt(builtin, p) for p in PROMPTS], 8, kv_dtype=FP8)
+    assert all(t.strip() for t in texts) and all(u["completion_tokens"] == 8 for u in usages.values())

@@ -26,6 +26,12 @@ def serve(
     kv_tokens: Annotated[Optional[int], typer.Option(
         "--kv-tokens", min=1, help="Tokens the paged KV cache holds, all sequences together (default 4 x --ctx).")]
     = None,
+    kv_memory: Annotated[Optional[float], typer.Option(
+        "--kv-memory", help="MiB the paged KV cache takes (instead of --kv-tokens): fp8 holds twice bf16's tokens.")]
+    = None,
+    kv_dtype: Annotated[Optional[str], typer.Option(
+        "--kv-dtype", help="KV cache dtype: fp8 (e4m3, a scale per token and head), bf16, fp16, fp32 "
+        "(default: the activations').")] = None,
     block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")] = 16,
     max_seqs: Annotated[int, typer.Option("--max-seqs", help="Most sequences decoded together in a step.")] = 32,
     prefill_chunk: Annotated[int, typer.Option(
@@ -41,14 +47,16 @@ def serve(
     top_p, seed; DeepSeek-R1 reasoning as `reasoning_content`; continuous batching (requests join
     and leave the running batch every step) over a paged KV cache with admission by free blocks
     and preemption when it is full; chunked prefill; prefix caching (hit rate in /metrics);
+    --kv-dtype fp8;
     SIGTERM lets running requests finish, then exits 0.
 
-    Not implemented yet: the GPU (it serves on the CPU), DeepSeek V2/V3 models, --kv-dtype fp8,
+    Not implemented yet: the GPU (it serves on the CPU), DeepSeek V2/V3 models,
     speculative decoding, --backend llama.cpp, n > 1, logprobs, tools.
     """
     from dsq.serve.server import build, run
     from dsq.ui import console
 
-    engine, api = build(model, ctx=ctx, threads=threads, dtype=dtype, kv_tokens=kv_tokens, block_size=block_size,
+    engine, api = build(model, ctx=ctx, threads=threads, dtype=dtype, kv_tokens=kv_tokens, kv_memory_mb=kv_memory,
+                        kv_dtype_name=kv_dtype, block_size=block_size,
                         max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, console=console())
     run(engine, api, host, port, drain)

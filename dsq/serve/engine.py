@@ -72,13 +72,18 @@ class Request:
 
 
 class Engine:
-    def __init__(self, nm, *, kv_tokens: int, block_size: int = 16, max_seqs: int = 32, prefill_chunk: int = 512,
+    def __init__(self, nm, *, kv_tokens: int | None = None, kv_bytes: int | None = None, block_size: int = 16, max_seqs: int = 32, prefill_chunk: int = 512,
                  prefix_cache: bool = True, kv_dtype: torch.dtype | None = None, n_ctx: int | None = None):
         self.nm, self.model, self.tok = nm, nm.model, nm.tokenizer
         self.n_ctx = min(n_ctx or nm.n_ctx, nm.n_ctx)  # the pool always holds one sequence this long
         self.block_size, self.max_seqs = block_size, max_seqs
         self.prefill_chunk, self.prefix_cache = prefill_chunk, prefix_cache
-        num_blocks = max(-(-kv_tokens // block_size), -(-self.n_ctx // block_size) + 1)
+        dt = kv_dtype or self.model.dtype
+        if kv_bytes is not None:  # as many blocks as the memory holds in this dtype
+            num_blocks = kv_bytes // PagedKV.bytes_per_block(self.model, block_size, dt)
+        else:
+            num_blocks = -(-(kv_tokens or 4 * self.n_ctx) // block_size)
+        num_blocks = max(num_blocks, -(-self.n_ctx // block_size) + 1)
         self.kv = PagedKV(self.model, num_blocks, block_size, self.n_ctx + block_size, kv_dtype)
         self.pool = self.kv.pool
         self.device = nm.head_device
@@ -120,7 +125,8 @@ class Engine:
         held = sum(1 for r in p.ref if r > 0)
         return {**self.counters, "running": len(self.running), "waiting": len(self.waiting) + len(self.inbox),
                 "kv_blocks_total": p.num_blocks, "kv_blocks_held": held, "kv_blocks_cached": len(p.evictable),
-                "kv_block_size": self.block_size, "prefix_cache_lookup_tokens": p.lookups,
+                "kv_block_size": self.block_size, "kv_dtype": str(self.kv.dtype).removeprefix("torch."),
+                "kv_bytes": p.num_blocks * PagedKV.bytes_per_block(self.model, self.block_size, self.kv.dtype), "prefix_cache_lookup_tokens": p.lookups,
                 "prefix_cache_hit_tokens": p.hits, "prefix_cache_hit_rate": round(p.hit_rate, 4)}
 
     # -- the loop -------------------------------------------------------------------------

@@ -11,6 +11,9 @@ table per sequence, full blocks shared between sequences by hash of their token 
   the sequences' blocks and returns every sequence's keys/values gathered over its block table
   (padded to the longest, the padding masked), which the model's own attention reads. The
   gathered copy is the torch CPU path; a fused paged kernel would read the blocks in place.
+- FP8 (`dtype=FP8`): keys and values stored as float8 e4m3, each token's head scaled by its own
+  absmax / 448 (a float32 scale per token and head, D / 4 + 1 bytes against 2 D for bf16 when D is
+  the head width: twice the tokens in the same memory, bytes_per_block); dequantized when gathered.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from collections import OrderedDict
 import torch
 
 from dsq.models.base import KVCache, Transformer, rope_tables
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
 
 
 class BlockPool:
@@ -118,14 +124,23 @@ class _StepCache:
         B, Hk, T, D = k.shape
         bs = kp.shape[2]
         blk, off = self.write_at // bs, self.write_at % bs
-        kp[blk, :, off] = k.permute(0, 2, 1, 3).reshape(B * T, Hk, D).to(kp.dtype)
-        vp[blk, :, off] = v.permute(0, 2, 1, 3).reshape(B * T, Hk, D).to(vp.dtype)
         g = self.gather  # (B, n) block ids
-        n = g.shape[1]  # (index_select: advanced indexing with a 2-D index is ~1000x slower on the CPU)
-        kc = kp.index_select(0, g.reshape(-1)).view(B, n, Hk, bs, D).transpose(1, 2).reshape(B, Hk, n * bs, D)
-        vc = vp.index_select(0, g.reshape(-1)).view(B, n, Hk, bs, D).transpose(1, 2).reshape(B, Hk, n * bs, D)
-        kc, vc = kc[:, :, :self.kv_len], vc[:, :, :self.kv_len]
-        return kc.contiguous(), vc.contiguous()
+        idx = g.reshape(-1)  # (index_select: advanced indexing with a 2-D index is ~1000x slower on the CPU)
+        out = []
+        for new, pool, scales in ((k, kp, self.kv.k_scale), (v, vp, self.kv.v_scale)):
+            rows = new.permute(0, 2, 1, 3).reshape(B * T, Hk, D)
+            if scales is None:
+                pool[blk, :, off] = rows.to(pool.dtype)
+                c = pool.index_select(0, idx)
+            else:
+                rows = rows.float()
+                sc = (rows.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)  # (B*T, Hk)
+                pool[blk, :, off] = (rows / sc[..., None]).to(FP8)
+                scales[layer][blk, :, off] = sc
+                c = pool.index_select(0, idx).float() * scales[layer].index_select(0, idx)[..., None]
+            c = c.view(B, g.shape[1], Hk, bs, D).transpose(1, 2).reshape(B, Hk, -1, D)[:, :, :self.kv_len]
+            out.append(c.to(new.dtype).contiguous())
+        return out[0], out[1]
 
 
 class PagedKV:
@@ -141,6 +156,10 @@ class PagedKV:
         n = a.num_hidden_layers
         self.k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(n)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(n)]
+        self.k_scale = self.v_scale = None
+        if self.dtype == FP8:
+            self.k_scale = [torch.ones(shape[:3], device=dev) for _ in range(n)]
+            self.v_scale = [torch.ones(shape[:3], device=dev) for _ in range(n)]
         self.pool = BlockPool(num_blocks, block_size)
         self.rope = {"full": rope_tables(a.rope, a.rope_dim, max_len, dev)}
         if a.rope_local is not None:
@@ -149,13 +168,15 @@ class PagedKV:
     @staticmethod
     def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
         a = model.args
-        return 2 * a.num_hidden_layers * a.num_key_value_heads * block_size * a.head_dim * dtype.itemsize
+        per_head = a.head_dim * dtype.itemsize + (4 if dtype == FP8 else 0)  # FP8: a float32 scale
+        return 2 * a.num_hidden_layers * a.num_key_value_heads * block_size * per_head
 
     @torch.inference_mode()
-    def forward(self, ids: list[list[int]], starts: list[int], tables: list[list[int]]) -> torch.Tensor:
+    def forward(self, ids: list[list[int]], starts: list[int], tables: list[list[int]],
+                every_position: bool = False) -> torch.Tensor:
         """Run rows of new tokens (all rows the same length T), row i's first at position
         starts[i], its keys/values into the blocks of tables[i] (which must cover them); returns
-        the last position's logits (B, V)."""
+        the last position's logits (B, V), or every position's (B, T, V)."""
         m, a, bs, dev = self.model, self.args, self.block_size, self.device
         B, T = len(ids), len(ids[0])
         x_ids = torch.tensor(ids, dtype=torch.long, device=dev)
@@ -181,4 +202,6 @@ class PagedKV:
             sliding = a.is_sliding(i)
             cos, sin = ropes["local" if sliding and a.rope_local else "full"]
             x = layer(x.to(layer.input_layernorm.weight.dtype), cos, sin, masks[bool(sliding)], step, None, None)
+        if every_position:
+            return m.head(x)
         return m.head(x, last_only=True)[:, -1]

@@ -16,14 +16,29 @@ def model_id(nm) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
+def kv_dtype(name: str | None):
+    """--kv-dtype: fp8 (e4m3, a scale per token and head), bf16, fp16, fp32, or None (the model's)."""
+    from dsq.runtime.native import parse_dtype
+    from dsq.serve.paged import FP8
+
+    if name is not None and name.lower() in ("fp8", "fp8_e4m3", "e4m3"):
+        return FP8
+    return parse_dtype(name, None) if name else None
+
+
 def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None, kv_tokens: int | None,
-          block_size: int, max_seqs: int, prefill_chunk: int, prefix_cache: bool, console=None):
+          block_size: int, kv_dtype_name: str | None = None, kv_memory_mb: float | None = None, max_seqs: int, prefill_chunk: int, prefix_cache: bool, console=None):
     """(engine, api) for MODEL on the native backend."""
     from dsq.runtime.engine import load
     from dsq.serve.api import Api
     from dsq.serve.engine import Engine
     from dsq.serve.paged import supported
 
+    kv_dt = kv_dtype(kv_dtype_name)  # a bad name fails before the model loads
+    if kv_tokens is not None and kv_memory_mb is not None:
+        raise DsqError("--kv-tokens and --kv-memory both size the KV cache", "pass one of them")
+    if kv_memory_mb is not None and kv_memory_mb <= 0:
+        raise DsqError(f"--kv-memory must be > 0 MiB, got {kv_memory_mb}")
     if block_size < 1 or block_size & (block_size - 1):
         raise DsqError(f"--block-size must be a power of two, got {block_size}")
     if max_seqs < 1:
@@ -37,8 +52,9 @@ def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None
     if any(d.type != "cpu" for d in nm.model.layer_devices()):
         raise DsqError("dsq serve runs on the CPU for now", "leave --gpu-layers out")
     nm.cache = None  # the single-sequence cache: the engine keeps its own pool
-    engine = Engine(nm, kv_tokens=kv_tokens or 4 * ctx, block_size=block_size, max_seqs=max_seqs,
-                    prefill_chunk=prefill_chunk, prefix_cache=prefix_cache)
+    kv_bytes = int(kv_memory_mb * 2**20) if kv_memory_mb is not None else None
+    engine = Engine(nm, kv_tokens=kv_tokens, kv_bytes=kv_bytes, block_size=block_size, max_seqs=max_seqs,
+                    prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, kv_dtype=kv_dt)
     return engine, Api(engine, model_id(nm))
 
 
@@ -54,7 +70,7 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
     engine.start()
     m = engine.metrics()
     sys.stderr.write(f"dsq serve: {api.model_id} on http://{host}:{port}/v1 (native engine, {m['kv_blocks_total']} "
-                     f"KV blocks of {m['kv_block_size']} tokens, context {engine.n_ctx}, up to {engine.max_seqs} "
+                     f"KV blocks of {m['kv_block_size']} tokens in {m['kv_dtype']}, {m['kv_bytes'] / 2**20:.0f} MiB, context {engine.n_ctx}, up to {engine.max_seqs} "
                      "sequences a step)\n")
     sys.stderr.flush()
     try:
