@@ -1,6 +1,7 @@
 """`dsq serve` over HTTP with the official `openai` client: a server started here on 127.0.0.1
-(a free port) with the built-in model. Streaming and not, concurrent greedy requests against
-`dsq run`, prefix-cache hits, the 4xx cases, a client that disconnects, SIGTERM.
+(a free port) with the built-in model and speculative decoding on. Streaming and not, concurrent
+greedy requests against `dsq run` (speculative off), prefix-cache hits, the 4xx cases, a client
+that disconnects, SIGTERM; a second server with FP8 KV.
 
 Every wait is bounded; the SIGTERM test runs last (it stops the module's server)."""
 
@@ -27,7 +28,7 @@ pytest.importorskip("starlette")
 ROOT = Path(__file__).resolve().parents[1]
 CTX = 512
 PROMPTS = ["The history of the Roman Empire", "Why is the sky blue?", "def fibonacci(n):",
-           "Once upon a time, in a land far away"]
+           "Once upon a time, in a land far away", "one two three four five six seven one two three four five"]
 N_TOKENS = 16
 
 
@@ -48,11 +49,10 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
-@pytest.fixture(scope="module")
-def server():
+def _start(*flags: str):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dsq", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--ctx", str(CTX), "--max-seqs", "8"], cwd=ROOT, env=_env(),
+                             "--ctx", str(CTX), "--max-seqs", "8", *flags], cwd=ROOT, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
@@ -67,13 +67,24 @@ def server():
     else:
         proc.kill()
         pytest.fail("dsq serve did not come up in 180 s")
-    yield {"proc": proc, "base": base}
+    return {"proc": proc, "base": base}
+
+
+def _stop(server) -> None:
+    proc = server["proc"]
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = _start("--spec-tokens", "4")
+    yield s
+    _stop(s)
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +158,28 @@ def test_concurrent_greedy_requests_match_dsq_run(server, client, model_id):
 
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(one, jobs, timeout=300))
-    assert got == [expected[p] for p in jobs]
+    assert got == [expected[p] for p in jobs]  # batched, and speculative on against off
     m = _metrics(server)
     assert m["failed"] == 0 and m["kv_blocks_held"] == 0
+    assert m["spec_accepted_tokens"] > 0
+    pytest.expected_greedy = expected
+
+
+def test_fp8_kv_serves_the_same_first_tokens(server):
+    fp8 = _start("--kv-dtype", "fp8", "--kv-memory", "16")
+    try:
+        m = _metrics(fp8)
+        assert m["kv_dtype"] == "float8_e4m3fn" and m["kv_bytes"] <= 16 << 20
+        c = openai.OpenAI(base_url=fp8["base"] + "/v1", api_key="none", timeout=120, max_retries=0)
+        got = [c.completions.create(model="gemma-3-270m-q4_k_m", prompt=p, max_tokens=N_TOKENS, temperature=0)
+               for p in PROMPTS]
+        assert all(g.usage.completion_tokens == N_TOKENS for g in got)
+        expected = getattr(pytest, "expected_greedy", None) or {p: _dsq_run(p) for p in PROMPTS}
+        # fp8 keys/values round differently: most greedy replies still start alike
+        same = sum(g.choices[0].text.split()[:1] == expected[p].split()[:1] for g, p in zip(got, PROMPTS))
+        assert same >= len(PROMPTS) - 1
+    finally:
+        _stop(fp8)
 
 
 def test_prefix_cache_hits_on_a_shared_system_prompt(server, client, model_id):

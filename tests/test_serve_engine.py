@@ -166,3 +166,18 @@ def test_fp8_kv_holds_twice_the_tokens_at_a_small_quality_cost(builtin):
     assert nll[1] - nll[0] < 0.02  # perplexity within 2%
     texts, usages, _, _ = _run_engine(builtin, [encode_prompt(builtin, p) for p in PROMPTS], 8, kv_dtype=FP8)
     assert all(t.strip() for t in texts) and all(u["completion_tokens"] == 8 for u in usages.values())
+
+
+def test_speculative_prompt_lookup_keeps_greedy_output(builtin):
+    from dsq.runtime.engine import encode_prompt
+
+    # prompts that repeat themselves, so the lookup finds drafts
+    prompts = ["one two three four five six seven eight nine ten one two three four five six seven",
+               "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return", PROMPTS[0]]
+    ids = [encode_prompt(builtin, p) for p in prompts]
+    off, _, _, _ = _run_engine(builtin, ids, 24)
+    on, usages, eng, _ = _run_engine(builtin, ids, 24, spec_tokens=4)
+    assert on == off
+    c = eng.counters
+    assert c["spec_draft_tokens"] > 0 and 0 < c["spec_accepted_tokens"] <= c["spec_draft_tokens"]
+    assert eng.metrics()["kv_blocks_held"] == 0

@@ -38,6 +38,9 @@ def serve(
         "--prefill-chunk", help="Most prompt tokens run in one step, between decode steps.")] = 512,
     prefix_cache: Annotated[bool, typer.Option(
         "--prefix-cache/--no-prefix-cache", help="Share KV blocks of a repeated prompt prefix.")] = True,
+    spec_tokens: Annotated[int, typer.Option(
+        "--spec-tokens", help="Speculative decoding by prompt lookup (n-gram): draft tokens a step for greedy "
+        "requests; 0 = off. Greedy output is the same either way.")] = 0,
     drain: Annotated[float, typer.Option("--drain", help="Seconds SIGTERM waits for running requests.")] = 60.0,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
@@ -47,16 +50,17 @@ def serve(
     top_p, seed; DeepSeek-R1 reasoning as `reasoning_content`; continuous batching (requests join
     and leave the running batch every step) over a paged KV cache with admission by free blocks
     and preemption when it is full; chunked prefill; prefix caching (hit rate in /metrics);
-    --kv-dtype fp8;
+    --kv-dtype fp8; speculative decoding by prompt lookup (--spec-tokens; acceptance in /metrics).
     SIGTERM lets running requests finish, then exits 0.
 
-    Not implemented yet: the GPU (it serves on the CPU), DeepSeek V2/V3 models,
-    speculative decoding, --backend llama.cpp, n > 1, logprobs, tools.
+    Not implemented yet: the GPU (it serves on the CPU; no Triton paged attention yet), DeepSeek
+    V2/V3 models, a draft model (--draft), --backend llama.cpp, n > 1, logprobs, tools.
     """
     from dsq.serve.server import build, run
     from dsq.ui import console
 
     engine, api = build(model, ctx=ctx, threads=threads, dtype=dtype, kv_tokens=kv_tokens, kv_memory_mb=kv_memory,
                         kv_dtype_name=kv_dtype, block_size=block_size,
-                        max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, console=console())
+                        max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, spec_tokens=spec_tokens,
+                        console=console())
     run(engine, api, host, port, drain)

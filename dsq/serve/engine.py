@@ -12,6 +12,11 @@ Every step it
    (its blocks freed, its prompt and generated tokens recomputed when it is admitted again: its
    keys/values then come from a prefill, not from decode steps, so a greedy continuation may
    differ from the one it would have had in rare near-ties).
+5. with speculative decoding by prompt lookup (`spec_tokens` > 0), a greedy request whose last
+   n tokens (n = 3, 2, 1) occurred earlier in its prompt or reply proposes the up to
+   `spec_tokens` tokens that followed them; one forward pass over its last token and the draft
+   checks them all: the draft is kept up to the first token the model would not have picked,
+   which is replaced by the model's own. Greedy output is the same with it on and off.
 
 A request's state: `tokens` (prompt, then generated), `computed` (tokens whose keys/values are
 in its blocks), `target` (len(tokens) when it was admitted). Prefilling while computed < target;
@@ -73,11 +78,13 @@ class Request:
 
 class Engine:
     def __init__(self, nm, *, kv_tokens: int | None = None, kv_bytes: int | None = None, block_size: int = 16, max_seqs: int = 32, prefill_chunk: int = 512,
-                 prefix_cache: bool = True, kv_dtype: torch.dtype | None = None, n_ctx: int | None = None):
+                 prefix_cache: bool = True, kv_dtype: torch.dtype | None = None, n_ctx: int | None = None,
+                 spec_tokens: int = 0, spec_ngram: int = 3):
         self.nm, self.model, self.tok = nm, nm.model, nm.tokenizer
         self.n_ctx = min(n_ctx or nm.n_ctx, nm.n_ctx)  # the pool always holds one sequence this long
         self.block_size, self.max_seqs = block_size, max_seqs
         self.prefill_chunk, self.prefix_cache = prefill_chunk, prefix_cache
+        self.spec_tokens, self.spec_ngram = spec_tokens, spec_ngram
         dt = kv_dtype or self.model.dtype
         if kv_bytes is not None:  # as many blocks as the memory holds in this dtype
             num_blocks = kv_bytes // PagedKV.bytes_per_block(self.model, block_size, dt)
@@ -94,7 +101,8 @@ class Engine:
         self.stopping = False
         self.thread: threading.Thread | None = None
         self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "preempted": 0, "prompt_tokens": 0,
-                         "generated_tokens": 0, "steps": 0, "failed": 0}
+                         "generated_tokens": 0, "steps": 0, "failed": 0, "spec_draft_tokens": 0,
+                         "spec_accepted_tokens": 0}
 
     # -- outside the loop (any thread) ----------------------------------------------------
     def start(self) -> None:
@@ -127,7 +135,9 @@ class Engine:
                 "kv_blocks_total": p.num_blocks, "kv_blocks_held": held, "kv_blocks_cached": len(p.evictable),
                 "kv_block_size": self.block_size, "kv_dtype": str(self.kv.dtype).removeprefix("torch."),
                 "kv_bytes": p.num_blocks * PagedKV.bytes_per_block(self.model, self.block_size, self.kv.dtype), "prefix_cache_lookup_tokens": p.lookups,
-                "prefix_cache_hit_tokens": p.hits, "prefix_cache_hit_rate": round(p.hit_rate, 4)}
+                "prefix_cache_hit_tokens": p.hits, "prefix_cache_hit_rate": round(p.hit_rate, 4),
+                "spec_acceptance_rate": round(self.counters["spec_accepted_tokens"]
+                                              / max(1, self.counters["spec_draft_tokens"]), 4)}
 
     # -- the loop -------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -230,12 +240,50 @@ class Engine:
                     break
                 r.blocks.append(self.pool.allocate())
         rows = [r for r in rows if r in self.running and r.computed // bs < len(r.blocks)]
-        if not rows:
-            return
-        logits = self.kv.forward([[r.tokens[-1]] for r in rows], [r.computed for r in rows], [r.blocks for r in rows])
-        for i, r in enumerate(rows):
+        drafts = {r: self._draft(r) for r in rows} if self.spec_tokens else {}
+        drafts = {r: d for r, d in drafts.items() if d}
+        plain = [r for r in rows if r not in drafts]
+        if plain:
+            logits = self.kv.forward([[r.tokens[-1]] for r in plain], [r.computed for r in plain],
+                                     [r.blocks for r in plain])
+            for i, r in enumerate(plain):
+                r.computed += 1
+                self._take(r, logits[i:i + 1])
+        for r, draft in drafts.items():
+            self._verify(r, draft)
+
+    def _draft(self, r: Request) -> list[int]:
+        """Prompt lookup: the tokens that followed the latest earlier occurrence of r's last n
+        tokens (longest n first), for a greedy request, as many as its blocks can take."""
+        sp = r.sampling
+        if sp.temperature != 0 or sp.repeat_penalty != 1.0:
+            return []
+        t, bs = r.tokens, self.block_size
+        room = min(self.spec_tokens, r.max_tokens - r.generated - 1, self.n_ctx - len(t) - 1,
+                   len(r.blocks) * bs - r.computed - 1 + bs * self.pool.available())
+        if room <= 0:
+            return []
+        for n in range(min(self.spec_ngram, len(t) - 1), 0, -1):
+            tail = t[-n:]
+            for i in range(len(t) - n - 1, -1, -1):
+                if t[i:i + n] == tail:
+                    draft = t[i + n:i + n + room]
+                    while (r.computed + len(draft)) // bs >= len(r.blocks):
+                        r.blocks.append(self.pool.allocate())
+                    return draft
+        return []
+
+    def _verify(self, r: Request, draft: list[int]) -> None:
+        """Run r's last token and its draft in one pass; keep the draft while it is what the
+        model picks, then the model's own token."""
+        logits = self.kv.forward([[r.tokens[-1]] + draft], [r.computed], [r.blocks], every_position=True)[0]
+        self.counters["spec_draft_tokens"] += len(draft)
+        for j in range(len(draft) + 1):
             r.computed += 1
-            self._take(r, logits[i:i + 1])
+            self._take(r, logits[j:j + 1])
+            if r.finished or j == len(draft) or r.tokens[-1] != draft[j]:
+                break
+            self.counters["spec_accepted_tokens"] += 1
 
     def _preempt(self, exclude: Request) -> bool:
         """Free the newest running request's blocks (it is prefilled again later); False when

@@ -27,7 +27,8 @@ def kv_dtype(name: str | None):
 
 
 def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None, kv_tokens: int | None,
-          block_size: int, kv_dtype_name: str | None = None, kv_memory_mb: float | None = None, max_seqs: int, prefill_chunk: int, prefix_cache: bool, console=None):
+          block_size: int, kv_dtype_name: str | None = None, kv_memory_mb: float | None = None,
+          spec_tokens: int = 0, max_seqs: int, prefill_chunk: int, prefix_cache: bool, console=None):
     """(engine, api) for MODEL on the native backend."""
     from dsq.runtime.engine import load
     from dsq.serve.api import Api
@@ -41,6 +42,8 @@ def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None
         raise DsqError(f"--kv-memory must be > 0 MiB, got {kv_memory_mb}")
     if block_size < 1 or block_size & (block_size - 1):
         raise DsqError(f"--block-size must be a power of two, got {block_size}")
+    if spec_tokens < 0:
+        raise DsqError(f"--spec-tokens must be >= 0, got {spec_tokens}", "use 0 to turn speculative decoding off")
     if max_seqs < 1:
         raise DsqError(f"--max-seqs must be at least 1, got {max_seqs}")
     if prefill_chunk < 1:
@@ -54,7 +57,8 @@ def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None
     nm.cache = None  # the single-sequence cache: the engine keeps its own pool
     kv_bytes = int(kv_memory_mb * 2**20) if kv_memory_mb is not None else None
     engine = Engine(nm, kv_tokens=kv_tokens, kv_bytes=kv_bytes, block_size=block_size, max_seqs=max_seqs,
-                    prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, kv_dtype=kv_dt)
+                    prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, kv_dtype=kv_dt,
+                    spec_tokens=spec_tokens)
     return engine, Api(engine, model_id(nm))
 
 
