@@ -266,6 +266,29 @@ def test_a_client_that_disconnects_frees_its_blocks(server):
     assert m["kv_blocks_held"] == 0 and m["cancelled"] > cancelled and m["running"] == 0
 
 
+@pytest.mark.parametrize("flags, needle", [(["--kv-dtype", "fp7"], "unknown dtype"),
+                                           (["--block-size", "12"], "power of two"),
+                                           (["--spec-tokens", "-1"], "--spec-tokens"),
+                                           (["--kv-tokens", "64", "--kv-memory", "8"], "both size the KV cache")])
+def test_bad_flags_are_one_line_before_loading(runner, flags, needle):
+    from dsq.cli import app
+
+    r = runner.invoke(app, ["serve", "--port", "0", *flags])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.output
+
+
+def test_a_port_in_use_is_one_line(runner):
+    from dsq.cli import app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        r = runner.invoke(app, ["serve", "--port", str(s.getsockname()[1])])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 1 and len(lines) == 1 and "cannot listen" in lines[0], r.output
+
+
 def test_sigterm_drains_running_requests_and_exits_0(server, client, model_id):
     """Last: stops the module's server."""
     stream = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True,

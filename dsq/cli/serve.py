@@ -56,11 +56,12 @@ def serve(
     Not implemented yet: the GPU (it serves on the CPU; no Triton paged attention yet), DeepSeek
     V2/V3 models, a draft model (--draft), --backend llama.cpp, n > 1, logprobs, tools.
     """
-    from dsq.serve.server import build, run
+    from dsq.serve.server import build, check_port, run
     from dsq.ui import console
 
+    check_port(host, port)
     engine, api = build(model, ctx=ctx, threads=threads, dtype=dtype, kv_tokens=kv_tokens, kv_memory_mb=kv_memory,
                         kv_dtype_name=kv_dtype, block_size=block_size,
-                        max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, spec_tokens=spec_tokens,
-                        console=console())
+                        max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
+                        spec_tokens=spec_tokens, console=console())
     run(engine, api, host, port, drain)

@@ -20,7 +20,8 @@ Every step it
 
 A request's state: `tokens` (prompt, then generated), `computed` (tokens whose keys/values are
 in its blocks), `target` (len(tokens) when it was admitted). Prefilling while computed < target;
-then decoding, with computed == len(tokens) - 1 (the last sampled token is not yet run). Events go back through the request's `emit`, called on
+then decoding, with computed == len(tokens) - 1 (the last sampled token is not yet run). Events go
+back through the request's `emit`, called on
 the engine's thread.
 """
 
@@ -77,7 +78,8 @@ class Request:
 
 
 class Engine:
-    def __init__(self, nm, *, kv_tokens: int | None = None, kv_bytes: int | None = None, block_size: int = 16, max_seqs: int = 32, prefill_chunk: int = 512,
+    def __init__(self, nm, *, kv_tokens: int | None = None, kv_bytes: int | None = None, block_size: int = 16,
+                 max_seqs: int = 32, prefill_chunk: int = 512,
                  prefix_cache: bool = True, kv_dtype: torch.dtype | None = None, n_ctx: int | None = None,
                  spec_tokens: int = 0, spec_ngram: int = 3):
         self.nm, self.model, self.tok = nm, nm.model, nm.tokenizer
@@ -134,7 +136,8 @@ class Engine:
         return {**self.counters, "running": len(self.running), "waiting": len(self.waiting) + len(self.inbox),
                 "kv_blocks_total": p.num_blocks, "kv_blocks_held": held, "kv_blocks_cached": len(p.evictable),
                 "kv_block_size": self.block_size, "kv_dtype": str(self.kv.dtype).removeprefix("torch."),
-                "kv_bytes": p.num_blocks * PagedKV.bytes_per_block(self.model, self.block_size, self.kv.dtype), "prefix_cache_lookup_tokens": p.lookups,
+                "kv_bytes": p.num_blocks * PagedKV.bytes_per_block(self.model, self.block_size, self.kv.dtype),
+                "prefix_cache_lookup_tokens": p.lookups,
                 "prefix_cache_hit_tokens": p.hits, "prefix_cache_hit_rate": round(p.hit_rate, 4),
                 "spec_acceptance_rate": round(self.counters["spec_accepted_tokens"]
                                               / max(1, self.counters["spec_draft_tokens"]), 4)}

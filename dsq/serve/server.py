@@ -16,6 +16,19 @@ def model_id(nm) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
+def check_port(host: str, port: int) -> None:
+    """Fail before the model loads when HOST:PORT cannot be listened on."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise DsqError(f"cannot listen on {host}:{port}: {e.strerror or e}",
+                       "pick another --port, or stop what listens there") from None
+
+
 def kv_dtype(name: str | None):
     """--kv-dtype: fp8 (e4m3, a scale per token and head), bf16, fp16, fp32, or None (the model's)."""
     from dsq.runtime.native import parse_dtype
@@ -74,7 +87,8 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
     engine.start()
     m = engine.metrics()
     sys.stderr.write(f"dsq serve: {api.model_id} on http://{host}:{port}/v1 (native engine, {m['kv_blocks_total']} "
-                     f"KV blocks of {m['kv_block_size']} tokens in {m['kv_dtype']}, {m['kv_bytes'] / 2**20:.0f} MiB, context {engine.n_ctx}, up to {engine.max_seqs} "
+                     f"KV blocks of {m['kv_block_size']} tokens in {m['kv_dtype']}, {m['kv_bytes'] / 2**20:.0f} MiB, "
+                     f"context {engine.n_ctx}, up to {engine.max_seqs} "
                      "sequences a step)\n")
     sys.stderr.flush()
     try:
