@@ -21,8 +21,7 @@ Every step it
 A request's state: `tokens` (prompt, then generated), `computed` (tokens whose keys/values are
 in its blocks), `target` (len(tokens) when it was admitted). Prefilling while computed < target;
 then decoding, with computed == len(tokens) - 1 (the last sampled token is not yet run). Events go
-back through the request's `emit`, called on
-the engine's thread.
+back through the request's `emit`, called on the engine's thread.
 """
 
 from __future__ import annotations
