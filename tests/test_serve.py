@@ -289,6 +289,26 @@ def test_a_port_in_use_is_one_line(runner):
     assert r.exit_code == 1 and len(lines) == 1 and "cannot listen" in lines[0], r.output
 
 
+def test_bench_serve_load_generator(server, runner, tmp_path):
+    from dsq.cli import app
+
+    out, png = tmp_path / "load.json", tmp_path / "load.png"
+    r = runner.invoke(app, ["bench", "--serve", server["base"], "--concurrency", "1,4", "--requests", "4",
+                            "--gen-tokens", "4", "--prompt-tokens", "24", "--gpu-cost-per-hour", "3",
+                            "--json", str(out), "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert [lv["concurrency"] for lv in res["levels"]] == [1, 4] and res["model"] == "gemma-3-270m-q4_k_m"
+    for lv in res["levels"]:
+        assert lv["requests"] == 4 and lv["failures"] == 0 and lv["output_tok_s"] > 0
+        assert 0 < lv["ttft_p50_ms"] <= lv["ttft_p99_ms"] and 0 < lv["tpot_p50_ms"] <= lv["tpot_p99_ms"]
+        assert lv["cost_per_1m_output"] == pytest.approx(3 / 3600 / lv["output_tok_s"] * 1e6, rel=1e-3)
+    assert png.stat().st_size > 0 and "output tok/s" in r.stdout
+    bad = runner.invoke(app, ["bench", "--serve", "http://127.0.0.1:1", "--requests", "1"])
+    lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+    assert bad.exit_code == 1 and len(lines) == 1 and "no OpenAI-compatible server" in lines[0], bad.output
+
+
 def test_sigterm_drains_running_requests_and_exits_0(server, client, model_id):
     """Last: stops the module's server."""
     stream = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True,
@@ -299,3 +319,11 @@ def test_sigterm_drains_running_requests_and_exits_0(server, client, model_id):
     assert rest[-1].usage.completion_tokens == 24  # the running request finished
     assert "".join(c.choices[0].text for c in [first] + rest if c.choices).strip()
     assert server["proc"].wait(60) == 0
+
+
+def test_percentile_is_linear_between_ranks():
+    from dsq.bench.serve_load import percentile
+
+    v = [float(i) for i in range(100, 0, -1)]
+    assert percentile(v, 50) == pytest.approx(50.5) and percentile(v, 99) == pytest.approx(99.01)
+    assert percentile([], 99) == 0.0 and percentile([7.0], 99) == 7.0
