@@ -176,7 +176,7 @@ def test_speculative_prompt_lookup_keeps_greedy_output(builtin):
                "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return", PROMPTS[0]]
     ids = [encode_prompt(builtin, p) for p in prompts]
     off, _, _, _ = _run_engine(builtin, ids, 24)
-    on, usages, eng, _ = _run_engine(builtin, ids, 24, spec_tokens=4)
+    on, usages, eng, _ = _run_engine(builtin, ids, 24, spec_tokens=4, spec_max_rows=8)
     assert on == off
     c = eng.counters
     assert c["spec_draft_tokens"] > 0 and 0 < c["spec_accepted_tokens"] <= c["spec_draft_tokens"]

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Ctx, Dtype, ModelArg, Threads
+from dsq.cli.options import Ctx, Dtype, GpuLayersOption, ModelArg, Threads
 
 
 @command("serve", examples=[
@@ -22,6 +22,7 @@ def serve(
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on.")] = 8000,
     ctx: Ctx = 4096,
     threads: Threads = None,
+    gpu_layers: GpuLayersOption = "0",
     dtype: Dtype = None,
     kv_tokens: Annotated[Optional[int], typer.Option(
         "--kv-tokens", min=1, help="Tokens the paged KV cache holds, all sequences together (default 4 x --ctx).")]
@@ -53,8 +54,12 @@ def serve(
     --kv-dtype fp8; speculative decoding by prompt lookup (--spec-tokens; acceptance in /metrics).
     SIGTERM lets running requests finish, then exits 0.
 
-    Not implemented yet: the GPU (it serves on the CPU; no Triton paged attention yet), DeepSeek
-    V2/V3 models, a draft model (--draft), --backend llama.cpp, n > 1, logprobs, tools.
+    On a GPU (--gpu-layers all) the same torch path runs, eagerly: no CUDA graph and no Triton
+    paged attention yet (the blocks are gathered for each step). A model split between the CPU
+    and a GPU is refused.
+
+    Not implemented yet: a Triton paged decode attention, DeepSeek V2/V3 models, a draft model
+    (--draft), --backend llama.cpp, n > 1, logprobs, tools.
     """
     from dsq.serve.server import build, check_port, run
     from dsq.ui import console
@@ -63,5 +68,5 @@ def serve(
     engine, api = build(model, ctx=ctx, threads=threads, dtype=dtype, kv_tokens=kv_tokens, kv_memory_mb=kv_memory,
                         kv_dtype_name=kv_dtype, block_size=block_size,
                         max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-                        spec_tokens=spec_tokens, console=console())
+                        spec_tokens=spec_tokens, gpu_layers=gpu_layers, console=console())
     run(engine, api, host, port, drain)

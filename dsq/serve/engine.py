@@ -16,7 +16,8 @@ Every step it
    n tokens (n = 3, 2, 1) occurred earlier in its prompt or reply proposes the up to
    `spec_tokens` tokens that followed them; one forward pass over its last token and the draft
    checks them all: the draft is kept up to the first token the model would not have picked,
-   which is replaced by the model's own. Greedy output is the same with it on and off.
+   which is replaced by the model's own. Greedy output is the same with it on and off. Only while
+   at most `spec_max_rows` requests decode (each draft is checked in a pass of its own).
 
 A request's state: `tokens` (prompt, then generated), `computed` (tokens whose keys/values are
 in its blocks), `target` (len(tokens) when it was admitted). Prefilling while computed < target;
@@ -41,6 +42,10 @@ from dsq.runtime.sampling import Sampler, SamplingParams
 from dsq.serve.paged import PagedKV
 
 _RECENT = 64  # tokens the repeat penalty looks back over (as dsq run)
+# speculative steps only while at most this many requests decode: a request's draft is checked in a
+# pass of its own, which beats one row of the batched step only while the batch is small
+# (docs/benchmarks.md#dsq-serve)
+SPEC_MAX_ROWS = 2
 
 
 @dataclass
@@ -80,12 +85,12 @@ class Engine:
     def __init__(self, nm, *, kv_tokens: int | None = None, kv_bytes: int | None = None, block_size: int = 16,
                  max_seqs: int = 32, prefill_chunk: int = 512,
                  prefix_cache: bool = True, kv_dtype: torch.dtype | None = None, n_ctx: int | None = None,
-                 spec_tokens: int = 0, spec_ngram: int = 3):
+                 spec_tokens: int = 0, spec_ngram: int = 3, spec_max_rows: int = SPEC_MAX_ROWS):
         self.nm, self.model, self.tok = nm, nm.model, nm.tokenizer
         self.n_ctx = min(n_ctx or nm.n_ctx, nm.n_ctx)  # the pool always holds one sequence this long
         self.block_size, self.max_seqs = block_size, max_seqs
         self.prefill_chunk, self.prefix_cache = prefill_chunk, prefix_cache
-        self.spec_tokens, self.spec_ngram = spec_tokens, spec_ngram
+        self.spec_tokens, self.spec_ngram, self.spec_max_rows = spec_tokens, spec_ngram, spec_max_rows
         dt = kv_dtype or self.model.dtype
         if kv_bytes is not None:  # as many blocks as the memory holds in this dtype
             num_blocks = kv_bytes // PagedKV.bytes_per_block(self.model, block_size, dt)
@@ -242,7 +247,7 @@ class Engine:
                     break
                 r.blocks.append(self.pool.allocate())
         rows = [r for r in rows if r in self.running and r.computed // bs < len(r.blocks)]
-        drafts = {r: self._draft(r) for r in rows} if self.spec_tokens else {}
+        drafts = {r: self._draft(r) for r in rows} if self.spec_tokens and len(rows) <= self.spec_max_rows else {}
         drafts = {r: d for r, d in drafts.items() if d}
         plain = [r for r in rows if r not in drafts]
         if plain:

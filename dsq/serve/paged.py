@@ -149,7 +149,7 @@ class PagedKV:
     def __init__(self, model, num_blocks: int, block_size: int, max_len: int, dtype: torch.dtype | None = None):
         a = model.args
         self.model, self.args, self.block_size, self.max_len = model, a, block_size, max_len
-        dev = next(iter(model.buffers()), next(iter(model.parameters()))).device
+        dev = model.layer_devices()[0] if a.num_hidden_layers else torch.device("cpu")
         self.device = dev
         self.dtype = dtype or model.dtype
         shape = (num_blocks, a.num_key_value_heads, block_size, a.head_dim)

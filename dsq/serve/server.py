@@ -41,7 +41,7 @@ def kv_dtype(name: str | None):
 
 def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None, kv_tokens: int | None,
           block_size: int, kv_dtype_name: str | None = None, kv_memory_mb: float | None = None,
-          spec_tokens: int = 0, max_seqs: int, prefill_chunk: int, prefix_cache: bool, console=None):
+          spec_tokens: int = 0, gpu_layers: str = "0", max_seqs: int, prefill_chunk: int, prefix_cache: bool, console=None):
     """(engine, api) for MODEL on the native backend."""
     from dsq.runtime.engine import load
     from dsq.serve.api import Api
@@ -61,12 +61,15 @@ def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None
         raise DsqError(f"--max-seqs must be at least 1, got {max_seqs}")
     if prefill_chunk < 1:
         raise DsqError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
-    nm = load(model, backend="native", ctx=ctx, threads=threads, dtype=dtype, console=console, cuda_graph=False)
+    nm = load(model, backend="native", ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers, console=console,
+              cuda_graph=False)
     if not supported(nm.model):
         raise DsqError(f"dsq serve runs llama, qwen2 and gemma3 models; {nm.arch} is not served yet",
                        "use dsq run or dsq chat for this model")
-    if any(d.type != "cpu" for d in nm.model.layer_devices()):
-        raise DsqError("dsq serve runs on the CPU for now", "leave --gpu-layers out")
+    devices = {str(d) for d in nm.model.layer_devices()} | {str(nm.head_device)}
+    if len(devices) > 1:
+        raise DsqError(f"dsq serve runs a model on one device; this one is split ({', '.join(sorted(devices))})",
+                       "pass --gpu-layers all (or leave it out for the CPU)")
     nm.cache = None  # the single-sequence cache: the engine keeps its own pool
     kv_bytes = int(kv_memory_mb * 2**20) if kv_memory_mb is not None else None
     engine = Engine(nm, kv_tokens=kv_tokens, kv_bytes=kv_bytes, block_size=block_size, max_seqs=max_seqs,
