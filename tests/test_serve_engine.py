@@ -181,3 +181,32 @@ def test_speculative_prompt_lookup_keeps_greedy_output(builtin):
     c = eng.counters
     assert c["spec_draft_tokens"] > 0 and 0 < c["spec_accepted_tokens"] <= c["spec_draft_tokens"]
     assert eng.metrics()["kv_blocks_held"] == 0
+
+
+def test_chunked_prefill_interleaves_a_long_prompt_with_decode_steps(builtin):
+    """A 300-token prompt in 32-token chunks: the request already decoding gets a token every step
+    while the long prompt goes in, instead of waiting for all of it."""
+    from tests.tiny import held_out_text
+
+    from dsq.runtime.engine import encode_prompt
+    from dsq.runtime.sampling import SamplingParams
+    from dsq.serve.engine import Engine, Request
+
+    eng = Engine(builtin, kv_tokens=2048, prefill_chunk=32)
+    log = []
+    short = Request(encode_prompt(builtin, PROMPTS[0]), SamplingParams(temperature=0), 30,
+                    lambda ev: log.append(("short", ev.kind, eng.counters["steps"])))
+    long = Request(encode_prompt(builtin, held_out_text(2000))[:300], SamplingParams(temperature=0), 4,
+                   lambda ev: log.append(("long", ev.kind, eng.counters["steps"])))
+    eng.submit(short)
+    eng.waiting.append(eng.inbox.popleft())
+    eng.step()  # the short prompt is prefilled and decodes from here on
+    eng.submit(long)
+    eng.waiting.append(eng.inbox.popleft())
+    while not (short.finished and long.finished):
+        eng.step()
+    first_long = min(s for who, kind, s in log if who == "long")
+    during = {s for who, kind, s in log if who == "short" and kind == "text" and s < first_long}
+    assert first_long >= 300 // 32  # the long prompt took ten steps to go in...
+    assert len(during) >= first_long - 1  # ...and the short request got a token in (nearly) every one of them
+    assert short.generated == 30 and long.generated == 4 and eng.metrics()["kv_blocks_held"] == 0
