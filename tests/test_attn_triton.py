@@ -133,3 +133,30 @@ def test_paged_attn_decode_equals_the_gathered_reference(B, H, HK, BLK, D, lens,
     assert got.shape == (B, 1, H * D) and got.dtype == dtype
     err = float((got.double().cpu() - want).norm() / want.norm())
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+
+
+def test_serve_decode_step_through_the_paged_kernel(tmp_path, monkeypatch):
+    """dsq serve's paged step with the Triton kernel (as on a GPU) against the gathered path, on a
+    tiny random Gemma 3 (sliding and global layers), three sequences at their own positions."""
+    from tiny import build_tiny_model
+
+    from dsq.runtime.native import NativeModel
+    from dsq.serve.paged import PagedKV
+
+    nm = NativeModel(build_tiny_model("gemma3", tmp_path / "g"), "hf", n_ctx=128, cuda_graph=False)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, nm.model.args.vocab_size, (n,), generator=g).tolist() for n in (40, 9, 23)]
+    calls = []
+    real = ta.paged_attn_decode
+    monkeypatch.setattr(ta, "paged_attn_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = {}
+    for kernel in (False, True):
+        kv = PagedKV(nm.model, 40, 4, 128)
+        kv.paged_kernel = kernel
+        tables = [list(range(i * 12, i * 12 + 12)) for i in range(3)]
+        for s, t in zip(seqs, tables):
+            kv.forward([s[:-2]], [0], [t])
+        steps = [kv.forward([[s[-2 + j]] for s in seqs], [len(s) - 2 + j for s in seqs], tables) for j in range(2)]
+        out[kernel] = torch.stack(steps)
+    assert len(calls) == 2 * nm.model.args.num_hidden_layers  # every layer of both decode steps
+    assert torch.allclose(out[True], out[False], atol=1e-4, rtol=1e-4)

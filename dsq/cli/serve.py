@@ -54,12 +54,12 @@ def serve(
     --kv-dtype fp8; speculative decoding by prompt lookup (--spec-tokens; acceptance in /metrics).
     SIGTERM lets running requests finish, then exits 0.
 
-    On a GPU (--gpu-layers all) the same torch path runs, eagerly: no CUDA graph and no Triton
-    paged attention yet (the blocks are gathered for each step). A model split between the CPU
-    and a GPU is refused.
+    On a GPU (--gpu-layers all) the same step runs eagerly (no CUDA graph yet), its decode
+    attention in a Triton kernel that reads the blocks in place (DSQ_PAGED_ATTN=0: gathered, as
+    on the CPU); not yet measured there. A model split between the CPU and a GPU is refused.
 
-    Not implemented yet: a Triton paged decode attention, DeepSeek V2/V3 models, a draft model
-    (--draft), --backend llama.cpp, n > 1, logprobs, tools.
+    Not implemented yet: DeepSeek V2/V3 models, a draft model (--draft), --backend llama.cpp,
+    n > 1, logprobs, tools.
     """
     from dsq.serve.server import build, check_port, run
     from dsq.ui import console

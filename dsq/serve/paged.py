@@ -9,8 +9,9 @@ table per sequence, full blocks shared between sequences by hash of their token 
   several sequences (each at its own position, all with the same number of new tokens) through a
   llama-family model's decoder layers: each layer's `cache.update` writes the new keys/values into
   the sequences' blocks and returns every sequence's keys/values gathered over its block table
-  (padded to the longest, the padding masked), which the model's own attention reads. The
-  gathered copy is the torch CPU path; a fused paged kernel would read the blocks in place.
+  (padded to the longest, the padding masked), which the model's own attention reads: the CPU
+  path. On a GPU a decode step's attention reads the blocks in place instead (`attend`: the
+  Triton paged kernel, kernels/triton_attn.py paged_attn_decode).
 - FP8 (`dtype=FP8`): keys and values stored as float8 e4m3, each token's head scaled by its own
   absmax / 448 (a float32 scale per token and head, D / 4 + 1 bytes against 2 D for bf16 when D is
   the head width: twice the tokens in the same memory, bytes_per_block); dequantized when gathered.
@@ -18,10 +19,12 @@ table per sequence, full blocks shared between sequences by hash of their token 
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 import torch
 
+from dsq.kernels import dispatch
 from dsq.models.base import KVCache, Transformer, rope_tables
 
 FP8 = torch.float8_e4m3fn
@@ -118,6 +121,23 @@ class _StepCache:
     def __init__(self, kv: "PagedKV", write_at: torch.Tensor, gather: torch.Tensor, kv_len: int):
         self.kv, self.write_at, self.gather, self.kv_len = kv, write_at, gather, kv_len
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+               softcap: float | None):
+        """On a GPU, a decode step's attention straight over the blocks (the Triton paged
+        kernel: no gathered copy), after writing k, v (B, Hk, 1, D); None elsewhere (the layer
+        then calls update and its own attention)."""
+        kp, vp = self.kv.k[layer], self.kv.v[layer]
+        if not (self.kv.paged_kernel and q.shape[1] == 1 and not softcap and kp.dtype == q.dtype):
+            return None
+        from dsq.kernels import triton_attn
+
+        B, Hk, T, D = k.shape
+        bs = kp.shape[2]
+        blk, off = self.write_at // bs, self.write_at % bs
+        kp[blk, :, off] = k.permute(0, 2, 1, 3).reshape(B * T, Hk, D)
+        vp[blk, :, off] = v.permute(0, 2, 1, 3).reshape(B * T, Hk, D)
+        return triton_attn.paged_attn_decode(q.transpose(1, 2), kp, vp, self.gather, mask, scale)
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots):
         """k, v (B, Hk, T, D): written at the step's flat slots; returns (B, Hk, S, D) gathered."""
         kp, vp = self.kv.k[layer], self.kv.v[layer]
@@ -161,6 +181,9 @@ class PagedKV:
             self.k_scale = [torch.ones(shape[:3], device=dev) for _ in range(n)]
             self.v_scale = [torch.ones(shape[:3], device=dev) for _ in range(n)]
         self.pool = BlockPool(num_blocks, block_size)
+        # the Triton paged decode attention on a GPU (DSQ_PAGED_ATTN=0: gather the blocks, the model's attention)
+        self.paged_kernel = (dev.type == "cuda" and self.dtype != FP8 and os.environ.get("DSQ_PAGED_ATTN", "1") != "0"
+                             and dispatch.use_triton(dev))
         self.rope = {"full": rope_tables(a.rope, a.rope_dim, max_len, dev)}
         if a.rope_local is not None:
             self.rope["local"] = rope_tables(a.rope_local, a.rope_dim, max_len, dev)
