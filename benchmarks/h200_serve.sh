@@ -3,7 +3,9 @@
 # the same `dsq bench --serve` load on a random 8B-shaped Q4_K_M GGUF (ignore_eos, so every reply is --gen-tokens
 # long), cost per 1M output tokens at $3/GPU-hour.
 #
-#   bash benchmarks/h200_serve.sh dsq      # dsq serve --gpu-layers all (the eager torch path, paged KV in bf16)
+#   bash benchmarks/h200_serve.sh tests    # the Triton paged attention and serve's paged step on the GPU
+#   bash benchmarks/h200_serve.sh dsq      # dsq serve --gpu-layers all (the eager torch step, paged KV in bf16,
+#                                          # decode attention in the Triton paged kernel)
 #   bash benchmarks/h200_serve.sh llama    # llama-server -ngl 99 --parallel 32 (continuous batching), built
 #                                          # from the vendored sources when .llbin/ carries no llama-server
 #
@@ -11,7 +13,7 @@
 # kernels/, and the wheels dsq serve needs travel in .whl/ (starlette, uvicorn, h11, anyio, sniffio, idna,
 # click, beside gguf and diskcache). Records and plots come back under $OUT as serve_<engine>_c*.json/.png.
 set -uo pipefail
-PART=${1:?dsq or llama}
+PART=${1:?tests, dsq or llama}
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 ROOT=$PWD
@@ -28,6 +30,10 @@ ls kernels/_cpu_*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace 
   tail -5 /tmp/build_ext.log
 export PYTHONPATH=$ROOT:/tmp/site
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if [ "$PART" = tests ]; then
+  timeout 400 python3 -m pytest -q tests/test_attn_triton.py -k "paged or serve" 2>&1 | tail -8
+  exit 0
+fi
 [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape "${SHAPE:-llama3-8b}" --mix Q4_K_M | tail -1
 
 wait_up() {  # $1: pid; the server's /health within 300 s
