@@ -210,3 +210,27 @@ def test_chunked_prefill_interleaves_a_long_prompt_with_decode_steps(builtin):
     assert first_long >= 300 // 32  # the long prompt took ten steps to go in...
     assert len(during) >= first_long - 1  # ...and the short request got a token in (nearly) every one of them
     assert short.generated == 30 and long.generated == 4 and eng.metrics()["kv_blocks_held"] == 0
+
+
+def test_a_reply_is_cached_for_the_next_turn(builtin):
+    """The blocks of a finished request's prompt and reply are indexed: a prompt that continues
+    the conversation finds them."""
+    from dsq.runtime.engine import encode_prompt
+    from dsq.runtime.sampling import SamplingParams
+    from dsq.serve.engine import Request
+
+    first = encode_prompt(builtin, PROMPTS[0])
+    _, _, eng, reqs = _run_engine(builtin, [first], 40, block_size=16)
+    done = reqs[0].tokens  # prompt and reply
+    got = threading.Event()
+    usage = {}
+    follow = Request(done + builtin.tokenize(" And then?", add_bos=False), SamplingParams(temperature=0), 2,
+                     lambda ev: ev.kind == "done" and (usage.update(ev.usage) or got.set()))
+    eng.start()
+    try:
+        eng.submit(follow)
+        assert got.wait(120)
+    finally:
+        eng.stop()
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached > len(first) and cached >= (len(done) - 1) // 16 * 16 - 16

@@ -112,6 +112,7 @@ class Engine:
 
     # -- outside the loop (any thread) ----------------------------------------------------
     def start(self) -> None:
+        self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="dsq-engine", daemon=True)
         self.thread.start()
 
@@ -333,6 +334,8 @@ class Engine:
                 r.emit(Event("text", text))
             if stopped:
                 reason = "stop"
+        if self.prefix_cache:  # the reply's full blocks too: the next turn of a chat starts with it
+            self.pool.register(r.tokens[:r.computed], r.blocks)
         usage = {"prompt_tokens": len(r.prompt), "completion_tokens": r.generated,
                  "total_tokens": len(r.prompt) + r.generated,
                  "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
