@@ -211,6 +211,7 @@ class Api:
     async def _stream(self, req: Request, queue: asyncio.Queue, rid: str, chat: bool, think: bool,
                       include_usage: bool):
         splitter = ThinkSplitter(start_thinking=think) if self.think and chat else None
+        answered = splitter is None  # the answer after </think> starts at its first non-newline
         done = False
         try:
             if chat:
@@ -224,6 +225,9 @@ class Api:
                 parts = ([] if ev.kind == "done" else [("answer", ev.text)]) if splitter is None else (
                     splitter.flush() if ev.kind == "done" else splitter.feed(ev.text))
                 for kind, text in parts:
+                    if kind == "answer" and not answered:
+                        text = text.lstrip("\n")
+                        answered = bool(text)
                     if text:
                         yield _sse(self._chunk(rid, chat, text, kind))
                 if ev.kind == "done":
@@ -262,7 +266,7 @@ class Api:
             split = ThinkSplitter(start_thinking=think)
             got = split.feed(text) + split.flush()
             reasoning = "".join(s for k, s in got if k == "think")
-            message = {"role": "assistant", "content": "".join(s for k, s in got if k == "answer")}
+            message = {"role": "assistant", "content": "".join(s for k, s in got if k == "answer").lstrip("\n")}
             if reasoning:
                 message["reasoning_content"] = reasoning
         return JSONResponse({"id": rid, "object": "chat.completion", "created": now, "model": self.model_id,
