@@ -306,6 +306,8 @@ def test_bench_serve_load_generator(server, runner, tmp_path):
         assert 0 < lv["ttft_p50_ms"] <= lv["ttft_p99_ms"] and 0 < lv["tpot_p50_ms"] <= lv["tpot_p99_ms"]
         assert lv["cost_per_1m_output"] == pytest.approx(3 / 3600 / lv["output_tok_s"] * 1e6, rel=1e-3)
     assert png.stat().st_size > 0 and "output tok/s" in r.stdout
+    s = res["levels"][0]["server"]  # dsq serve's counters over the level: 4 requests, 4 tokens each
+    assert s["generated_tokens"] == 16 and s["steps"] > 0 and s["prefix_cache_lookup_tokens"] > 0
     bad = runner.invoke(app, ["bench", "--serve", "http://127.0.0.1:1", "--requests", "1"])
     lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
     assert bad.exit_code == 1 and len(lines) == 1 and "no OpenAI-compatible server" in lines[0], bad.output

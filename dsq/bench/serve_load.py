@@ -49,6 +49,7 @@ class Level:
     tpot_p50_ms: float
     tpot_p99_ms: float
     cost_per_1m_output: float | None
+    server: dict | None = None  # what a dsq server's /metrics says of the level (None from other servers)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -100,7 +101,19 @@ class Target:
             return body["data"][0]["id"]
         except (OSError, ValueError, KeyError, IndexError, http.client.HTTPException) as e:
             raise DsqError(f"no OpenAI-compatible server answers at {url} ({type(e).__name__}: {e})",
-                           "start one (dsq serve) or pass its URL, and --serve-model if /v1/models is missing") from None
+                           "start one (dsq serve) or pass its URL, and --serve-model if /v1/models is missing"
+                           ) from None
+
+    def metrics(self) -> dict | None:
+        """A dsq server's counters (/metrics?format=json), or None from a server without them."""
+        try:
+            c = self.conn()
+            c.request("GET", self.base.removesuffix("/v1") + "/metrics?format=json")
+            r = c.getresponse()
+            body = r.read()
+            return json.loads(body) if r.status == 200 else None
+        except (OSError, ValueError, http.client.HTTPException):
+            return None
 
     def one(self, prompt: str, max_tokens: int) -> Sample:
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -150,10 +163,12 @@ def run_level(target: Target, concurrency: int, texts: list[str], max_tokens: in
         with lock:
             samples.append(s)
 
+    before = target.metrics()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(go, texts))
     wall = time.perf_counter() - t0
+    after = target.metrics() if before else None
     ok = [s for s in samples if s.ok]
     out = sum(s.output_tokens for s in ok)
     tok_s = out / wall if wall > 0 else 0.0
@@ -162,8 +177,25 @@ def run_level(target: Target, concurrency: int, texts: list[str], max_tokens: in
     level = Level(concurrency, len(samples), len(samples) - len(ok), round(wall, 3), round(len(ok) / wall, 3),
                   round(tok_s, 2), round(percentile(ttft, 50), 2), round(percentile(ttft, 99), 2),
                   round(percentile(tpot, 50), 2), round(percentile(tpot, 99), 2),
-                  None if cost is None else round(cost, 4))
+                  None if cost is None else round(cost, 4), _server_delta(before, after))
     return level, samples
+
+
+def _server_delta(before: dict | None, after: dict | None) -> dict | None:
+    """The level's share of a dsq server's counters: speculative acceptance, prefix-cache hits,
+    preemptions, steps."""
+    if not before or not after:
+        return None
+    d = {k: after[k] - before[k] for k in ("spec_draft_tokens", "spec_accepted_tokens", "prefix_cache_lookup_tokens",
+                                            "prefix_cache_hit_tokens", "preempted", "steps", "generated_tokens")
+         if isinstance(after.get(k), (int, float)) and isinstance(before.get(k), (int, float))}
+    if d.get("spec_draft_tokens"):
+        d["spec_acceptance_rate"] = round(d["spec_accepted_tokens"] / d["spec_draft_tokens"], 4)
+    if d.get("prefix_cache_lookup_tokens"):
+        d["prefix_cache_hit_rate"] = round(d["prefix_cache_hit_tokens"] / d["prefix_cache_lookup_tokens"], 4)
+    if d.get("steps"):
+        d["tokens_per_step"] = round(d.get("generated_tokens", 0) / d["steps"], 3)
+    return d
 
 
 def run_load(url: str, concurrency: list[int], requests: int, max_tokens: int = 128, prompt_words: tuple[int, int]

@@ -130,6 +130,14 @@ def _serve_bench(url, levels, requests, gen_tokens, prompt_tokens, model, cost, 
             row.append("n/a" if lv["cost_per_1m_output"] is None else f"{lv['cost_per_1m_output']:.3f}")
         t.add_row(*[str(x) for x in row])
     out_console().print(t)
+    for lv in result["levels"]:
+        s = lv.get("server")
+        if s:
+            con.print(f"[dim]concurrency {lv['concurrency']}: server steps {s.get('steps', 0)}, "
+                      f"{s.get('tokens_per_step', 0)} tokens a step, prefix-cache hits "
+                      f"{s.get('prefix_cache_hit_rate', 0):.0%}, preempted {s.get('preempted', 0)}"
+                      + (f", speculative acceptance {s['spec_acceptance_rate']:.0%}" if 'spec_acceptance_rate' in s
+                         else "") + "[/dim]")
     for e in result["errors"][:3]:
         con.print(f"[red]failed: {e}[/red]")
     if json_path:
