@@ -41,7 +41,7 @@ def serve(
         "--prefix-cache/--no-prefix-cache", help="Share KV blocks of a repeated prompt prefix.")] = True,
     spec_tokens: Annotated[int, typer.Option(
         "--spec-tokens", help="Speculative decoding by prompt lookup (n-gram): draft tokens a step for greedy "
-        "requests; 0 = off. Greedy output is the same either way.")] = 0,
+        "requests, while at most 2 requests decode; 0 = off. Greedy output is the same either way.")] = 0,
     drain: Annotated[float, typer.Option("--drain", help="Seconds SIGTERM waits for running requests.")] = 60.0,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
