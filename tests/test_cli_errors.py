@@ -46,7 +46,7 @@ def unsupported_dir(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("cmd", [["run", "-p", "hi"], ["bench"], ["offload", "--vram", "1G"], ["convert"],
-                                 ["quantize", "--out", "x.gguf"], ["chat"]])
+                                 ["quantize", "--out", "x.gguf"], ["chat"], ["serve", "--port", "0"]])
 def test_missing_path(cmd, runner, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = cmd[:1] + [str(tmp_path / "nope.gguf")] + cmd[1:]

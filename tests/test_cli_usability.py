@@ -333,7 +333,7 @@ def test_install_sh_does_not_run_apt_without_asking():
 
 # -- 8. rough edges ---------------------------------------------------------------------------------------
 def test_help_is_not_hard_wrapped_and_shows_no_bool(runner):
-    for cmd in ("run", "chat", "quantize", "convert", "eval", "offload", "bench", "cache"):
+    for cmd in ("run", "chat", "quantize", "convert", "eval", "offload", "bench", "cache", "serve"):
         r = runner.invoke(app, [cmd, "--help"], env={"COLUMNS": "200"}, terminal_width=200)
         assert r.exit_code == 0 and "<bool>" not in r.stdout, cmd
     r = runner.invoke(app, ["quantize", "--help"], env={"COLUMNS": "200"}, terminal_width=200)

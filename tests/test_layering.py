@@ -1,6 +1,6 @@
 """dsq's imports point one way: a package imports only itself and the packages below it.
 
-    cli, fuzz -> bench -> quant -> eval -> runtime -> convert -> models -> kernels -> formats -> errors, ui
+    cli, fuzz, serve -> bench -> quant -> eval -> runtime -> convert -> models -> kernels -> formats -> errors, ui
 
 Read from the source with ast (every import, including those inside functions), so a lazy import
 that points up fails here as a top-level one would. `dsq/__init__.py` is the lazy public API and
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = [("cli", "fuzz"), "bench", "quant", "eval", "runtime", "convert", "models", "kernels", "formats", ("errors", "ui")]
+ORDER = [("cli", "fuzz", "serve"), "bench", "quant", "eval", "runtime", "convert", "models", "kernels", "formats", ("errors", "ui")]
 LEVEL = {name: len(ORDER) - i for i, entry in enumerate(ORDER)
          for name in (entry if isinstance(entry, tuple) else (entry,))}
 EXEMPT = {"dsq/__init__.py", "dsq/__main__.py"}

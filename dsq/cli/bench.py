@@ -18,6 +18,7 @@ from dsq.cli.options import Compile, Dtype, Experts, Force, KvDtype, ModelArg, T
     "dsq bench --backend native,llama.cpp --gen-tokens 64",
     "dsq bench model.gguf --backend native,llama.cpp --gpu-layers 0,8,16,24,all --plot race.png",
     "dsq bench model.gguf --backend native --gpu-layers all --batch 1,4,16 --plot batch.png",
+    "dsq bench --serve http://127.0.0.1:8000 --concurrency 1,8,32 --requests 64 --gpu-cost-per-hour 3",
 ])
 def bench(
     model: ModelArg = None,
@@ -44,6 +45,18 @@ def bench(
     experts: Experts = "auto",
     chat_turns: Annotated[int, typer.Option("--chat-turns", help="Instead: a chat of N turns, TTFT per turn "
                                                                   "(the prefix cache keeps it flat).")] = 0,
+    serve: Annotated[Optional[str], typer.Option(
+        "--serve", help="Instead: load-test the OpenAI-compatible server at this URL (dsq serve, llama-server, "
+        "vLLM): streaming completions of held-out text, prompts of up to --prompt-tokens words, --gen-tokens "
+        "each.")] = None,
+    concurrency: Annotated[str, typer.Option("--concurrency", help="With --serve: requests in flight, "
+                                                                    "comma-separated sweep.")] = "1,8,32",
+    requests: Annotated[int, typer.Option("--requests", help="With --serve: requests per concurrency level.")] = 64,
+    gpu_cost_per_hour: Annotated[Optional[float], typer.Option(
+        "--gpu-cost-per-hour", help="With --serve: price of the server's hardware an hour, for the cost of 1M "
+        "output tokens.")] = None,
+    serve_model: Annotated[Optional[str], typer.Option(
+        "--serve-model", help="With --serve: the model name to send (default: the first of /v1/models).")] = None,
 ) -> None:
     """Benchmark speed and memory: tokens/s, TTFT, TPOT, peak RSS/VRAM, --gpu-layers sweeps.
 
@@ -60,6 +73,9 @@ def bench(
     batches = _batches(batch)
     for path in (json_path, plot_path):
         _check_output(path, force)
+    if serve:
+        return _serve_bench(serve, _batches(concurrency, "--concurrency"), requests, gen_tokens, prompt_tokens,
+                            serve_model, gpu_cost_per_hour, json_path, plot_path, con)
     ref = resolve_model(model, con)
     backends = _backends(ref, backend)
     sweep = _sweep(ref, gpu_layers, ctx, backends, con)
@@ -79,13 +95,57 @@ def bench(
     _report(ref, records, settings, json_path, plot_path, ctx, threads)
 
 
-def _batches(batch: str) -> tuple[int, ...]:
+def _batches(batch: str, flag: str = "--batch") -> tuple[int, ...]:
     from dsq.errors import DsqError
 
     try:
-        return tuple(int(b) for b in batch.split(",") if b.strip()) or (1,)
+        out = tuple(int(b) for b in batch.split(",") if b.strip()) or (1,)
     except ValueError:
-        raise DsqError(f"--batch {batch!r} is not a list of whole numbers", "e.g. --batch 1,4,16") from None
+        out = ()
+    if not out or min(out) < 1:
+        raise DsqError(f"{flag} {batch!r} is not a list of whole numbers >= 1", f"e.g. {flag} 1,4,16")
+    return out
+
+
+def _serve_bench(url, levels, requests, gen_tokens, prompt_tokens, model, cost, json_path, plot_path, con) -> None:
+    """--serve: the load generator's levels as a table, JSON and a plot."""
+    import json
+
+    from rich.table import Table
+
+    from dsq.bench.serve_load import plot, run_load
+    from dsq.ui import out_console, status
+
+    with status("load test", con) as st:
+        result = run_load(url, list(levels), requests, max_tokens=gen_tokens,
+                          prompt_words=(min(16, prompt_tokens), prompt_tokens), model=model, cost_per_hour=cost,
+                          on_status=lambda s: st.update(s))
+    t = Table(title=f"{result['model']} at {url}: {requests} requests a level, {gen_tokens} tokens each")
+    cols = ["concurrency", "QPS", "output tok/s", "TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms",
+            "failures"] + (["$ / 1M output"] if cost is not None else [])
+    for c in cols:
+        t.add_column(c, justify="right")
+    for lv in result["levels"]:
+        row = [lv["concurrency"], lv["qps"], lv["output_tok_s"], lv["ttft_p50_ms"], lv["ttft_p99_ms"],
+               lv["tpot_p50_ms"], lv["tpot_p99_ms"], lv["failures"]]
+        if cost is not None:
+            row.append("n/a" if lv["cost_per_1m_output"] is None else f"{lv['cost_per_1m_output']:.3f}")
+        t.add_row(*[str(x) for x in row])
+    out_console().print(t)
+    for lv in result["levels"]:
+        s = lv.get("server")
+        if s:
+            con.print(f"[dim]concurrency {lv['concurrency']}: server steps {s.get('steps', 0)}, "
+                      f"{s.get('tokens_per_step', 0)} tokens a step, prefix-cache hits "
+                      f"{s.get('prefix_cache_hit_rate', 0):.0%}, preempted {s.get('preempted', 0)}"
+                      + (f", speculative acceptance {s['spec_acceptance_rate']:.0%}" if 'spec_acceptance_rate' in s
+                         else "") + "[/dim]")
+    for e in result["errors"][:3]:
+        con.print(f"[red]failed: {e}[/red]")
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=2))
+    if plot_path:
+        plot(result, plot_path)
 
 
 def _check_output(path: Path | None, force: bool) -> None:

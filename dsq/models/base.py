@@ -321,6 +321,11 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attend = getattr(cache, "attend", None)  # a cache with its own attention (dsq serve's paged one)
+        if attend is not None:
+            o = attend(self.layer, q, k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, self.softcap)
+            if o is not None:
+                return self.o_proj(o)
         kc, vc = cache.update(self.layer, k.transpose(1, 2), v.transpose(1, 2), slots)  # (B, Hk, S, D)
         if kv_len is not None:
             kc, vc = kc[:, :, :kv_len], vc[:, :, :kv_len]

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# dsq serve against llama.cpp's llama-server on the H200 machine, through the device tool, from the repo root:
+# the same `dsq bench --serve` load on a random 8B-shaped Q4_K_M GGUF (ignore_eos, so every reply is --gen-tokens
+# long), cost per 1M output tokens at $3/GPU-hour.
+#
+#   bash benchmarks/h200_serve.sh tests    # the Triton paged attention and serve's paged step on the GPU
+#   bash benchmarks/h200_serve.sh dsq      # dsq serve --gpu-layers all (the eager torch step, paged KV in bf16,
+#                                          # decode attention in the Triton paged kernel)
+#   bash benchmarks/h200_serve.sh llama    # llama-server -ngl 99 --parallel 32 (continuous batching), built
+#                                          # from the vendored sources when .llbin/ carries no llama-server
+#
+# The machine has no dsq install and no network: the C kernels are built in place, dsq.kernels is linked to
+# kernels/, and the wheels dsq serve needs travel in .whl/ (starlette, uvicorn, h11, anyio, sniffio, idna,
+# click, beside gguf and diskcache). Records and plots come back under $OUT as serve_<engine>_c*.json/.png.
+set -uo pipefail
+PART=${1:?tests, dsq or llama}
+OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+ROOT=$PWD
+LL=/tmp/ll/llama.cpp
+GGUF=${GGUF:-/tmp/r8b.gguf}
+PORT=${PORT:-8000}
+PROMPT=${PROMPT:-512}   # prompts of 16..PROMPT words of held-out text
+GEN=${GEN:-128}
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  "$ROOT"/.whl/*.whl >/dev/null 2>&1 || echo "wheels: install failed"
+[ -e dsq/kernels ] || ln -sfn ../kernels dsq/kernels
+ls kernels/_cpu_*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace >/tmp/build_ext.log 2>&1 ||
+  tail -5 /tmp/build_ext.log
+export PYTHONPATH=$ROOT:/tmp/site
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if [ "$PART" = tests ]; then
+  timeout 400 python3 -m pytest -q tests/test_attn_triton.py -k "paged or serve" 2>&1 | tail -8
+  exit 0
+fi
+[ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape "${SHAPE:-llama3-8b}" --mix Q4_K_M | tail -1
+
+wait_up() {  # $1: pid; the server's /health within 300 s
+  for _ in $(seq 300); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
+    kill -0 "$1" 2>/dev/null || return 1
+    sleep 1
+  done
+  return 1
+}
+
+load() {  # $1: tag. Concurrency 1 on 8 requests, then 8 and 32 on 64 (P99 of 64 is their 2nd worst)
+  timeout 200 python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 1 --requests 8 \
+    --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --gpu-cost-per-hour 3 --json "$OUT/serve_$1_c1.json" \
+    --plot "$OUT/serve_$1_c1.png" --force 2>&1 | grep -v -i warn | tail -8
+  timeout 300 python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency "${LEVELS:-8,32}" \
+    --requests "${REQUESTS:-64}" --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --gpu-cost-per-hour 3 \
+    --json "$OUT/serve_$1_c.json" --plot "$OUT/serve_$1_c.png" --force 2>&1 | grep -v -i warn | tail -8
+}
+
+if [ "$PART" = dsq ]; then
+  python3 -m dsq serve "$GGUF" --gpu-layers all --ctx 4096 --kv-memory "${KV_MB:-40000}" --max-seqs 64 \
+    --port "$PORT" ${KV_DTYPE:+--kv-dtype $KV_DTYPE} ${SPEC:+--spec-tokens $SPEC} > /tmp/serve.log 2>&1 &
+  pid=$!
+  wait_up $pid || { echo "dsq serve did not come up"; tail -20 /tmp/serve.log; exit 1; }
+  head -1 /tmp/serve.log
+  load "dsq${KV_DTYPE:+_$KV_DTYPE}"
+  curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "preempted|prefix_cache_hit_rate|spec_acceptance|kv_blocks_total"
+  kill -TERM $pid; wait $pid; echo "dsq serve exited $?"
+  exit 0
+fi
+
+if [ "$PART" = llama ]; then
+  if [ ! -x "$LL/build/bin/llama-server" ]; then
+    if ls "$ROOT"/.llbin/llbin.tar.xz.* >/dev/null 2>&1; then
+      mkdir -p "$LL/build/bin" && cat "$ROOT"/.llbin/llbin.tar.xz.* | xz -d | tar x -C "$LL/build/bin"
+    fi
+  fi
+  if [ ! -x "$LL/build/bin/llama-server" ]; then
+    mkdir -p /tmp/ll && { [ -d "$LL" ] || tar xzf "$ROOT"/.llsrc/llama-src.tar.gz -C /tmp/ll; }
+    (cd "$LL" && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF \
+       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/tmp/llcfg.log 2>&1 &&
+     cmake --build build -j"$(nproc)" --target llama-server >/tmp/llbuild.log 2>&1) ||
+      { tail -30 /tmp/llcfg.log /tmp/llbuild.log; exit 1; }
+    (cd "$LL/build/bin" && strip --strip-unneeded ./*.so* llama-server 2>/dev/null;
+     tar c ./*.so* llama-server | xz -6 -T0 | split -b 15M - "$OUT/llbin.tar.xz.")
+  fi
+  # 32 slots of 4096 tokens each; continuous batching is llama-server's default (-cb)
+  "$LL/build/bin/llama-server" -m "$GGUF" -ngl 99 ${FA:+-fa $FA} --parallel 32 -c $((32 * 4096)) -cb --port "$PORT" \
+    --host 127.0.0.1 > /tmp/llserver.log 2>&1 &
+  pid=$!
+  wait_up $pid || { echo "llama-server did not come up"; tail -20 /tmp/llserver.log; exit 1; }
+  load llama-server
+  kill -TERM $pid; wait $pid
+  exit 0
+fi
+echo "unknown part $PART"; exit 1

@@ -1,0 +1,72 @@
+"""`dsq serve`: an OpenAI-compatible server with continuous batching."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from dsq.cli.common import command
+from dsq.cli.options import Ctx, Dtype, GpuLayersOption, ModelArg, Threads
+
+
+@command("serve", examples=[
+    "dsq serve",
+    "dsq serve model.gguf --port 8080 --ctx 8192 --max-seqs 16",
+    'curl http://127.0.0.1:8000/v1/chat/completions -d \'{"messages": [{"role": "user", "content": "Hi"}]}\'',
+])
+def serve(
+    model: ModelArg = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")]
+    = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on.")] = 8000,
+    ctx: Ctx = 4096,
+    threads: Threads = None,
+    gpu_layers: GpuLayersOption = "0",
+    dtype: Dtype = None,
+    kv_tokens: Annotated[Optional[int], typer.Option(
+        "--kv-tokens", min=1, help="Tokens the paged KV cache holds, all sequences together (default 4 x --ctx).")]
+    = None,
+    kv_memory: Annotated[Optional[float], typer.Option(
+        "--kv-memory", help="MiB the paged KV cache takes (instead of --kv-tokens): fp8 holds twice bf16's tokens.")]
+    = None,
+    kv_dtype: Annotated[Optional[str], typer.Option(
+        "--kv-dtype", help="KV cache dtype: fp8 (e4m3, a scale per token and head), bf16, fp16, fp32 "
+        "(default: the activations').")] = None,
+    block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")] = 16,
+    max_seqs: Annotated[int, typer.Option("--max-seqs", help="Most sequences decoded together in a step.")] = 32,
+    prefill_chunk: Annotated[int, typer.Option(
+        "--prefill-chunk", help="Most prompt tokens run in one step, between decode steps.")] = 512,
+    prefix_cache: Annotated[bool, typer.Option(
+        "--prefix-cache/--no-prefix-cache", help="Share KV blocks of a repeated prompt prefix.")] = True,
+    spec_tokens: Annotated[int, typer.Option(
+        "--spec-tokens", help="Speculative decoding by prompt lookup (n-gram): draft tokens a step for greedy "
+        "requests, while at most 2 requests decode; 0 = off. Greedy output is the same either way.")] = 0,
+    drain: Annotated[float, typer.Option("--drain", help="Seconds SIGTERM waits for running requests.")] = 60.0,
+) -> None:
+    """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics), on dsq's native engine.
+
+    Implemented: streaming (SSE) and not; usage counts; stop strings, max_tokens, temperature,
+    top_p, seed; DeepSeek-R1 reasoning as `reasoning_content`; continuous batching (requests join
+    and leave the running batch every step) over a paged KV cache with admission by free blocks
+    and preemption when it is full; chunked prefill; prefix caching (hit rate in /metrics);
+    --kv-dtype fp8; speculative decoding by prompt lookup (--spec-tokens; acceptance in /metrics).
+    SIGTERM lets running requests finish, then exits 0.
+
+    On a GPU (--gpu-layers all) the same step runs eagerly (no CUDA graph yet), its decode
+    attention in a Triton kernel that reads the blocks in place (DSQ_PAGED_ATTN=0: gathered, as
+    on the CPU); not yet measured there. A model split between the CPU and a GPU is refused.
+
+    Not implemented yet: DeepSeek V2/V3 models, a draft model (--draft), --backend llama.cpp,
+    n > 1, logprobs, tools.
+    """
+    from dsq.serve.server import build, check_port, run
+    from dsq.ui import console
+
+    check_port(host, port)
+    engine, api = build(model, ctx=ctx, threads=threads, dtype=dtype, kv_tokens=kv_tokens, kv_memory_mb=kv_memory,
+                        kv_dtype_name=kv_dtype, block_size=block_size,
+                        max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
+                        spec_tokens=spec_tokens, gpu_layers=gpu_layers, console=console())
+    run(engine, api, host, port, drain)

@@ -1,0 +1,278 @@
+"""The OpenAI-compatible HTTP API of `dsq serve`, on Starlette: /v1/chat/completions and
+/v1/completions (SSE streaming and not), /v1/models, /health and /metrics.
+
+Requests become engine Requests; the engine's events come back through an asyncio queue. Bad
+requests get a 4xx with OpenAI's error object ({"error": {"message", "type", "param", "code"}}).
+DeepSeek-R1 reasoning (<think> ... </think>) is returned as `reasoning_content`, as DeepSeek's API
+returns it. A streaming client that goes away cancels its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from dsq.errors import DsqError
+from dsq.runtime.chat_template import ThinkSplitter, prompt_opens_think
+from dsq.runtime.engine import chat_template_for, encode_prompt
+from dsq.runtime.sampling import SamplingParams
+from dsq.serve.engine import Engine, Event, Request
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.kind, self.param, self.code), status_code=self.status)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {v!r}", name)
+    if not lo <= v <= hi:
+        raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {v}", name)
+    return v
+
+
+class Api:
+    def __init__(self, engine: Engine, model_id: str):
+        self.engine, self.nm, self.model_id = engine, engine.nm, model_id
+        self.created = int(time.time())
+        self.template = None
+        self.think = self.nm.has_token("<think>") and self.nm.has_token("</think>")
+
+    def app(self) -> Starlette:
+        routes = [Route("/health", self.health), Route("/v1/models", self.models), Route("/metrics", self.metrics),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat, methods=["POST"])]
+        return Starlette(routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed})
+
+    async def _not_found(self, request, exc) -> JSONResponse:
+        return JSONResponse(error_body(f"no route {request.url.path}", code="not_found"), status_code=404)
+
+    async def _not_allowed(self, request, exc) -> JSONResponse:
+        return JSONResponse(error_body(f"{request.method} is not allowed on {request.url.path}"), status_code=405)
+
+    async def health(self, request: HttpRequest) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: HttpRequest) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dsq",
+             "max_model_len": self.engine.n_ctx}]})
+
+    async def metrics(self, request: HttpRequest):
+        m = self.engine.metrics()
+        if request.query_params.get("format") == "json":
+            return JSONResponse(m)
+        return PlainTextResponse("".join(f"dsq_{k} {v}\n" for k, v in m.items()))
+
+    # -- the two generation endpoints ---------------------------------------------------
+    async def completions(self, request: HttpRequest):
+        return await self._handle(request, chat=False)
+
+    async def chat(self, request: HttpRequest):
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: HttpRequest, chat: bool):
+        try:
+            body = await self._body(request)
+            ids, think = self._prompt(body, chat)
+            req, stream, include_usage = self._request(body, ids)
+        except ApiError as e:
+            return e.response()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        req.emit = lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.engine.submit(req)
+        if stream:
+            return StreamingResponse(self._stream(req, queue, rid, chat, think, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._whole(req, queue, rid, chat, think)
+
+    async def _body(self, request: HttpRequest) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_id:
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_id}'",
+                           "model", "model_not_found")
+        if body.get("n", 1) != 1:
+            raise ApiError(400, "only n = 1 is supported", "n")
+        return body
+
+    def _prompt(self, body: dict, chat: bool) -> tuple[list[int], bool]:
+        nm = self.nm
+        try:
+            if chat:
+                messages = body.get("messages")
+                if not isinstance(messages, list) or not messages:
+                    raise ApiError(400, "'messages' must be a non-empty list", "messages")
+                msgs = []
+                for m in messages:
+                    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                        raise ApiError(400, "each message needs a 'role' and a 'content'", "messages")
+                    content = m.get("content") or ""
+                    if isinstance(content, list):  # content parts: the text ones
+                        content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
+                                          and p.get("type") == "text")
+                    if not isinstance(content, str):
+                        raise ApiError(400, "a message's 'content' must be a string or a list of text parts",
+                                       "messages")
+                    msgs.append({"role": m["role"], "content": content})
+                if self.template is None:
+                    self.template = chat_template_for(nm)
+                text = self.template.render(msgs)
+                ids = encode_prompt(nm, text, templated=True)
+                think = self.think and prompt_opens_think(text)
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                    prompt = prompt[0]
+                if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in prompt):
+                    ids = list(prompt)
+                    if any(not 0 <= t < nm.model.args.vocab_size for t in ids):
+                        raise ApiError(400, "a prompt token id is outside the vocabulary", "prompt")
+                elif isinstance(prompt, str) and prompt:
+                    ids = encode_prompt(nm, prompt)
+                else:
+                    raise ApiError(400, "'prompt' must be a non-empty string (or one list of token ids)", "prompt")
+                think = False
+        except DsqError as e:
+            raise ApiError(400, e.one_line()) from None
+        if not ids:
+            raise ApiError(400, "the prompt is empty", "messages" if chat else "prompt")
+        if len(ids) >= self.engine.n_ctx:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context holds {self.engine.n_ctx} "
+                           "(prompt and reply)", "messages" if chat else "prompt", "context_length_exceeded")
+        return ids, think
+
+    def _request(self, body: dict, ids: list[int]) -> tuple[Request, bool, bool]:
+        room = self.engine.n_ctx - len(ids)
+        mt = body.get("max_completion_tokens", body.get("max_tokens"))
+        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        max_tokens = _number({name: mt}, name, room, 1, 1 << 31, integer=True)
+        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+        if top_p == 0:
+            top_p, temperature = 1.0, 0.0
+        seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+        stop = body.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
+            raise ApiError(400, "'stop' must be a string or a list of up to 16 strings", "stop")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "'stream' must be true or false", "stream")
+        opts = body.get("stream_options") or {}
+        include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+        sp = SamplingParams(temperature=float(temperature), top_k=0, top_p=float(top_p), seed=seed)
+        req = Request(ids, sp, min(max_tokens, room), emit=None, stop=stop,
+                      ignore_eos=bool(body.get("ignore_eos", False)))
+        return req, stream, include_usage
+
+    # -- replies --------------------------------------------------------------------------
+    def _chunk(self, rid: str, chat: bool, text: str = "", kind: str = "answer", finish=None, first=False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if first else (
+                {"reasoning_content": text} if kind == "think" else {"content": text})
+            choice = {"index": 0, "delta": {} if finish else delta, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_id, "choices": [choice]}
+
+    async def _stream(self, req: Request, queue: asyncio.Queue, rid: str, chat: bool, think: bool,
+                      include_usage: bool):
+        splitter = ThinkSplitter(start_thinking=think) if self.think and chat else None
+        answered = splitter is None  # the answer after </think> starts at its first non-newline
+        done = False
+        try:
+            if chat:
+                yield _sse(self._chunk(rid, chat, first=True))
+            while True:
+                ev = await queue.get()
+                if ev.kind == "error":
+                    done = True
+                    yield _sse(error_body(ev.text, "server_error"))
+                    break
+                parts = ([] if ev.kind == "done" else [("answer", ev.text)]) if splitter is None else (
+                    splitter.flush() if ev.kind == "done" else splitter.feed(ev.text))
+                for kind, text in parts:
+                    if kind == "answer" and not answered:
+                        text = text.lstrip("\n")
+                        answered = bool(text)
+                    if text:
+                        yield _sse(self._chunk(rid, chat, text, kind))
+                if ev.kind == "done":
+                    done = True
+                    yield _sse(self._chunk(rid, chat, finish=ev.finish_reason))
+                    if include_usage:
+                        yield _sse({**self._chunk(rid, chat), "choices": [], "usage": ev.usage})
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:  # the client went away: free the request's blocks
+                self.engine.cancel(req)
+
+    async def _whole(self, req: Request, queue: asyncio.Queue, rid: str, chat: bool, think: bool):
+        parts: list[str] = []
+        try:
+            while True:
+                ev = await queue.get()
+                if ev.kind == "text":
+                    parts.append(ev.text)
+                elif ev.kind == "error":
+                    return JSONResponse(error_body(ev.text, "server_error"), status_code=500)
+                else:
+                    break
+        except asyncio.CancelledError:
+            self.engine.cancel(req)
+            raise
+        text = "".join(parts)
+        now = int(time.time())
+        if not chat:
+            return JSONResponse({"id": rid, "object": "text_completion", "created": now, "model": self.model_id,
+                                 "choices": [{"index": 0, "text": text, "logprobs": None,
+                                              "finish_reason": ev.finish_reason}], "usage": ev.usage})
+        message = {"role": "assistant", "content": text}
+        if self.think:
+            split = ThinkSplitter(start_thinking=think)
+            got = split.feed(text) + split.flush()
+            reasoning = "".join(s for k, s in got if k == "think")
+            message = {"role": "assistant", "content": "".join(s for k, s in got if k == "answer").lstrip("\n")}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now, "model": self.model_id,
+                             "choices": [{"index": 0, "message": message, "logprobs": None,
+                                          "finish_reason": ev.finish_reason}], "usage": ev.usage})
+
+
+def _sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"

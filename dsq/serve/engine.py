@@ -1,0 +1,356 @@
+"""The serving engine: one loop, on its own thread, over a paged KV cache (continuous batching).
+
+Every step it
+1. takes in new requests and drops cancelled ones (a client that went away), freeing their blocks;
+2. admits waiting requests, oldest first, while the pool has blocks for their prompt (after the
+   prefix cache's share) and fewer than `max_seqs` run;
+3. runs up to `prefill_chunk` prompt tokens of admitted requests (chunked prefill: a long prompt
+   enters over several steps, between the running requests' decode steps), each request alone
+   (B = 1, as `dsq run` prefills);
+4. runs one decode step for every request past its prompt, together (B = rows), after giving
+   each the block its next token needs; when the pool is empty the newest request is preempted
+   (its blocks freed, its prompt and generated tokens recomputed when it is admitted again: its
+   keys/values then come from a prefill, not from decode steps, so a greedy continuation may
+   differ from the one it would have had in rare near-ties).
+5. with speculative decoding by prompt lookup (`spec_tokens` > 0), a greedy request whose last
+   n tokens (n = 3, 2, 1) occurred earlier in its prompt or reply proposes the up to
+   `spec_tokens` tokens that followed them; one forward pass over its last token and the draft
+   checks them all: the draft is kept up to the first token the model would not have picked,
+   which is replaced by the model's own. Greedy output is the same with it on and off. Only while
+   at most `spec_max_rows` requests decode (each draft is checked in a pass of its own).
+
+A request's state: `tokens` (prompt, then generated), `computed` (tokens whose keys/values are
+in its blocks), `target` (len(tokens) when it was admitted). Prefilling while computed < target;
+then decoding, with computed == len(tokens) - 1 (the last sampled token is not yet run). Events go
+back through the request's `emit`, called on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dsq.runtime.generate import StopMatcher
+from dsq.runtime.sampling import Sampler, SamplingParams
+from dsq.serve.paged import PagedKV
+
+_RECENT = 64  # tokens the repeat penalty looks back over (as dsq run)
+# speculative steps only while at most this many requests decode: a request's draft is checked in a
+# pass of its own, which beats one row of the batched step only while the batch is small
+# (docs/benchmarks.md#dsq-serve)
+SPEC_MAX_ROWS = 2
+
+
+@dataclass
+class Event:
+    kind: str  # "text", "done" or "error"
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    emit: Callable[[Event], None]
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    id: int = field(default_factory=itertools.count().__next__)
+    # engine state
+    tokens: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    target: int = 0  # tokens to prefill since admission (prompt, and generated ones after a preemption)
+    generated: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    cancelled: bool = False
+    finished: bool = False
+    sampler: Sampler | None = None
+    detok: object = None
+    stopper: StopMatcher | None = None
+    t_submit: float = 0.0
+
+
+class Engine:
+    def __init__(self, nm, *, kv_tokens: int | None = None, kv_bytes: int | None = None, block_size: int = 16,
+                 max_seqs: int = 32, prefill_chunk: int = 512,
+                 prefix_cache: bool = True, kv_dtype: torch.dtype | None = None, n_ctx: int | None = None,
+                 spec_tokens: int = 0, spec_ngram: int = 3, spec_max_rows: int = SPEC_MAX_ROWS):
+        self.nm, self.model, self.tok = nm, nm.model, nm.tokenizer
+        self.n_ctx = min(n_ctx or nm.n_ctx, nm.n_ctx)  # the pool always holds one sequence this long
+        self.block_size, self.max_seqs = block_size, max_seqs
+        self.prefill_chunk, self.prefix_cache = prefill_chunk, prefix_cache
+        self.spec_tokens, self.spec_ngram, self.spec_max_rows = spec_tokens, spec_ngram, spec_max_rows
+        dt = kv_dtype or self.model.dtype
+        if kv_bytes is not None:  # as many blocks as the memory holds in this dtype
+            num_blocks = kv_bytes // PagedKV.bytes_per_block(self.model, block_size, dt)
+        else:
+            num_blocks = -(-(kv_tokens or 4 * self.n_ctx) // block_size)
+        num_blocks = max(num_blocks, -(-self.n_ctx // block_size) + 1)
+        self.kv = PagedKV(self.model, num_blocks, block_size, self.n_ctx + block_size, kv_dtype)
+        self.pool = self.kv.pool
+        self.device = nm.head_device
+        self.inbox: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.cv = threading.Condition()
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "preempted": 0, "prompt_tokens": 0,
+                         "generated_tokens": 0, "steps": 0, "failed": 0, "spec_draft_tokens": 0,
+                         "spec_accepted_tokens": 0}
+
+    # -- outside the loop (any thread) ----------------------------------------------------
+    def start(self) -> None:
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="dsq-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+    def submit(self, req: Request) -> None:
+        req.tokens = list(req.prompt)
+        req.t_submit = time.perf_counter()
+        with self.cv:
+            self.inbox.append(req)
+            self.cv.notify()
+
+    def cancel(self, req: Request) -> None:
+        with self.cv:
+            req.cancelled = True
+            self.cv.notify()
+
+    def metrics(self) -> dict:
+        p = self.pool
+        held = sum(1 for r in p.ref if r > 0)
+        return {**self.counters, "running": len(self.running), "waiting": len(self.waiting) + len(self.inbox),
+                "kv_blocks_total": p.num_blocks, "kv_blocks_held": held, "kv_blocks_cached": len(p.evictable),
+                "kv_block_size": self.block_size, "kv_dtype": str(self.kv.dtype).removeprefix("torch."),
+                "kv_bytes": p.num_blocks * PagedKV.bytes_per_block(self.model, self.block_size, self.kv.dtype),
+                "prefix_cache_lookup_tokens": p.lookups,
+                "prefix_cache_hit_tokens": p.hits, "prefix_cache_hit_rate": round(p.hit_rate, 4),
+                "spec_acceptance_rate": round(self.counters["spec_accepted_tokens"]
+                                              / max(1, self.counters["spec_draft_tokens"]), 4)}
+
+    # -- the loop -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        from dsq.kernels import cpu
+
+        torch.set_grad_enabled(False)
+        # torch's (OpenMP's) and the C kernels' thread counts are per OS thread: this one gets the
+        # model's, so each op splits its work (and rounds) as in dsq run
+        torch.set_num_threads(self.nm.n_threads)
+        if cpu.available():
+            cpu.set_threads(self.nm.n_threads)
+        while True:
+            with self.cv:
+                while not (self.stopping or self.inbox or self.waiting or self.running):
+                    self.cv.wait()
+                if self.stopping:
+                    break
+                while self.inbox:
+                    self.waiting.append(self.inbox.popleft())
+                    self.counters["requests"] += 1
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - a bug in a step fails its requests, not the server
+                traceback.print_exc()
+                for r in list(self.running) + list(self.waiting):
+                    self._fail(r, f"internal error: {type(e).__name__}: {e}")
+                self.running, self.waiting = [], deque()
+        for r in list(self.running) + list(self.waiting) + list(self.inbox):
+            self._fail(r, "the server is shutting down")
+
+    def step(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        self._prefill()
+        self._decode()
+        self.counters["steps"] += 1
+
+    def _drop_cancelled(self) -> None:
+        for r in [r for r in self.running if r.cancelled]:
+            self._retire(r)
+            self.counters["cancelled"] += 1
+        for r in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(r)
+            self.counters["cancelled"] += 1
+
+    def _admit(self) -> None:
+        bs = self.block_size
+        while self.waiting and len(self.running) < self.max_seqs:
+            r = self.waiting[0]
+            n = len(r.tokens)
+            matched = self.pool.match(r.tokens, n - 1) if self.prefix_cache else []
+            need = -(-(n + 1) // bs) - len(matched)
+            # keep a block per running sequence in reserve, so admitting does not force preemption at once
+            if need > self.pool.available() - len(self.running):
+                self.pool.release(matched)
+                if not self.running:  # nothing will free blocks: cannot happen with a pool >= the context
+                    self.waiting.popleft()
+                    self._fail(r, "the KV cache cannot hold this request")
+                    continue
+                break
+            self.waiting.popleft()
+            r.blocks = matched + [self.pool.allocate() for _ in range(-(-n // bs) - len(matched))]
+            r.computed, r.target = len(matched) * bs, n
+            r.cached_tokens = max(r.cached_tokens, r.computed) if r.generated == 0 else r.cached_tokens
+            if r.sampler is None:
+                r.sampler = Sampler(r.sampling, self.device)
+                r.detok = self.tok.stream()
+                r.stopper = StopMatcher(r.stop)
+                self.counters["prompt_tokens"] += len(r.prompt)
+            self.running.append(r)
+
+    def _prefill(self) -> None:
+        budget = self.prefill_chunk
+        for r in list(self.running):
+            if budget <= 0:
+                break
+            n = r.target
+            if r.computed >= n or r.finished:
+                continue
+            # chunk boundaries at multiples of prefill_chunk, as dsq run's prefill has them
+            end = min(n, (r.computed // self.prefill_chunk + 1) * self.prefill_chunk, r.computed + budget)
+            logits = self.kv.forward([r.tokens[r.computed:end]], [r.computed], [r.blocks])
+            budget -= end - r.computed
+            r.computed = end
+            if end == n:
+                if self.prefix_cache:
+                    self.pool.register(r.tokens[:n], r.blocks)
+                self._take(r, logits[0:1])
+
+    def _decode(self) -> None:
+        rows = [r for r in self.running if not r.finished and r.computed == len(r.tokens) - 1]
+        if not rows:
+            return
+        bs = self.block_size
+        for r in list(rows):
+            if r not in self.running:  # preempted below for an older row
+                continue
+            while r.computed // bs >= len(r.blocks):
+                if self.pool.available() == 0 and not self._preempt(exclude=r):
+                    break
+                r.blocks.append(self.pool.allocate())
+        rows = [r for r in rows if r in self.running and r.computed // bs < len(r.blocks)]
+        drafts = {r: self._draft(r) for r in rows} if self.spec_tokens and len(rows) <= self.spec_max_rows else {}
+        drafts = {r: d for r, d in drafts.items() if d}
+        plain = [r for r in rows if r not in drafts]
+        if plain:
+            logits = self.kv.forward([[r.tokens[-1]] for r in plain], [r.computed for r in plain],
+                                     [r.blocks for r in plain])
+            for i, r in enumerate(plain):
+                r.computed += 1
+                self._take(r, logits[i:i + 1])
+        for r, draft in drafts.items():
+            self._verify(r, draft)
+
+    def _draft(self, r: Request) -> list[int]:
+        """Prompt lookup: the tokens that followed the latest earlier occurrence of r's last n
+        tokens (longest n first), for a greedy request, as many as its blocks can take."""
+        sp = r.sampling
+        if sp.temperature != 0 or sp.repeat_penalty != 1.0:
+            return []
+        t, bs = r.tokens, self.block_size
+        room = min(self.spec_tokens, r.max_tokens - r.generated - 1, self.n_ctx - len(t) - 1,
+                   len(r.blocks) * bs - r.computed - 1 + bs * self.pool.available())
+        if room <= 0:
+            return []
+        for n in range(min(self.spec_ngram, len(t) - 1), 0, -1):
+            tail = t[-n:]
+            for i in range(len(t) - n - 1, -1, -1):
+                if t[i:i + n] == tail:
+                    draft = t[i + n:i + n + room]
+                    while (r.computed + len(draft)) // bs >= len(r.blocks):
+                        r.blocks.append(self.pool.allocate())
+                    return draft
+        return []
+
+    def _verify(self, r: Request, draft: list[int]) -> None:
+        """Run r's last token and its draft in one pass; keep the draft while it is what the
+        model picks, then the model's own token."""
+        logits = self.kv.forward([[r.tokens[-1]] + draft], [r.computed], [r.blocks], every_position=True)[0]
+        self.counters["spec_draft_tokens"] += len(draft)
+        for j in range(len(draft) + 1):
+            r.computed += 1
+            self._take(r, logits[j:j + 1])
+            if r.finished or j == len(draft) or r.tokens[-1] != draft[j]:
+                break
+            self.counters["spec_accepted_tokens"] += 1
+
+    def _preempt(self, exclude: Request) -> bool:
+        """Free the newest running request's blocks (it is prefilled again later); False when
+        nothing else runs."""
+        for victim in reversed(self.running):
+            if victim is not exclude:
+                self.running.remove(victim)
+                self.pool.release(victim.blocks)
+                victim.blocks, victim.computed = [], 0
+                victim.preemptions += 1
+                self.waiting.appendleft(victim)
+                self.counters["preempted"] += 1
+                return True
+        return False
+
+    def _take(self, r: Request, logits: torch.Tensor) -> None:
+        """Sample r's next token from its logits (1, V) and hand its text on."""
+        recent = None
+        if r.sampling.repeat_penalty != 1.0:
+            recent = torch.tensor([r.tokens[-_RECENT:]], device=logits.device)
+        t = int(r.sampler(logits, recent)[0])
+        if not r.ignore_eos and self.tok.is_eog(t):
+            return self._finish(r, "stop")
+        r.tokens.append(t)
+        r.generated += 1
+        self.counters["generated_tokens"] += 1
+        text, stopped = r.stopper.feed(r.detok.push(t))
+        if text:
+            r.emit(Event("text", text))
+        if stopped:
+            return self._finish(r, "stop", flush=False)
+        if r.generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
+            self._finish(r, "length")
+
+    def _finish(self, r: Request, reason: str, flush: bool = True) -> None:
+        if flush:
+            text, stopped = r.stopper.feed(r.detok.flush())
+            text += "" if stopped else r.stopper.flush()
+            if text:
+                r.emit(Event("text", text))
+            if stopped:
+                reason = "stop"
+        if self.prefix_cache:  # the reply's full blocks too: the next turn of a chat starts with it
+            self.pool.register(r.tokens[:r.computed], r.blocks)
+        usage = {"prompt_tokens": len(r.prompt), "completion_tokens": r.generated,
+                 "total_tokens": len(r.prompt) + r.generated,
+                 "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+        self._retire(r)
+        self.counters["finished"] += 1
+        r.emit(Event("done", finish_reason=reason, usage=usage))
+
+    def _retire(self, r: Request) -> None:
+        r.finished = True
+        if r in self.running:
+            self.running.remove(r)
+        self.pool.release(r.blocks)
+        r.blocks = []
+
+    def _fail(self, r: Request, message: str) -> None:
+        self._retire(r)
+        self.counters["failed"] += 1
+        r.emit(Event("error", message))

@@ -1,0 +1,230 @@
+"""The paged KV cache of `dsq serve`: keys and values in fixed-size blocks from one pool, a block
+table per sequence, full blocks shared between sequences by hash of their token prefix.
+
+- `BlockPool` hands out block ids: free blocks first, then cached blocks no sequence holds
+  (least recently freed first, forgetting their hash). A block a sequence holds has a reference
+  count; a full prompt block is registered under the hash of (its parent's hash, its tokens), so a
+  later prompt with the same prefix takes it instead of recomputing it.
+- `PagedKV` holds the pool's tensors, (num_blocks, Hk, block, D) per layer, and runs a step of
+  several sequences (each at its own position, all with the same number of new tokens) through a
+  llama-family model's decoder layers: each layer's `cache.update` writes the new keys/values into
+  the sequences' blocks and returns every sequence's keys/values gathered over its block table
+  (padded to the longest, the padding masked), which the model's own attention reads: the CPU
+  path. On a GPU a decode step's attention reads the blocks in place instead (`attend`: the
+  Triton paged kernel, kernels/triton_attn.py paged_attn_decode).
+- FP8 (`dtype=FP8`): keys and values stored as float8 e4m3, each token's head scaled by its own
+  absmax / 448 (a float32 scale per token and head, D / 4 + 1 bytes against 2 D for bf16 when D is
+  the head width: twice the tokens in the same memory, bytes_per_block); dequantized when gathered.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import torch
+
+from dsq.kernels import dispatch
+from dsq.models.base import KVCache, Transformer, rope_tables
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+
+
+class BlockPool:
+    """Block ids with reference counts and a prefix-hash index of full blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes block 0 first
+        self.ref = [0] * num_blocks
+        self.hash_of: dict[int, int] = {}  # block -> its prefix hash (registered blocks only)
+        self.by_hash: dict[int, int] = {}  # prefix hash -> block
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # registered blocks nobody holds, oldest first
+        self.lookups = 0  # prompt tokens looked up in the prefix index
+        self.hits = 0  # of which found in cached blocks
+
+    def available(self) -> int:
+        """Blocks an allocation can take now (free, or cached and unheld)."""
+        return len(self.free) + len(self.evictable)
+
+    def used(self) -> int:
+        return self.num_blocks - self.available()
+
+    def allocate(self) -> int:
+        if self.free:
+            b = self.free.pop()
+        elif self.evictable:
+            b, _ = self.evictable.popitem(last=False)
+            del self.by_hash[self.hash_of.pop(b)]
+        else:
+            raise MemoryError("no free KV block")
+        self.ref[b] = 1
+        return b
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if b in self.hash_of:
+                    self.evictable[b] = None
+                else:
+                    self.free.append(b)
+
+    @staticmethod
+    def chain(parent: int | None, tokens: list[int]) -> int:
+        return hash((parent, tuple(tokens)))
+
+    def match(self, tokens: list[int], limit: int) -> list[int]:
+        """The cached blocks holding the longest run of full blocks of `tokens`' prefix, at most
+        `limit` tokens' worth, each now held once more by the caller."""
+        bs, out, parent = self.block_size, [], None
+        for i in range(min(limit, len(tokens)) // bs):
+            h = self.chain(parent, tokens[i * bs:(i + 1) * bs])
+            b = self.by_hash.get(h)
+            if b is None:
+                break
+            out.append(b)
+            parent = h
+        for b in out:
+            if self.ref[b] == 0:
+                del self.evictable[b]
+            self.ref[b] += 1
+        self.lookups += len(tokens)
+        self.hits += len(out) * bs
+        return out
+
+    def register(self, tokens: list[int], blocks: list[int]) -> None:
+        """Index the full blocks of a sequence's tokens (their keys/values are written)."""
+        bs, parent = self.block_size, None
+        for i in range(len(tokens) // bs):
+            h = self.chain(parent, tokens[i * bs:(i + 1) * bs])
+            b = blocks[i]
+            if h not in self.by_hash and b not in self.hash_of:
+                self.by_hash[h], self.hash_of[b] = b, h
+            parent = h
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+def supported(model) -> bool:
+    """Whether `model` is one whose layers PagedKV can drive (the llama-family attention over a
+    plain KV cache; DeepSeek's MLA keeps its own cache)."""
+    return isinstance(model, Transformer) and model.Cache is KVCache
+
+
+class _StepCache:
+    """What one step's layers see as their cache (`update`), over the pool's blocks."""
+
+    def __init__(self, kv: "PagedKV", write_at: torch.Tensor, gather: torch.Tensor, kv_len: int):
+        self.kv, self.write_at, self.gather, self.kv_len = kv, write_at, gather, kv_len
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+               softcap: float | None):
+        """On a GPU, a decode step's attention straight over the blocks (the Triton paged
+        kernel: no gathered copy), after writing k, v (B, Hk, 1, D); None elsewhere (the layer
+        then calls update and its own attention)."""
+        kp, vp = self.kv.k[layer], self.kv.v[layer]
+        if not (self.kv.paged_kernel and q.shape[1] == 1 and not softcap and kp.dtype == q.dtype):
+            return None
+        from dsq.kernels import triton_attn
+
+        B, Hk, T, D = k.shape
+        bs = kp.shape[2]
+        blk, off = self.write_at // bs, self.write_at % bs
+        kp[blk, :, off] = k.permute(0, 2, 1, 3).reshape(B * T, Hk, D)
+        vp[blk, :, off] = v.permute(0, 2, 1, 3).reshape(B * T, Hk, D)
+        return triton_attn.paged_attn_decode(q.transpose(1, 2), kp, vp, self.gather, mask, scale)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots):
+        """k, v (B, Hk, T, D): written at the step's flat slots; returns (B, Hk, S, D) gathered."""
+        kp, vp = self.kv.k[layer], self.kv.v[layer]
+        B, Hk, T, D = k.shape
+        bs = kp.shape[2]
+        blk, off = self.write_at // bs, self.write_at % bs
+        g = self.gather  # (B, n) block ids
+        idx = g.reshape(-1)  # (index_select: advanced indexing with a 2-D index is ~1000x slower on the CPU)
+        out = []
+        for new, pool, scales in ((k, kp, self.kv.k_scale), (v, vp, self.kv.v_scale)):
+            rows = new.permute(0, 2, 1, 3).reshape(B * T, Hk, D)
+            if scales is None:
+                pool[blk, :, off] = rows.to(pool.dtype)
+                c = pool.index_select(0, idx)
+            else:
+                rows = rows.float()
+                sc = (rows.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)  # (B*T, Hk)
+                pool[blk, :, off] = (rows / sc[..., None]).to(FP8)
+                scales[layer][blk, :, off] = sc
+                c = pool.index_select(0, idx).float() * scales[layer].index_select(0, idx)[..., None]
+            c = c.view(B, g.shape[1], Hk, bs, D).transpose(1, 2).reshape(B, Hk, -1, D)[:, :, :self.kv_len]
+            out.append(c.to(new.dtype).contiguous())
+        return out[0], out[1]
+
+
+class PagedKV:
+    """The pool's keys/values per layer and the step that runs sequences over them."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, max_len: int, dtype: torch.dtype | None = None):
+        a = model.args
+        self.model, self.args, self.block_size, self.max_len = model, a, block_size, max_len
+        dev = model.layer_devices()[0] if a.num_hidden_layers else torch.device("cpu")
+        self.device = dev
+        self.dtype = dtype or model.dtype
+        shape = (num_blocks, a.num_key_value_heads, block_size, a.head_dim)
+        n = a.num_hidden_layers
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(n)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(n)]
+        self.k_scale = self.v_scale = None
+        if self.dtype == FP8:
+            self.k_scale = [torch.ones(shape[:3], device=dev) for _ in range(n)]
+            self.v_scale = [torch.ones(shape[:3], device=dev) for _ in range(n)]
+        self.pool = BlockPool(num_blocks, block_size)
+        # the Triton paged decode attention on a GPU (DSQ_PAGED_ATTN=0: gather the blocks, the model's attention)
+        self.paged_kernel = (dev.type == "cuda" and self.dtype != FP8 and os.environ.get("DSQ_PAGED_ATTN", "1") != "0"
+                             and dispatch.use_triton(dev))
+        self.rope = {"full": rope_tables(a.rope, a.rope_dim, max_len, dev)}
+        if a.rope_local is not None:
+            self.rope["local"] = rope_tables(a.rope_local, a.rope_dim, max_len, dev)
+
+    @staticmethod
+    def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+        a = model.args
+        per_head = a.head_dim * dtype.itemsize + (4 if dtype == FP8 else 0)  # FP8: a float32 scale
+        return 2 * a.num_hidden_layers * a.num_key_value_heads * block_size * per_head
+
+    @torch.inference_mode()
+    def forward(self, ids: list[list[int]], starts: list[int], tables: list[list[int]],
+                every_position: bool = False) -> torch.Tensor:
+        """Run rows of new tokens (all rows the same length T), row i's first at position
+        starts[i], its keys/values into the blocks of tables[i] (which must cover them); returns
+        the last position's logits (B, V), or every position's (B, T, V)."""
+        m, a, bs, dev = self.model, self.args, self.block_size, self.device
+        B, T = len(ids), len(ids[0])
+        x_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(starts, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)  # (B, T)
+        lens = [s + T for s in starts]
+        S = max(lens)
+        n = -(-S // bs)
+        gather = torch.tensor([t[:n] + [t[0]] * (n - len(t[:n])) for t in tables], dtype=torch.long, device=dev)
+        tab = torch.tensor([t[:n] + [0] * (n - len(t[:n])) for t in tables], dtype=torch.long, device=dev)
+        write_at = (tab.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
+        s = torch.arange(S, device=dev)
+        causal = s[None, None, :] <= pos[:, :, None]  # (B, T, S)
+        masks = {False: causal[:, None]}
+        if a.sliding_window:
+            masks[True] = (causal & (pos[:, :, None] - s[None, None, :] < a.sliding_window))[:, None]
+        ropes = {}
+        for kind, (cos, sin) in self.rope.items():
+            flat = pos.reshape(-1)
+            ropes[kind] = (cos.index_select(0, flat).view(B, T, 1, -1), sin.index_select(0, flat).view(B, T, 1, -1))
+        step = _StepCache(self, write_at, gather, S)
+        x = m.embed(x_ids)
+        for i, layer in enumerate(m.model.layers):
+            sliding = a.is_sliding(i)
+            cos, sin = ropes["local" if sliding and a.rope_local else "full"]
+            x = layer(x.to(layer.input_layernorm.weight.dtype), cos, sin, masks[bool(sliding)], step, None, None)
+        if every_position:
+            return m.head(x)
+        return m.head(x, last_only=True)[:, -1]

@@ -1,0 +1,103 @@
+"""Start `dsq serve`: load the model on the native backend, start the engine loop, run uvicorn
+until SIGTERM or Ctrl-C, then let running requests finish (uvicorn's graceful shutdown waits for
+open connections) and stop the engine."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from dsq.errors import DsqError
+
+
+def model_id(nm) -> str:
+    """The name clients pass as `model`: the model file's or directory's name, without .gguf."""
+    name = nm.ref.path.name
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail before the model loads when HOST:PORT cannot be listened on."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise DsqError(f"cannot listen on {host}:{port}: {e.strerror or e}",
+                       "pick another --port, or stop what listens there") from None
+
+
+def kv_dtype(name: str | None):
+    """--kv-dtype: fp8 (e4m3, a scale per token and head), bf16, fp16, fp32, or None (the model's)."""
+    from dsq.runtime.native import parse_dtype
+    from dsq.serve.paged import FP8
+
+    if name is not None and name.lower() in ("fp8", "fp8_e4m3", "e4m3"):
+        return FP8
+    return parse_dtype(name, None) if name else None
+
+
+def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None, kv_tokens: int | None,
+          block_size: int, kv_dtype_name: str | None = None, kv_memory_mb: float | None = None,
+          spec_tokens: int = 0, gpu_layers: str = "0", max_seqs: int, prefill_chunk: int, prefix_cache: bool, console=None):
+    """(engine, api) for MODEL on the native backend."""
+    from dsq.runtime.engine import load
+    from dsq.serve.api import Api
+    from dsq.serve.engine import Engine
+    from dsq.serve.paged import supported
+
+    kv_dt = kv_dtype(kv_dtype_name)  # a bad name fails before the model loads
+    if kv_tokens is not None and kv_memory_mb is not None:
+        raise DsqError("--kv-tokens and --kv-memory both size the KV cache", "pass one of them")
+    if kv_memory_mb is not None and kv_memory_mb <= 0:
+        raise DsqError(f"--kv-memory must be > 0 MiB, got {kv_memory_mb}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise DsqError(f"--block-size must be a power of two, got {block_size}")
+    if spec_tokens < 0:
+        raise DsqError(f"--spec-tokens must be >= 0, got {spec_tokens}", "use 0 to turn speculative decoding off")
+    if max_seqs < 1:
+        raise DsqError(f"--max-seqs must be at least 1, got {max_seqs}")
+    if prefill_chunk < 1:
+        raise DsqError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
+    nm = load(model, backend="native", ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers, console=console,
+              cuda_graph=False)
+    if not supported(nm.model):
+        raise DsqError(f"dsq serve runs llama, qwen2 and gemma3 models; {nm.arch} is not served yet",
+                       "use dsq run or dsq chat for this model")
+    devices = {str(d) for d in nm.model.layer_devices()} | {str(nm.head_device)}
+    if len(devices) > 1:
+        raise DsqError(f"dsq serve runs a model on one device; this one is split ({', '.join(sorted(devices))})",
+                       "pass --gpu-layers all (or leave it out for the CPU)")
+    nm.cache = None  # the single-sequence cache: the engine keeps its own pool
+    kv_bytes = int(kv_memory_mb * 2**20) if kv_memory_mb is not None else None
+    engine = Engine(nm, kv_tokens=kv_tokens, kv_bytes=kv_bytes, block_size=block_size, max_seqs=max_seqs,
+                    prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, kv_dtype=kv_dt,
+                    spec_tokens=spec_tokens)
+    return engine, Api(engine, model_id(nm))
+
+
+def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(api.app(), host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=drain_s, lifespan="off")
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down: a handler of ours takes
+    # it, so SIGTERM ends the process with status 0 after the drain
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    engine.start()
+    m = engine.metrics()
+    sys.stderr.write(f"dsq serve: {api.model_id} on http://{host}:{port}/v1 (native engine, {m['kv_blocks_total']} "
+                     f"KV blocks of {m['kv_block_size']} tokens in {m['kv_dtype']}, {m['kv_bytes'] / 2**20:.0f} MiB, "
+                     f"context {engine.n_ctx}, up to {engine.max_seqs} "
+                     "sequences a step)\n")
+    sys.stderr.flush()
+    try:
+        server.run()
+    finally:
+        engine.stop()
+    if not server.started:
+        raise DsqError(f"could not listen on {host}:{port}", "pick another --port (is one server already there?)")
+    sys.stderr.write("dsq serve: stopped\n")

@@ -1,0 +1,236 @@
+"""dsq serve's engine without HTTP: the block pool, the paged forward against the model's own
+full-sequence forward (tiny random Gemma 3: sliding and global layers), and the engine loop
+(continuous batching, preemption, prefix caching) against `dsq.generate` on the built-in model."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from dsq.serve.paged import BlockPool, PagedKV
+
+
+def test_block_pool_shares_evicts_and_counts():
+    pool = BlockPool(4, 2)
+    a = [pool.allocate(), pool.allocate()]
+    pool.register([1, 2, 3, 4], a)
+    assert pool.available() == 2
+    got = pool.match([1, 2, 3, 4, 5], 4)  # both full blocks are found, and now held twice
+    assert got == a and pool.hits == 4 and pool.ref[a[0]] == 2
+    assert pool.match([1, 2, 9, 9], 4) == a[:1]  # the second block's prefix differs
+    pool.release(got)
+    pool.release(a[:1])
+    pool.release(a)  # nobody holds them now: cached, still counted as available
+    assert pool.available() == 4 and len(pool.evictable) == 2
+    taken = [pool.allocate() for _ in range(4)]  # the free ones first, then the cached ones (forgotten)
+    assert sorted(taken) == [0, 1, 2, 3] and not pool.by_hash
+    with pytest.raises(MemoryError):
+        pool.allocate()
+    assert pool.match([1, 2, 3, 4], 4) == []
+
+
+def test_paged_forward_matches_the_full_sequence(tmp_path):
+    from tests.tiny import build_tiny_model
+
+    from dsq.runtime.native import NativeModel
+
+    nm = NativeModel(build_tiny_model("gemma3", tmp_path / "g"), "hf", n_ctx=256, cuda_graph=False)
+    model = nm.model
+    assert model.args.sliding_window and model.args.sliding_window < 40  # both layer kinds, past the window
+    g = torch.Generator().manual_seed(0)
+    kv = PagedKV(model, 64, 4, 256)
+    order = list(range(64))
+    random.Random(0).shuffle(order)  # blocks anywhere in the pool, in no order
+    seqs = []
+    for n in (3, 17, 45):
+        ids = torch.randint(0, model.args.vocab_size, (n + 6,), generator=g).tolist()
+        seqs.append({"ids": ids, "table": [order.pop() for _ in range(-(-(n + 6) // 4))], "n": n})
+    for s in seqs:  # prefill in two chunks
+        h = s["n"] // 2 or 1
+        kv.forward([s["ids"][:h]], [0], [s["table"]])
+        s["logits"] = [kv.forward([s["ids"][h:s["n"]]], [h], [s["table"]])[0]]
+    for step in range(6):  # decode all three together, each at its own position
+        rows = [s["ids"][s["n"] + step] for s in seqs]
+        out = kv.forward([[t] for t in rows], [s["n"] + step for s in seqs], [s["table"] for s in seqs])
+        for s, lg in zip(seqs, out):
+            s["logits"].append(lg)
+    with torch.inference_mode():
+        for s in seqs:
+            full = model(torch.tensor([s["ids"]]))[0]
+            for j, lg in enumerate(s["logits"]):
+                ref = full[s["n"] - 1 + j]
+                assert torch.allclose(lg.float(), ref.float(), atol=1e-4, rtol=1e-4), (s["n"], j)
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    from dsq.runtime.engine import load
+
+    return load(None, backend="native", ctx=512, cuda_graph=False)
+
+
+def _run_engine(nm, prompts, max_tokens, **kw):
+    from dsq.runtime.sampling import SamplingParams
+    from dsq.serve.engine import Engine, Request
+
+    eng = Engine(nm, **kw)
+    done, texts, usages = threading.Event(), {}, {}
+    reqs = []
+    for i, p in enumerate(prompts):
+        def emit(ev, i=i):
+            if ev.kind == "text":
+                texts[i] = texts.get(i, "") + ev.text
+            else:
+                usages[i] = ev.usage if ev.kind == "done" else ev.text
+                if len(usages) == len(prompts):
+                    done.set()
+        reqs.append(Request(p, SamplingParams(temperature=0), max_tokens, emit))
+    eng.start()
+    try:
+        for r in reqs:
+            eng.submit(r)
+        assert done.wait(300), "the engine did not finish in time"
+    finally:
+        eng.stop()
+    return [texts.get(i, "") for i in range(len(prompts))], usages, eng, reqs
+
+
+PROMPTS = ["The history of the Roman Empire", "Why is the sky blue?", "def fibonacci(n):",
+           "Once upon a time, in a land far away"]
+
+
+def test_engine_batches_preempts_and_matches_generate(builtin):
+    from dsq.runtime.engine import encode_prompt, generate
+
+    ref = [generate(builtin, p, max_tokens=20, temperature=0).text for p in PROMPTS]
+    ids = [encode_prompt(builtin, p) for p in PROMPTS]
+    # a pool of 11 blocks of 4 tokens cannot hold four sequences of ~28 tokens: requests wait and are preempted
+    texts, usages, eng, reqs = _run_engine(builtin, ids, 20, kv_tokens=44, block_size=4, max_seqs=4, prefix_cache=False,
+                                     n_ctx=40)
+    assert eng.counters["preempted"] > 0
+    # a preempted request is recomputed by a prefill, whose rounding differs from the decode steps'
+    # (greedy may then part ways at a near-tie): the others must match exactly
+    kept = [i for i, r in enumerate(reqs) if r.preemptions == 0]
+    assert kept and len(kept) < len(reqs)
+    assert [texts[i] for i in kept] == [ref[i] for i in kept]
+    assert all(u["completion_tokens"] == 20 or u["completion_tokens"] > 0 for u in usages.values())
+    ample, _, _, _ = _run_engine(builtin, ids, 20, kv_tokens=4096, max_seqs=4)
+    assert ample == ref
+    assert all(u["completion_tokens"] > 0 and u["prompt_tokens"] == len(i) for u, i in zip(usages.values(), ids))
+    assert eng.metrics()["kv_blocks_held"] == 0
+
+
+def test_engine_prefix_cache_hits_on_a_shared_system_prompt(builtin):
+    from dsq.runtime.engine import encode_prompt
+
+    system = "You are a careful assistant. Answer in one short sentence, in plain English, without lists. " * 3
+    ids = [encode_prompt(builtin, system + q) for q in ("What is rain?", "What is snow?", "What is hail?")]
+    # one at a time: the first one's prompt blocks are indexed when the second arrives
+    texts, usages, eng, reqs = _run_engine(builtin, ids, 4, kv_tokens=2048, block_size=16, max_seqs=1)
+    m = eng.metrics()
+    shared = len(ids[0]) - 8
+    assert m["prefix_cache_hit_tokens"] >= 2 * (shared // 16) * 16 > 0
+    assert max(u["prompt_tokens_details"]["cached_tokens"] for u in usages.values()) >= (shared // 16) * 16
+
+
+def test_fp8_kv_holds_twice_the_tokens_at_a_small_quality_cost(builtin):
+    """FP8 (e4m3, a scale per token and head) against float32 KV on held-out text: the prompt
+    goes in four chunks, so later chunks attend over stored (rounded) keys/values. Measured on the
+    built-in model: mean KLD 0.006, top-1 agreement 96%, ppl 24.32 against 24.23 (bf16: KLD 3e-5)."""
+    from tests.tiny import held_out_text
+
+    from dsq.runtime.engine import encode_prompt
+    from dsq.serve.engine import Engine
+    from dsq.serve.paged import FP8
+
+    ratio = PagedKV.bytes_per_block(builtin.model, 16, torch.bfloat16) / PagedKV.bytes_per_block(builtin.model, 16, FP8)
+    assert ratio >= 1.95
+    mem = 64 << 20
+    assert Engine(builtin, kv_bytes=mem, kv_dtype=FP8).pool.num_blocks >= \
+        1.95 * Engine(builtin, kv_bytes=mem, kv_dtype=torch.bfloat16).pool.num_blocks
+    ids = encode_prompt(builtin, held_out_text(3000))[:256]
+    logp = {}
+    for dt in (torch.float32, FP8):
+        kv = PagedKV(builtin.model, 32, 16, 512, dt)
+        table = list(range(17))
+        out = [kv.forward([ids[i:i + 64]], [i], [table], every_position=True)[0] for i in range(0, 256, 64)]
+        logp[dt] = torch.cat(out).float().log_softmax(-1)
+    ref, q = logp[torch.float32], logp[FP8]
+    kld = (ref.exp() * (ref - q)).sum(-1)
+    assert kld.mean() < 0.02
+    assert (ref.argmax(-1) == q.argmax(-1)).float().mean() >= 0.9
+    nll = [-lp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean() for lp in (ref, q)]
+    assert nll[1] - nll[0] < 0.02  # perplexity within 2%
+    texts, usages, _, _ = _run_engine(builtin, [encode_prompt(builtin, p) for p in PROMPTS], 8, kv_dtype=FP8)
+    assert all(t.strip() for t in texts) and all(u["completion_tokens"] == 8 for u in usages.values())
+
+
+def test_speculative_prompt_lookup_keeps_greedy_output(builtin):
+    from dsq.runtime.engine import encode_prompt
+
+    # prompts that repeat themselves, so the lookup finds drafts
+    prompts = ["one two three four five six seven eight nine ten one two three four five six seven",
+               "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return", PROMPTS[0]]
+    ids = [encode_prompt(builtin, p) for p in prompts]
+    off, _, _, _ = _run_engine(builtin, ids, 24)
+    on, usages, eng, _ = _run_engine(builtin, ids, 24, spec_tokens=4, spec_max_rows=8)
+    assert on == off
+    c = eng.counters
+    assert c["spec_draft_tokens"] > 0 and 0 < c["spec_accepted_tokens"] <= c["spec_draft_tokens"]
+    assert eng.metrics()["kv_blocks_held"] == 0
+
+
+def test_chunked_prefill_interleaves_a_long_prompt_with_decode_steps(builtin):
+    """A 300-token prompt in 32-token chunks: the request already decoding gets a token every step
+    while the long prompt goes in, instead of waiting for all of it."""
+    from tests.tiny import held_out_text
+
+    from dsq.runtime.engine import encode_prompt
+    from dsq.runtime.sampling import SamplingParams
+    from dsq.serve.engine import Engine, Request
+
+    eng = Engine(builtin, kv_tokens=2048, prefill_chunk=32)
+    log = []
+    short = Request(encode_prompt(builtin, PROMPTS[0]), SamplingParams(temperature=0), 30,
+                    lambda ev: log.append(("short", ev.kind, eng.counters["steps"])))
+    long = Request(encode_prompt(builtin, held_out_text(2000))[:300], SamplingParams(temperature=0), 4,
+                   lambda ev: log.append(("long", ev.kind, eng.counters["steps"])))
+    eng.submit(short)
+    eng.waiting.append(eng.inbox.popleft())
+    eng.step()  # the short prompt is prefilled and decodes from here on
+    eng.submit(long)
+    eng.waiting.append(eng.inbox.popleft())
+    while not (short.finished and long.finished):
+        eng.step()
+    first_long = min(s for who, kind, s in log if who == "long")
+    during = {s for who, kind, s in log if who == "short" and kind == "text" and s < first_long}
+    assert first_long >= 300 // 32  # the long prompt took ten steps to go in...
+    assert len(during) >= first_long - 1  # ...and the short request got a token in (nearly) every one of them
+    assert short.generated == 30 and long.generated == 4 and eng.metrics()["kv_blocks_held"] == 0
+
+
+def test_a_reply_is_cached_for_the_next_turn(builtin):
+    """The blocks of a finished request's prompt and reply are indexed: a prompt that continues
+    the conversation finds them."""
+    from dsq.runtime.engine import encode_prompt
+    from dsq.runtime.sampling import SamplingParams
+    from dsq.serve.engine import Request
+
+    first = encode_prompt(builtin, PROMPTS[0])
+    _, _, eng, reqs = _run_engine(builtin, [first], 40, block_size=16)
+    done = reqs[0].tokens  # prompt and reply
+    got = threading.Event()
+    usage = {}
+    follow = Request(done + builtin.tokenize(" And then?", add_bos=False), SamplingParams(temperature=0), 2,
+                     lambda ev: ev.kind == "done" and (usage.update(ev.usage) or got.set()))
+    eng.start()
+    try:
+        eng.submit(follow)
+        assert got.wait(120)
+    finally:
+        eng.stop()
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached > len(first) and cached >= (len(done) - 1) // 16 * 16 - 16
