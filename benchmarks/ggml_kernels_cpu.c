@@ -54,12 +54,15 @@ static void fix_f16(uint8_t *w, size_t nblocks, int bsize, const int *offs, int 
     } while (0)
 
 int main(int argc, char **argv) {
-    if (argc < 6) { fprintf(stderr, "usage: dsq.so libggml-cpu.so N K M [reps]\n"); return 2; }
+    if (argc < 6) { fprintf(stderr, "usage: dsq.so libggml-cpu.so N K M [reps [copies]]\n"); return 2; }
     void *hd = dlopen(argv[1], RTLD_NOW);
     if (!hd) { fprintf(stderr, "dlopen: %s\n", dlerror()); return 2; }
     void *hg = dlopen(argv[2], RTLD_NOW);
     if (!hg) { fprintf(stderr, "dlopen: %s\n", dlerror()); return 2; }
     const int N = atoi(argv[3]), K = atoi(argv[4]), M = atoi(argv[5]), reps = argc > 6 ? atoi(argv[6]) : 200;
+    /* copies > 1: that many copies of each weight, a call on each in turn, so that every call reads
+     * its weights from DRAM (as a decode step does) when copies x the weight exceed the caches */
+    const int copies = argc > 7 ? atoi(argv[7]) : 1;
     const int nb = K / 256;
     dsq_gemm_fn dsq = (dsq_gemm_fn)sym(hd, "dsq_gguf_gemm");
     void (*cpu_init)(void) = (void (*)(void))sym(hg, "ggml_cpu_init");
@@ -72,29 +75,34 @@ int main(int argc, char **argv) {
     float *x = malloc(sizeof(float) * M * K), *y = malloc(sizeof(float) * M * N);
     for (int i = 0; i < M * K; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
     uint8_t *xq = rnd((size_t)M * nb * 1168 + 4096); /* Q8_K rows, or Q8_Kx4 groups of 4 rows */
-    uint8_t *w4 = rnd((size_t)N * nb * 144), *w6 = rnd((size_t)N * nb * 210);
+    const size_t s4 = (size_t)N * nb * 144, s6 = (size_t)N * nb * 210;
+    uint8_t *W4 = rnd(s4 * copies), *W6 = rnd(s6 * copies);
     const int o4[2] = {0, 2}, o6[1] = {208};
-    fix_f16(w4, (size_t)N * nb, 144, o4, 2);
-    fix_f16(w6, (size_t)N * nb, 210, o6, 1);
-    uint8_t *w4x8 = rnd((size_t)N * nb * 144); /* the repacked layout: 8 rows' blocks interleaved */
-    for (size_t b = 0; b < (size_t)N / 8 * nb; b++)
-        for (int i = 0; i < 16; i++) { w4x8[b * 1152 + 2 * i] = 0x00; w4x8[b * 1152 + 2 * i + 1] = 0x1c; }
+    fix_f16(W4, (size_t)N * nb * copies, 144, o4, 2);
+    fix_f16(W6, (size_t)N * nb * copies, 210, o6, 1);
+    uint8_t *W4x8 = rnd(s4 * copies); /* the repacked layout: 8 rows' blocks interleaved */
+    for (size_t b = 0; b < (size_t)N / 8 * nb * copies; b++)
+        for (int i = 0; i < 16; i++) { W4x8[b * 1152 + 2 * i] = 0x00; W4x8[b * 1152 + 2 * i + 1] = 0x1c; }
+    int c4 = 0, c6 = 0, g4 = 0, g6 = 0; /* the copy each kernel's next call reads */
+#define W(base, sz, c) ((base) + (sz) * (size_t)((c)++ % copies))
 
     double t_d4, t_g4, t_d6, t_g6;
-    BEST(dsq(w4, 12, N, K, x, M, y, 1), reps, t_d4);
-    BEST(dsq(w6, 14, N, K, x, M, y, 1), reps, t_d6);
+    BEST(dsq(W(W4, s4, c4), 12, N, K, x, M, y, 1), reps, t_d4);
+    BEST(dsq(W(W6, s6, c6), 14, N, K, x, M, y, 1), reps, t_d6);
     if (M == 1) {
-        BEST((q8k(x, xq, K), gv(K, y, N, w4x8, xq, 1, N)), reps, t_g4);
+        BEST((q8k(x, xq, K), gv(K, y, N, W(W4x8, s4, g4), xq, 1, N)), reps, t_g4);
         BEST({
             q8k(x, xq, K);
+            const uint8_t *w6 = W(W6, s6, g6);
             for (int n = 0; n < N; n++) vd6(K, y + n, 0, w6 + (size_t)n * nb * 210, 0, xq, 0, 1);
         }, reps, t_g6);
     } else { /* M a multiple of 4: ggml's gemm takes x as Q8_Kx4 groups; Q6_K a row dot per pair */
         BEST({
             for (int m = 0; m < M; m += 4) q8k4(x + (size_t)m * K, xq + (size_t)m / 4 * nb * 1168, K);
-            gm(K, y, N, w4x8, xq, M, N);
+            gm(K, y, N, W(W4x8, s4, g4), xq, M, N);
         }, reps, t_g4);
         BEST({
+            const uint8_t *w6 = W(W6, s6, g6);
             for (int m = 0; m < M; m++) q8k(x + (size_t)m * K, xq + (size_t)m * nb * 292, K);
             for (int m = 0; m < M; m++)
                 for (int n = 0; n < N; n++)

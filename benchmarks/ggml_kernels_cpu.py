@@ -6,6 +6,8 @@ follows DSQ_CPU_ISA, the int8 prefill tiles DSQ_INT8_PREFILL (docs/benchmarks.md
     DSQ_CPU_ISA=avx2 python -m benchmarks.ggml_kernels_cpu --ggml $(.ci/llama_avx2.sh)
     DSQ_CPU_ISA=avx2 DSQ_INT8_PREFILL=1 python -m benchmarks.ggml_kernels_cpu --ggml $(.ci/llama_avx2.sh) \\
         --shapes 128x1536,64x8960 --m 64
+    DSQ_CPU_ISA=avx2 python -m benchmarks.ggml_kernels_cpu --ggml $(.ci/llama_avx2.sh) --shapes 17920x1536 \
+        --copies 8 --reps 40                                # weights from DRAM, as in decode
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default="256x1536,512x1536,64x8960", help="NxK, N a multiple of 8, K of 256")
     ap.add_argument("--m", type=int, default=1, help="rows of x (1, or a multiple of 4)")
     ap.add_argument("--reps", type=int, default=0, help="calls per kernel (default: 400 at M=1, 20 above)")
+    ap.add_argument("--copies", type=int, default=1,
+                    help="copies of each weight, called in turn (enough of them: every call reads DRAM)")
     args = ap.parse_args(argv)
 
     from dsq.kernels import cpu
@@ -42,7 +46,8 @@ def main(argv=None) -> None:
         reps = args.reps or (400 if args.m == 1 else 20)
         for shape in args.shapes.split(","):
             n, k = shape.split("x")
-            subprocess.run([str(exe), so, str(Path(args.ggml) / "libggml-cpu.so"), n, k, str(args.m), str(reps)],
+            subprocess.run([str(exe), so, str(Path(args.ggml) / "libggml-cpu.so"), n, k, str(args.m), str(reps),
+                            str(args.copies)],
                            check=True)
 
 
