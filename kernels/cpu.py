@@ -122,6 +122,9 @@ def load(isa: str):
             lib.dsq_round_x8.restype = ctypes.c_int
             lib.dsq_round_x8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                          ctypes.c_void_p]
+        if hasattr(lib, "dsq_set_int8_rows"):  # the x86 builds' integer tiles at M > 1
+            lib.dsq_set_int8_rows.restype = None
+            lib.dsq_set_int8_rows.argtypes = [ctypes.c_int]
         if hasattr(lib, "dsq_set_threads"):  # builds older than the thread pool lack it
             lib.dsq_set_threads.restype = None
             lib.dsq_set_threads.argtypes = [ctypes.c_int]
@@ -312,6 +315,15 @@ def set_threads(n: int, lib=None) -> None:
     lib = lib or library()[0]
     if lib is not None and hasattr(lib, "dsq_set_threads"):
         lib.dsq_set_threads(n)
+
+
+def set_int8_rows(on: bool, lib=None) -> None:
+    """Whether this OS thread's later GGUF calls at M > 1 may round x to int8 per 32 values (the
+    integer tiles, kernels/csrc/gguf_i8gemm_cpu.inc): the builds whose decode already does (avx2)
+    take them; the others, and a process with DSQ_INT8_PREFILL set, ignore it."""
+    lib = lib or library()[0]
+    if lib is not None and hasattr(lib, "dsq_set_int8_rows"):
+        lib.dsq_set_int8_rows(int(on))
 
 
 def has(fn: str) -> bool:

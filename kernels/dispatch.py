@@ -6,6 +6,8 @@ quantized modules call these functions, never a kernel directly.
   the torch reference (kernels/packed.py).
 - GGUF, int4/int8 and FP8 weights on the CPU (`gguf_linear`, `int_linear`, `fp8_linear`): the C
   kernels (kernels/csrc) when they were built, else the torch reference with the same signature.
+- A generation's prefill runs inside `int8_prefill()`: on the avx2 build, GGUF weights at M > 1
+  then round x to int8 as its decode does.
 - Attention (`attention_step`, `attention`) and the CPU RMS norm (`rms_norm`): the C kernels for
   an eager CPU decode step, the Triton decode kernel for a GPU one, SDPA otherwise.
 - DSQ_KERNELS=reference forces the torch reference everywhere.
@@ -14,6 +16,7 @@ quantized modules call these functions, never a kernel directly.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -92,6 +95,22 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_features: int
     if k is not None and qtype in cpu.GGML_TYPES:
         return k(x, raw, qtype, in_features, bias)
     return gguf_ref.gguf_linear_ref(x, raw, qtype, in_features, bias)
+
+
+@contextmanager
+def int8_prefill():
+    """Within: this thread's GGUF matmuls on the CPU at M > 1 round x to int8 per 32 values where
+    the kernels' build decodes that way (avx2: a generation's prompt then runs on its decode's
+    contract, as llama.cpp's does, at ~2x the float tiles; docs/benchmarks.md#cpu-decode). Other
+    builds, the GPU and everything outside (scoring, eval) keep x in float."""
+    on = _cpu_kernels()
+    if on:
+        cpu.set_int8_rows(True)
+    try:
+        yield
+    finally:
+        if on:
+            cpu.set_int8_rows(False)
 
 
 def gguf_embedding(ids: torch.Tensor, raw: torch.Tensor, qtype: str, dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -98,3 +98,47 @@ def test_gemm_same_bits_any_thread_count(isa, qtype, int8, request, monkeypatch)
     assert torch.equal(one, two)
     other = torch.cat([x[:5], torch.randn(3, K)])  # rows 0-4 again, in another batch
     assert torch.equal(cpu.gguf_linear(other, raw, qtype, K, lib=lib)[:5], one[:5])
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_int8_rows_follow_the_calling_thread(isa, qtype, monkeypatch):
+    """cpu.set_int8_rows (dispatch.int8_prefill: a generation's prefill): on the avx2 build, whose
+    decode rounds x to int8, the calling thread's later calls at M > 1 take the integer tiles (the
+    bits DSQ_INT8_PREFILL=1 gives, held to the int8-x reference; Q8_0 stays on the float tiles);
+    another thread's calls, the other builds, and DSQ_INT8_PREFILL=0 keep x in float."""
+    import threading
+
+    monkeypatch.delenv("DSQ_INT8_PREFILL", raising=False)
+    monkeypatch.delenv("DSQ_NO_VNNI", raising=False)
+    rng = np.random.default_rng()
+    M, N, K = 11, 29, _k(qtype, 4)
+    raw = torch.from_numpy(random_blocks(qtype, N, K, rng))
+    x = torch.randn(M, K)
+    lib = cpu.load(isa)
+
+    def call():
+        return cpu.gguf_linear(x, raw, qtype, K, lib=lib)
+
+    plain = call()
+    monkeypatch.setenv("DSQ_INT8_PREFILL", "1")
+    forced = call()
+    monkeypatch.delenv("DSQ_INT8_PREFILL")
+    cpu.set_int8_rows(True, lib=lib)
+    try:
+        got = call()
+        other = []
+        t = threading.Thread(target=lambda: other.append(call()))
+        t.start()
+        t.join()
+        monkeypatch.setenv("DSQ_INT8_PREFILL", "0")
+        off = call()
+        monkeypatch.delenv("DSQ_INT8_PREFILL")
+    finally:
+        cpu.set_int8_rows(False, lib=lib)
+    assert torch.equal(call(), plain) and torch.equal(other[0], plain) and torch.equal(off, plain)
+    if isa == "avx2" and qtype != "Q8_0":
+        assert torch.equal(got, forced) and not torch.equal(got, plain)
+        assert max_rel_err(got, *reference(x, raw, qtype, K, True)) < INT8_X_TOL
+    else:
+        assert torch.equal(got, plain)

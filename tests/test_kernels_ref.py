@@ -27,7 +27,8 @@ def random_blocks(qtype: str, rows: int, row_len: int, rng) -> np.ndarray:
 
 
 # The avx2 build's integer dots round x to int8 per 32 values (kernels/csrc/gguf_avx2_cpu.inc:
-# every format at M = 1; gguf_i8gemm_cpu.inc, with DSQ_INT8_PREFILL=1: all but Q8_0 above, as the
+# every format at M = 1; gguf_i8gemm_cpu.inc, with DSQ_INT8_PREFILL=1 or inside a generation's
+# prefill (cpu.set_int8_rows, tested in test_kernels_cpu_gemm.py): all but Q8_0 above, as the
 # avx512 build does from M = 4 on a CPU with AVX512-VNNI; DSQ_NO_VNNI=1 turns them off). They are
 # held to gguf_ref.gguf_linear_ref_q8, which rounds x exactly as they do, within float32
 # accumulation error (INT8_X_TOL of the summed |terms|: ~20x what they show at these K, below the

@@ -352,3 +352,23 @@ def test_rms_norm_dispatch_checks_the_weight(monkeypatch):
         for bad in (torch.randn(32), torch.randn(128)[::2], torch.randn(1, 64)):
             assert dispatch.rms_norm_cpu(x, bad, 1e-6) is None
     assert seen == [False]
+
+
+@needs_kernels
+def test_generation_prefill_takes_int8_rows_scoring_does_not(tiny_gguf, monkeypatch):
+    """A generation's prefill runs inside dispatch.int8_prefill (the avx2 build then rounds x to
+    int8 at M > 1, as its decode does at M = 1), and turns it off after; logits() (scoring, eval)
+    never asks for it."""
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.native import NativeModel
+    from dsq.runtime.sampling import SamplingParams
+
+    m = NativeModel(tiny_gguf("llama", "Q4_K_M"), "gguf", n_ctx=64, dtype="fp32")
+    seen = []
+    real = cpu.set_int8_rows
+    monkeypatch.setattr(cpu, "set_int8_rows", lambda on, lib=None: seen.append(on) or real(on, lib))
+    m.logits(IDS[:12])
+    assert seen == []
+    m.reset()
+    list(m.stream(IDS[:12], SamplingParams(temperature=0), 3, GenStats(), ignore_eos=True))
+    assert seen == [True, False]

@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 
 from dsq.errors import DsqError
+from dsq.kernels import dispatch
 from dsq.models.registry import gguf_name
 from dsq.runtime.generate import GenStats, TokenEvent
 from dsq.runtime.gpu_layers import GpuLayers
@@ -313,7 +314,13 @@ class NativeModel:
         return out[0].float().cpu().numpy()
 
     def _prefill(self, ids: list[int], start: int, cache, pad: torch.Tensor) -> torch.Tensor:
-        """Run ids (B, T) into cache slots start.. ; return the last position's logits (B, V)."""
+        """Run ids (B, T) into cache slots start.. ; return the last position's logits (B, V). On the
+        CPU's avx2 kernels the prompt rounds x to int8 as decode does (dispatch.int8_prefill);
+        logits() keeps the float model."""
+        with dispatch.int8_prefill():
+            return self._prefill_chunks(ids, start, cache, pad)
+
+    def _prefill_chunks(self, ids: list[int], start: int, cache, pad: torch.Tensor) -> torch.Tensor:
         dev = self.head_device
         x = torch.as_tensor(ids, dtype=torch.long)
         if x.ndim == 1:
