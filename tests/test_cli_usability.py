@@ -153,10 +153,17 @@ def test_loop_guard():
     (["chat", "--max-tokens", "-5"], "--max-tokens"),
     (["run", "-p", "hi", "--max-tokens", "-5"], "--max-tokens"),
     (["bench", "--repeat", "x"], "--repeat"),
+    (["run", "-p", "hi", "--threads", "0"], "--threads"),
+    (["quantize", "--method", "awq", "--calib-samples", "0"], "--calib-samples"),
+    (["quantize", "--method", "gptq", "--calib-seq-len", "-1"], "--calib-seq-len"),
+    (["quantize", "--method", "rtn", "--eval-tokens", "-5"], "--eval-tokens"),
 ])
-def test_bad_values_one_line_exit_1(args, needle, runner):
+def test_bad_values_one_line_exit_1(args, needle, runner, tmp_path):
+    if args[0] == "quantize":
+        args = args + ["--out", str(tmp_path / "q")]
     line = one_line_error(runner.invoke(app, args), needle)
     assert "╭" not in line and "Usage" not in line
+    assert listing(tmp_path) == []  # refused before any work: no .partial to clean up
 
 
 def test_out_under_a_file(runner, tiny_dir, tmp_path):
