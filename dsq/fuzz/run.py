@@ -5,11 +5,14 @@ something breaks.
     python -m dsq.fuzz --iterations 20000 --target gguf --seed 7
     python -m dsq.fuzz --iterations 10000 --target cli            # run / quantize / chat in children
     python -m dsq.fuzz --iterations 200000 --target gguf --atheris   # coverage-guided (pip install atheris)
+    python -m dsq.fuzz --iterations 1000000 --max-time 600        # stop starting inputs after 10 minutes
 
 Each input is clean (loaded, or refused with dsq's own one-line error) or a finding: a crash, a
-hang (past --timeout seconds) or an internal error. Findings are saved under --save
+hang (past --timeout seconds with at least half of them on a CPU, so that a busy machine starving
+the run is not one, or past six times --timeout) or an internal error. Findings are saved under --save
 (tests/regressions/ by default) as regression files (dsq/fuzz/regression.py) that
-tests/test_hostile_regressions.py replays; the last line printed is the summary.
+tests/test_hostile_regressions.py replays; the last line printed is the summary (also after
+--max-time, Ctrl-C or SIGTERM: it counts the inputs that finished).
 """
 
 from __future__ import annotations
@@ -37,9 +40,14 @@ def _alarm(signum, frame):
     raise _Hang()
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 class Tally:
     def __init__(self, label: str, save: Path, seed_root: Path):
         self.label, self.save, self.t0 = label, save, time.monotonic()
+        self.deadline = float("inf")  # --max-time: no input starts after this (monotonic seconds)
         self.seed_root, self.seeds = seed_root, None
         self.counts: Counter = Counter()
         self.slowest = 0.0
@@ -63,6 +71,9 @@ class Tally:
         print(f"[{outcome}] {path.name}: {detail.strip().splitlines()[-1][:300] if detail.strip() else ''}", flush=True)
         return path
 
+    def out_of_time(self) -> bool:
+        return time.monotonic() >= self.deadline
+
     def line(self) -> str:
         c = self.counts
         n = sum(c.values())
@@ -79,24 +90,26 @@ def run_in_process(targets: list, iterations: int, seed: int, timeout: float, ta
     work.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGALRM, _alarm)
     for i in range(iterations):
+        if tally.out_of_time():
+            break
         target = targets[i % len(targets)]
         data = target.make(rng)
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         outcome, detail, refused = "clean", "", False
-        signal.setitimer(signal.ITIMER_REAL, timeout * 2)
+        signal.setitimer(signal.ITIMER_REAL, timeout * 6)
         try:
             target.run(data, work)
         except DsqError:
             refused = True
         except _Hang:
-            outcome, detail = "hang", f"still running after {timeout * 2:g} s"
+            outcome, detail = "hang", f"still running after {timeout * 6:g} s"
         except Exception:  # noqa: BLE001 - the finding this run looks for
             outcome, detail = "internal", traceback.format_exc()
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-        seconds = time.monotonic() - t0
-        if outcome == "clean" and seconds > timeout:
-            outcome, detail = "hang", f"took {seconds:.1f} s"
+        seconds, cpu = time.monotonic() - t0, time.process_time() - cpu0
+        if outcome == "clean" and seconds > timeout and cpu >= timeout / 2:  # as zygote.is_hang: not one a
+            outcome, detail = "hang", f"took {seconds:.1f} s ({cpu:.1f} s on a CPU)"  # busy machine starved
         tally.add(outcome, seconds, refused)
         if outcome != "clean":
             tally.keep(target.name, outcome, {f"input{target.suffix}": data}, detail)
@@ -116,6 +129,8 @@ def run_cli(iterations: int, seed: int, timeout: float, tally: Tally, work: Path
     per = Counter()
     try:
         for i in range(iterations):
+            if tally.out_of_time():
+                break
             inp = target.make(rng)
             run_dir = work / "run"
             outcome, detail, result = _cli_once(inp, run_dir, timeout, env, zygote)
@@ -216,6 +231,7 @@ def main(argv=None) -> None:
     ap.add_argument("--save", type=Path, default=ROOT / "tests" / "regressions", help="where findings go")
     ap.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
     ap.add_argument("--progress", type=int, default=0, help="print the tally every N inputs")
+    ap.add_argument("--max-time", type=float, help="seconds after which no new input starts (then the summary)")
     ap.add_argument("--spawn", action="store_true", help="cli: a fresh interpreter per input (no fork server)")
     ap.add_argument("--atheris", action="store_true", help="coverage-guided with atheris (one in-process target)")
     a = ap.parse_args(argv)
@@ -223,10 +239,15 @@ def main(argv=None) -> None:
         work = a.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         tally = Tally(f"target={a.target} seed={a.seed}", a.save, work / "seeds")
+        if a.max_time:
+            tally.deadline = tally.t0 + a.max_time
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` (or timeout) still prints the summary
         try:
             _dispatch(a, tally, work)
         except KeyboardInterrupt:
             pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         print(tally.line(), flush=True)
         bad = tally.counts["crash"] + tally.counts["hang"] + tally.counts["internal"]
     sys.exit(1 if bad else 0)
