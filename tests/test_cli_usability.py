@@ -257,6 +257,23 @@ def test_cache_command(runner, tmp_path, monkeypatch, tiny_dir):
     assert listing(cache) == ["mine.txt"]
 
 
+def test_offload_keeps_no_bandwidth_it_measured_in_passing(runner, tiny_gguf, tmp_path, monkeypatch):
+    """Without --calibrate, `dsq offload` measures the CPU for this call only: a reading taken on a
+    busy machine is not kept for the next one (`dsq offload --calibrate` keeps one on purpose)."""
+    import dsq.runtime.machine as machine
+
+    monkeypatch.setenv("DSQ_CACHE", str(tmp_path / "cache"))
+    readings = iter([5.9e9, 21e9])
+    monkeypatch.setattr(machine, "measure_cpu_read", lambda threads: next(readings))
+    model = str(tiny_gguf("llama", "Q8_0"))
+    for gbs in ("5.9", "21.0"):
+        r = runner.invoke(app, ["offload", model, "--vram", "1G"])
+        assert r.exit_code == 0, r.output
+        said = " ".join(r.stdout.split())
+        assert f"on the CPU ({gbs} GB/s); bandwidths CPU measured now, not kept" in said, said
+    assert not (tmp_path / "cache" / "calibration.json").exists()
+
+
 def test_tests_use_their_own_cache():
     from dsq.runtime.builtin import builtin_dir, cache_dir
 
