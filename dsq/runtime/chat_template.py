@@ -124,7 +124,8 @@ def read_template_file(path: str | Path) -> str:
 
     path = Path(path)
     if not path.is_file():
-        raise ModelNotFound(f"{path} does not exist", "pass a .jinja file or a tokenizer_config.json")
+        raise ModelNotFound(f"{path} {'is not a file' if path.exists() else 'does not exist'}",
+                            "pass a .jinja file or a tokenizer_config.json")
     if path.suffix != ".json":
         return read_text(path)
     ct = read_json(path, dict).get("chat_template")
