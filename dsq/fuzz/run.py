@@ -173,7 +173,8 @@ def shutil_rmtree(p: Path) -> None:
     shutil.rmtree(p, ignore_errors=True)
 
 
-def run_atheris(targets: list, iterations: int, tally: Tally, work: Path, progress: int) -> None:
+def run_atheris(targets: list, iterations: int, tally: Tally, work: Path, progress: int,
+                max_time: float | None = None) -> None:
     """Coverage-guided: libFuzzer (atheris) mutates the seed files, guided by dsq's branch coverage.
     libFuzzer ends the process itself after -runs, so the tally prints as the last input finishes."""
     import atheris
@@ -205,8 +206,10 @@ def run_atheris(targets: list, iterations: int, tally: Tally, work: Path, progre
 
     (work / "scratch").mkdir(parents=True, exist_ok=True)
     _instrument(atheris, ("dsq.", "jinja2.", "gguf."))
+    # --max-time: libFuzzer ends the process itself, so the last --progress line is the tally
+    limit = [f"-max_total_time={max(1, int(max_time))}"] if max_time else []
     atheris.Setup([sys.argv[0], f"-runs={iterations}", f"-max_len={1 << 22}", "-rss_limit_mb=8192",
-                   f"-timeout={30}", str(corpus)], one)
+                   f"-timeout={30}", *limit, str(corpus)], one)
     atheris.Fuzz()
 
 
@@ -271,5 +274,5 @@ def _dispatch(a, tally: Tally, work: Path) -> None:
     if a.atheris:
         if len(targets) != 1:
             raise SystemExit("--atheris fuzzes one --target at a time")
-        return run_atheris(targets, a.iterations, tally, work, a.progress)
+        return run_atheris(targets, a.iterations, tally, work, a.progress, a.max_time)
     run_in_process(targets, a.iterations, a.seed, a.timeout, tally, work / "scratch", a.progress)
