@@ -47,7 +47,8 @@ nproc; lscpu | grep -E "Model name" || true
 run_shard() {  # kind index core
   local kind=$1 i=$2 core=$3 seed=$((SEED0 + $2)) target=all iters=1000000
   [ "$kind" = cli ] && target=cli iters=10000
-  taskset -c "$core" python3 -m dsq.fuzz --target "$target" --iterations "$iters" --seed "$seed" \
+  local pin=(); command -v taskset >/dev/null && pin=(taskset -c "$((core % $(nproc)))")
+  "${pin[@]}" python3 -m dsq.fuzz --target "$target" --iterations "$iters" --seed "$seed" \
     --max-time "$SECONDS_EACH" --work "/tmp/fuzz-$kind-$i" --save "$OUT/found" \
     > "$OUT/logs/$kind-$i.log" 2>&1
 }
@@ -61,7 +62,7 @@ echo "all shards done in $(( $(date +%s) - t0 )) s"
 
 for kind in inproc cli; do
   # the last summary line of each shard, then their sum
-  for f in "$OUT"/logs/$kind-*.log; do grep "^dsq.fuzz " "$f" | tail -n 1; done > "$OUT/$kind.lines"
+  for f in "$OUT"/logs/$kind-*.log; do grep -s "^dsq.fuzz " "$f" | tail -n 1; done > "$OUT/$kind.lines"
   cat "$OUT/$kind.lines"
   python3 - "$kind" "$OUT/$kind.lines" <<'PY'
 import re, sys
