@@ -80,7 +80,7 @@ class ChatTemplate:
         except TemplateProblem as e:
             if self.fallback is None:
                 raise DsqError(f"the chat template {e}",
-                               "pass --no-template to send raw text, or fix the template") from None
+                               "fix the template, or give dsq chat another with --chat-template FILE") from None
             whose = "the model's chat template" if self.origin == "model" else "the --chat-template file"
             self.warn(f"warning: {whose} {e}; using the {self.fallback.origin.split(':')[-1]} "
                       "template instead")
