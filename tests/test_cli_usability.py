@@ -153,10 +153,17 @@ def test_loop_guard():
     (["chat", "--max-tokens", "-5"], "--max-tokens"),
     (["run", "-p", "hi", "--max-tokens", "-5"], "--max-tokens"),
     (["bench", "--repeat", "x"], "--repeat"),
+    (["run", "-p", "hi", "--threads", "0"], "--threads"),
+    (["quantize", "--method", "awq", "--calib-samples", "0"], "--calib-samples"),
+    (["quantize", "--method", "gptq", "--calib-seq-len", "-1"], "--calib-seq-len"),
+    (["quantize", "--method", "rtn", "--eval-tokens", "-5"], "--eval-tokens"),
 ])
-def test_bad_values_one_line_exit_1(args, needle, runner):
+def test_bad_values_one_line_exit_1(args, needle, runner, tmp_path):
+    if args[0] == "quantize":
+        args = args + ["--out", str(tmp_path / "q")]
     line = one_line_error(runner.invoke(app, args), needle)
     assert "╭" not in line and "Usage" not in line
+    assert listing(tmp_path) == []  # refused before any work: no .partial to clean up
 
 
 def test_out_under_a_file(runner, tiny_dir, tmp_path):
@@ -248,6 +255,23 @@ def test_cache_command(runner, tmp_path, monkeypatch, tiny_dir):
     r = runner.invoke(app, ["cache", "--clear"])
     assert r.exit_code == 0 and "1.0 MiB freed" in r.stderr, r.output
     assert listing(cache) == ["mine.txt"]
+
+
+def test_offload_keeps_no_bandwidth_it_measured_in_passing(runner, tiny_gguf, tmp_path, monkeypatch):
+    """Without --calibrate, `dsq offload` measures the CPU for this call only: a reading taken on a
+    busy machine is not kept for the next one (`dsq offload --calibrate` keeps one on purpose)."""
+    import dsq.runtime.machine as machine
+
+    monkeypatch.setenv("DSQ_CACHE", str(tmp_path / "cache"))
+    readings = iter([5.9e9, 21e9])
+    monkeypatch.setattr(machine, "measure_cpu_read", lambda threads: next(readings))
+    model = str(tiny_gguf("llama", "Q8_0"))
+    for gbs in ("5.9", "21.0"):
+        r = runner.invoke(app, ["offload", model, "--vram", "1G"])
+        assert r.exit_code == 0, r.output
+        said = " ".join(r.stdout.split())
+        assert f"on the CPU ({gbs} GB/s); bandwidths CPU measured now, not kept" in said, said
+    assert not (tmp_path / "cache" / "calibration.json").exists()
 
 
 def test_tests_use_their_own_cache():

@@ -37,3 +37,18 @@ def test_mutated_files_through_the_cli(work, tmp_path):
     tally = Tally("target=cli", tmp_path / "found", work / "seeds")
     run_cli(30, seed=2024, timeout=5.0, tally=tally, work=work, progress=0, fresh=False)
     _assert_clean(tally, tmp_path / "found")
+
+
+def test_max_time_ends_with_the_summary(work, tmp_path, capsys):
+    """--max-time stops starting inputs and still prints the summary (the long runs' time budget)."""
+    import re
+
+    from dsq.fuzz.run import main
+
+    TARGETS["config"](work / "seeds")  # the seeds exist before the clock starts
+    with pytest.raises(SystemExit) as e:
+        main(["--target", "config", "--iterations", "10000000", "--max-time", "2", "--work", str(work),
+              "--save", str(tmp_path / "found")])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    n = int(re.search(r"inputs=(\d+) ", last).group(1))
+    assert e.value.code == 0 and last.startswith("dsq.fuzz target=config") and 0 < n < 10_000_000, last

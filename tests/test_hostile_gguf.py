@@ -85,7 +85,7 @@ CASES = {
 CLI_CASES = ["integer-weight-type", "unknown-tensor-type", "huge-key-count", "array-past-eof", "alignment-zero",
              "alignment-float", "alignment-array", "dim-negative", "dims-overflow", "offset-past-eof",
              "duplicate-tensor", "missing-token-embd", "head-count-zero", "key-of-wrong-type", "truncated-header",
-             "heads-not-dividing", "spm-without-byte-tokens"]
+             "heads-not-dividing", "spm-without-byte-tokens", "shape-against-metadata", "split-part"]
 COMMANDS = {"run-llama.cpp": ["run", "{f}", "-p", "hi", "-n", "2", "--ctx", "64"],
             "run-native": ["run", "{f}", "-p", "hi", "-n", "2", "--ctx", "64", "-b", "native"],
             "quantize": ["quantize", "{f}", "--type", "Q8_0", "--out", "out.gguf"]}

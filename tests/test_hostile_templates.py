@@ -118,3 +118,22 @@ def test_cli_chat_template_file(backend, seed, tmp_path):
             stdin="hi\n/exit\n", timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
     assert len([ln for ln in p.stderr.splitlines() if ln.startswith("warning:")]) == 1, p.stderr
+
+
+def test_cli_chat_template_file_is_used_and_checked(seed, tmp_path):
+    """A good --chat-template file replaces the model's template; a missing or empty one is one
+    line and exit 1, before the model loads."""
+    (tmp_path / "m.gguf").write_bytes(seed)
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    args = ["chat", "m.gguf", "-n", "2", "--ctx", "256", "-b", "native", "--chat-template"]
+    p = dsq(args + ["t.jinja"], tmp_path, stdin="hi\n/exit\n", timeout=60)
+    assert p.returncode == 0 and "template: file" in p.stderr, p.stderr[-2000:]
+    assert not [ln for ln in p.stderr.splitlines() if ln.startswith(("warning:", "error:"))], p.stderr
+    (tmp_path / "empty.json").write_text("{}")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "bin.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    for name, needle in (("nope.jinja", "does not exist"), ("empty.json", "holds no chat_template"),
+                         ("adir", "is not a file"), ("bin.jinja", "not UTF-8")):
+        p = dsq(args + [name], tmp_path, stdin="hi\n/exit\n", timeout=60)
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], p.stderr

@@ -18,12 +18,16 @@ STOPPED = {"loop": "stopped: the reply repeats itself", "interrupted": "stopped"
     "dsq chat",
     "dsq chat DeepSeek-R1-Distill-Qwen-7B-Q4_K_M.gguf --gpu-layers all --hide-thinking",
     'dsq chat --system "Answer in one sentence." --temperature 0.3',
+    "dsq chat model.gguf --chat-template tokenizer_config.json",
 ])
 @grouped(sampling=Sampling(max_tokens=1024, temperature=0.7, repeat_penalty=1.1), loading=Loading())
 def chat(
     model: ModelArg = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
     hide_thinking: Annotated[bool, typer.Option("--hide-thinking", help="Drop DeepSeek-R1 <think> sections.")] = False,
+    chat_template: Annotated[Optional[str], typer.Option(
+        "--chat-template", metavar="FILE",
+        help="Use this chat template (a .jinja file, or a tokenizer_config.json) instead of the model's.")] = None,
     sampling: Sampling = None,
     loading: Loading = None,
 ) -> None:
@@ -32,13 +36,15 @@ def chat(
     A reply ends at the end of its turn, at --max-tokens, or where it starts repeating one cycle of
     tokens (a model stuck in a loop); a stats line follows each reply, one stopped with Ctrl-C too.
     """
+    from dsq.runtime.chat_template import read_template_file
     from dsq.runtime.conversation import Conversation
     from dsq.ui import console
 
     err = console()
     sp = sampling.params()
+    template = read_template_file(chat_template) if chat_template is not None else None  # before the slow load
     m = loading.load(model, seed=sp.seed)
-    conversation = Conversation(m, system=system, max_tokens=sampling.max_tokens, sampling=sp)
+    conversation = Conversation(m, system=system, max_tokens=sampling.max_tokens, sampling=sp, template=template)
     err.print(f"[bold]{m.ref.label}[/bold] [dim]({m.backend}; template: {conversation.template.origin}; {HELP})[/dim]")
     if m.ref.builtin:
         err.print("[dim]The built-in model is a base model, not instruction-tuned: its replies are poor. "

@@ -26,7 +26,7 @@ MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x 
 RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", help="Penalty for the last 64 tokens; 1 = off.")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling (reproducible output).")]
 Ctx = Annotated[int, typer.Option("--ctx", "-c", help="Context length in tokens (prompt + reply).")]
-Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: the physical cores this "
+Threads = Annotated[Optional[int], typer.Option("--threads", min=1, help="CPU threads (default: the physical cores this "
                                                                    "process may run on, one per core, not per SMT "
                                                                    "thread).")]
 GpuLayersOption = Annotated[str, typer.Option(

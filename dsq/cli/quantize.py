@@ -54,7 +54,7 @@ def quantize(
     calib_seq_len: Annotated[int, typer.Option("--calib-seq-len", help="Tokens per calibration sequence.")] = 512,
     recipe: Annotated[Optional[str], typer.Option("--recipe", help="Apply a recipe from recipes/; MODEL is then the model it names.")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
-    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Held-out tokens for the model card's "
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", min=0, help="Held-out tokens for the model card's "
                                                                    "eval (0 skips).")] = EVAL_TOKENS,
     threads: Threads = None,
     force: Force = False,
@@ -141,10 +141,14 @@ class _Clock:
 
     def summary(self) -> str:
         self.start(None)
-        total = f"{time.perf_counter() - self.t0:.1f}s"
+        seconds = time.perf_counter() - self.t0
         if len(self.stages) < 2:
-            return total
-        return total + " (" + ", ".join(f"{k} {v:.1f}s" for k, v in self.stages.items()) + ")"
+            return f"{seconds:.1f}s"
+        parts = [f"{k} {v:.1f}s" for k, v in self.stages.items()]
+        rest = seconds - sum(self.stages.values())
+        if rest >= 0.5:  # loading, calibration text, writing: the parts add up to the total
+            parts.append(f"other steps {rest:.1f}s")
+        return f"{seconds:.1f}s (" + ", ".join(parts) + ")"
 
 
 def _with_recipe(ctx: typer.Context, recipe: str, given: dict) -> dict:

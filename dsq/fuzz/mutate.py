@@ -229,7 +229,11 @@ def json_mutation(rng: random.Random, obj) -> object:
 def json_text_mutation(rng: random.Random, text: str) -> str:
     """Damage JSON text itself: a byte mutation, or a key duplicated."""
     if rng.random() < 0.3 and '":' in text:
-        i = rng.choice([k for k in range(len(text)) if text.startswith('"', k)][:200])
+        quotes, k = [], text.find('"')  # the first 200 quotes
+        while k >= 0 and len(quotes) < 200:
+            quotes.append(k)
+            k = text.find('"', k + 1)
+        i = rng.choice(quotes)
         j = text.find(",", i)
         if j > i:
             return text[:j + 1] + text[i:j] + "," + text[j + 1:]

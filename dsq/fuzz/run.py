@@ -5,11 +5,14 @@ something breaks.
     python -m dsq.fuzz --iterations 20000 --target gguf --seed 7
     python -m dsq.fuzz --iterations 10000 --target cli            # run / quantize / chat in children
     python -m dsq.fuzz --iterations 200000 --target gguf --atheris   # coverage-guided (pip install atheris)
+    python -m dsq.fuzz --iterations 1000000 --max-time 600        # stop starting inputs after 10 minutes
 
 Each input is clean (loaded, or refused with dsq's own one-line error) or a finding: a crash, a
-hang (past --timeout seconds) or an internal error. Findings are saved under --save
+hang (past --timeout seconds with at least half of them on a CPU, so that a busy machine starving
+the run is not one, or past six times --timeout) or an internal error. Findings are saved under --save
 (tests/regressions/ by default) as regression files (dsq/fuzz/regression.py) that
-tests/test_hostile_regressions.py replays; the last line printed is the summary.
+tests/test_hostile_regressions.py replays; the last line printed is the summary (also after
+--max-time, Ctrl-C or SIGTERM: it counts the inputs that finished).
 """
 
 from __future__ import annotations
@@ -37,9 +40,14 @@ def _alarm(signum, frame):
     raise _Hang()
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 class Tally:
     def __init__(self, label: str, save: Path, seed_root: Path):
         self.label, self.save, self.t0 = label, save, time.monotonic()
+        self.deadline = float("inf")  # --max-time: no input starts after this (monotonic seconds)
         self.seed_root, self.seeds = seed_root, None
         self.counts: Counter = Counter()
         self.slowest = 0.0
@@ -63,6 +71,9 @@ class Tally:
         print(f"[{outcome}] {path.name}: {detail.strip().splitlines()[-1][:300] if detail.strip() else ''}", flush=True)
         return path
 
+    def out_of_time(self) -> bool:
+        return time.monotonic() >= self.deadline
+
     def line(self) -> str:
         c = self.counts
         n = sum(c.values())
@@ -73,35 +84,45 @@ class Tally:
 
 def run_in_process(targets: list, iterations: int, seed: int, timeout: float, tally: Tally, work: Path,
                    progress: int) -> None:
-    from dsq.errors import DsqError
-
     rng = random.Random(seed)
     work.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGALRM, _alarm)
     for i in range(iterations):
+        if tally.out_of_time():
+            break
         target = targets[i % len(targets)]
         data = target.make(rng)
-        t0 = time.monotonic()
-        outcome, detail, refused = "clean", "", False
-        signal.setitimer(signal.ITIMER_REAL, timeout * 2)
-        try:
-            target.run(data, work)
-        except DsqError:
-            refused = True
-        except _Hang:
-            outcome, detail = "hang", f"still running after {timeout * 2:g} s"
-        except Exception:  # noqa: BLE001 - the finding this run looks for
-            outcome, detail = "internal", traceback.format_exc()
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        seconds = time.monotonic() - t0
-        if outcome == "clean" and seconds > timeout:
-            outcome, detail = "hang", f"took {seconds:.1f} s"
+        outcome, detail, refused, seconds, _ = _one(target, data, work, timeout)
+        if outcome == "clean" and seconds > timeout:  # once more, timing the CPU too (as zygote.is_hang:
+            outcome, detail, refused, seconds, cpu = _one(target, data, work, timeout, cpu=True)
+            if outcome == "clean" and seconds > timeout and cpu >= timeout / 2:  # a starved run is not a hang)
+                outcome, detail = "hang", f"took {seconds:.1f} s ({cpu:.1f} s on a CPU)"
         tally.add(outcome, seconds, refused)
         if outcome != "clean":
             tally.keep(target.name, outcome, {f"input{target.suffix}": data}, detail)
         if progress and (i + 1) % progress == 0:
             print(tally.line(), flush=True)
+
+
+def _one(target, data: bytes, work: Path, timeout: float, cpu: bool = False):
+    """One input: (outcome, detail, refused, wall seconds, CPU seconds or None). The CPU clock is
+    read only when asked: in some sandboxes each read costs a millisecond."""
+    from dsq.errors import DsqError
+
+    t0, cpu0 = time.monotonic(), time.process_time() if cpu else 0.0
+    outcome, detail, refused = "clean", "", False
+    signal.setitimer(signal.ITIMER_REAL, timeout * 6)
+    try:
+        target.run(data, work)
+    except DsqError:
+        refused = True
+    except _Hang:
+        outcome, detail = "hang", f"still running after {timeout * 6:g} s"
+    except Exception:  # noqa: BLE001 - the finding this run looks for
+        outcome, detail = "internal", traceback.format_exc()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    return outcome, detail, refused, time.monotonic() - t0, time.process_time() - cpu0 if cpu else None
 
 
 def run_cli(iterations: int, seed: int, timeout: float, tally: Tally, work: Path, progress: int,
@@ -116,6 +137,8 @@ def run_cli(iterations: int, seed: int, timeout: float, tally: Tally, work: Path
     per = Counter()
     try:
         for i in range(iterations):
+            if tally.out_of_time():
+                break
             inp = target.make(rng)
             run_dir = work / "run"
             outcome, detail, result = _cli_once(inp, run_dir, timeout, env, zygote)
@@ -150,7 +173,8 @@ def shutil_rmtree(p: Path) -> None:
     shutil.rmtree(p, ignore_errors=True)
 
 
-def run_atheris(targets: list, iterations: int, tally: Tally, work: Path, progress: int) -> None:
+def run_atheris(targets: list, iterations: int, tally: Tally, work: Path, progress: int,
+                max_time: float | None = None) -> None:
     """Coverage-guided: libFuzzer (atheris) mutates the seed files, guided by dsq's branch coverage.
     libFuzzer ends the process itself after -runs, so the tally prints as the last input finishes."""
     import atheris
@@ -182,8 +206,10 @@ def run_atheris(targets: list, iterations: int, tally: Tally, work: Path, progre
 
     (work / "scratch").mkdir(parents=True, exist_ok=True)
     _instrument(atheris, ("dsq.", "jinja2.", "gguf."))
+    # --max-time: libFuzzer ends the process itself, so the last --progress line is the tally
+    limit = [f"-max_total_time={max(1, int(max_time))}"] if max_time else []
     atheris.Setup([sys.argv[0], f"-runs={iterations}", f"-max_len={1 << 22}", "-rss_limit_mb=8192",
-                   f"-timeout={30}", str(corpus)], one)
+                   f"-timeout={30}", *limit, str(corpus)], one)
     atheris.Fuzz()
 
 
@@ -216,6 +242,7 @@ def main(argv=None) -> None:
     ap.add_argument("--save", type=Path, default=ROOT / "tests" / "regressions", help="where findings go")
     ap.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
     ap.add_argument("--progress", type=int, default=0, help="print the tally every N inputs")
+    ap.add_argument("--max-time", type=float, help="seconds after which no new input starts (then the summary)")
     ap.add_argument("--spawn", action="store_true", help="cli: a fresh interpreter per input (no fork server)")
     ap.add_argument("--atheris", action="store_true", help="coverage-guided with atheris (one in-process target)")
     a = ap.parse_args(argv)
@@ -223,10 +250,15 @@ def main(argv=None) -> None:
         work = a.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         tally = Tally(f"target={a.target} seed={a.seed}", a.save, work / "seeds")
+        if a.max_time:
+            tally.deadline = tally.t0 + a.max_time
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` (or timeout) still prints the summary
         try:
             _dispatch(a, tally, work)
         except KeyboardInterrupt:
             pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         print(tally.line(), flush=True)
         bad = tally.counts["crash"] + tally.counts["hang"] + tally.counts["internal"]
     sys.exit(1 if bad else 0)
@@ -242,5 +274,5 @@ def _dispatch(a, tally: Tally, work: Path) -> None:
     if a.atheris:
         if len(targets) != 1:
             raise SystemExit("--atheris fuzzes one --target at a time")
-        return run_atheris(targets, a.iterations, tally, work, a.progress)
+        return run_atheris(targets, a.iterations, tally, work, a.progress, a.max_time)
     run_in_process(targets, a.iterations, a.seed, a.timeout, tally, work / "scratch", a.progress)

@@ -35,6 +35,12 @@ def preload() -> None:
 
     with torch.device("meta"):  # torch imports its meta-tensor machinery on first use (~3 s)
         torch.nn.Embedding(4, 4)
+    if os.environ.get("DSQ_FUZZ_PRELOAD_DSQ") == "1":  # a long run: dsq's own modules too (edits then
+        import dsq.cli  # noqa: F401                      # need a restart of the run)
+        import dsq.quant  # noqa: F401
+        import dsq.runtime.conversation  # noqa: F401
+        import dsq.runtime.llama_cpp_backend  # noqa: F401
+        import dsq.runtime.native  # noqa: F401
 
 
 def _child(req: dict) -> None:

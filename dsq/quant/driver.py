@@ -90,7 +90,7 @@ def quantize_layers(src: str | Path, out: str | Path, spec: QuantSpec, *, device
     """Quantize the HF model at `src` into an HF directory at `out`, evaluated for its model card
     on `eval_tokens` held-out tokens (0: none). Returns the artifact's dsq_quant.json."""
     spec.validate()
-    if 0 < eval_tokens < 16:
+    if eval_tokens < 0 or 0 < eval_tokens < 16:
         raise DsqError(f"--eval-tokens {eval_tokens} is too few", "pass 0 (no evaluation) or at least 16")
     out = Path(out)
     hf, mod, args = _open_source(src, spec)

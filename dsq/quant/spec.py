@@ -51,6 +51,10 @@ class _Spec:
         impl = self.impl
         if not isinstance(self, impl.spec_type):
             raise DsqError(f"method {self.method!r} takes a {impl.spec_type.__name__}")
+        calib = getattr(self, "calib", None)
+        if calib is not None and (calib.samples < 1 or calib.seq_len < 8):
+            raise DsqError(f"--calib-samples must be >= 1 and --calib-seq-len >= 8, got {calib.samples} and "
+                           f"{calib.seq_len}")
         impl.validate(self)
         return self
 

@@ -65,7 +65,7 @@ class ChatTemplate:
     its place for good, with one warning line. Without a fallback a failure is a DsqError."""
 
     source: str  # the Jinja text
-    origin: str  # "model" or "fallback:<name>"
+    origin: str  # "model", "file" (--chat-template) or "fallback:<name>"
     bos_token: str = ""
     eos_token: str = ""
     fallback: "ChatTemplate | None" = None
@@ -80,8 +80,9 @@ class ChatTemplate:
         except TemplateProblem as e:
             if self.fallback is None:
                 raise DsqError(f"the chat template {e}",
-                               "pass --no-template to send raw text, or fix the template") from None
-            self.warn(f"warning: the model's chat template {e}; using the {self.fallback.origin.split(':')[-1]} "
+                               "fix the template, or give dsq chat another with --chat-template FILE") from None
+            whose = "the model's chat template" if self.origin == "model" else "the --chat-template file"
+            self.warn(f"warning: {whose} {e}; using the {self.fallback.origin.split(':')[-1]} "
                       "template instead")
         self.source, self.origin, self.fallback = self.fallback.source, self.fallback.origin, None
         return self.render(messages, add_generation_prompt)
@@ -107,12 +108,13 @@ def _fallback(arch: str, vocab_has: Callable[[str], bool], bos: str, eos: str) -
 
 
 def pick_template(template: str | None, arch: str, vocab_has: Callable[[str], bool], bos: str, eos: str,
-                  warn: Callable[[str], None] = _warn) -> ChatTemplate:
-    """The model's template if it has one (its architecture's as the fallback), else the fallback."""
+                  warn: Callable[[str], None] = _warn, origin: str = "model") -> ChatTemplate:
+    """The model's template (or a --chat-template file's, origin "file") if there is one, with its
+    architecture's as the fallback; else the fallback."""
     fallback = _fallback(arch, vocab_has, bos, eos)
     if not template:
         return fallback
-    return ChatTemplate(template, "model", bos, eos, fallback=fallback, warn=warn)
+    return ChatTemplate(template, origin, bos, eos, fallback=fallback, warn=warn)
 
 
 def read_template_file(path: str | Path) -> str:
@@ -122,7 +124,8 @@ def read_template_file(path: str | Path) -> str:
 
     path = Path(path)
     if not path.is_file():
-        raise ModelNotFound(f"{path} does not exist", "pass a .jinja file or a tokenizer_config.json")
+        raise ModelNotFound(f"{path} {'is not a file' if path.exists() else 'does not exist'}",
+                            "pass a .jinja file or a tokenizer_config.json")
     if path.suffix != ".json":
         return read_text(path)
     ct = read_json(path, dict).get("chat_template")

@@ -40,7 +40,7 @@ class LoopGuard:
 
 class Conversation:
     def __init__(self, model: Backend, system: str | None = None, sampling: SamplingParams | None = None,
-                 max_tokens: int = 1024, stop_loops: bool = True):
+                 max_tokens: int = 1024, stop_loops: bool = True, template: str | None = None):
         if max_tokens < 1:
             raise DsqError(f"--max-tokens must be >= 1, got {max_tokens}")
         self.model = model
@@ -48,7 +48,7 @@ class Conversation:
         self.sampling = (sampling or SamplingParams()).validate()
         self.max_tokens = max_tokens
         self.stop_loops = stop_loops  # end a reply that repeats one cycle of tokens (LoopGuard)
-        self.template = chat_template_for(model)
+        self.template = chat_template_for(model, template)  # template: Jinja text replacing the model's
         self.messages: list[dict] = []
         self.last_stats: GenStats | None = None
 

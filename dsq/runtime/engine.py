@@ -91,7 +91,11 @@ def load(model: str | Path | ModelRef | None = None, *, backend: str = AUTO, ctx
                          seed=seed, **kwargs)
 
 
-def chat_template_for(model: Backend) -> ChatTemplate:
+def chat_template_for(model: Backend, source: str | None = None) -> ChatTemplate:
+    """The model's chat template, or `source` (a user's --chat-template text) in its place; either
+    falls back to the architecture's template when it fails."""
+    if source is not None:
+        return pick_template(source, model.arch, model.has_token, model.bos_token, model.eos_token, origin="file")
     return pick_template(model.chat_template(), model.arch, model.has_token, model.bos_token, model.eos_token)
 
 
