@@ -266,8 +266,8 @@ def test_gguf_with_imatrix_loads_in_llama_cpp(runner, tiny_dir, tmp_path):
     assert steps[-1].unit == "bytes" and steps[-1].done == steps[-1].total
 
 
-def test_recipes_validate_and_apply(runner, tiny_dir, tmp_path):
-    from dsq.quant.recipes import apply_recipe, list_recipes, load_recipe, validate_recipe
+def test_recipes_validate_and_apply(runner, tiny_dir, tmp_path, monkeypatch):
+    from dsq.quant.recipes import FORMATS, apply_recipe, list_recipes, load_recipe, validate_recipe
 
     names = list_recipes()
     assert {"r1-distill-qwen-1.5b", "r1-distill-qwen-7b", "r1-distill-qwen-14b", "r1-distill-qwen-32b",
@@ -279,8 +279,48 @@ def test_recipes_validate_and_apply(runner, tiny_dir, tmp_path):
     with pytest.raises(Exception, match="tensor parallel"):
         validate_recipe(bad)
     assert apply_recipe("r1-distill-qwen-7b", {"method": "gguf"})["method"] == "awq"
+    # the DeepSeek recipes are real: dsq runs and quantizes them, and each gives its formats' memory
+    # and its offload plans, which the schema checks
+    for n in ("deepseek-v2-lite", "deepseek-v3"):
+        r = load_recipe(n)
+        assert r["dsq_support"] == "native" and set(r["memory_gb"]["weights"]) == set(FORMATS)
+        assert r["offload"]["plans"] and "--experts" in r["serve"]["dsq"]
+    v3 = load_recipe("deepseek-v3")
+    assert [p["fits"] for p in v3["offload"]["plans"] if p["gpu_gb"] == 24] == [True, False]
+    assert apply_recipe("deepseek-v3", {})["method"] == "fp8"
+    for field, value, msg in (("dsq_support", "maybe", "dsq_support"), ("active_params_b", 700, "active_params_b")):
+        bad = load_recipe("deepseek-v3")
+        bad[field] = value
+        with pytest.raises(Exception, match=msg):
+            validate_recipe(bad)
+    bad = load_recipe("deepseek-v3")
+    bad["memory_gb"]["weights"]["q4_k_m"] = 40  # a tenth of 671B at 4.5 bits
+    with pytest.raises(Exception, match="q4_k_m weights"):
+        validate_recipe(bad)
+    bad = load_recipe("deepseek-v3")
+    bad["offload"]["plans"][1]["fits"] = True  # 367 GiB of experts in 256 GiB of RAM
+    with pytest.raises(Exception, match="offload plan"):
+        validate_recipe(bad)
+    pending = {**load_recipe("deepseek-v3"), "dsq_support": "pending"}
+    monkeypatch.setattr("dsq.quant.recipes.load_recipe", lambda name: pending)
     one_line_error(runner.invoke(app, ["quantize", "--recipe", "deepseek-v3", str(tiny_dir("qwen2"))]),
                    "cannot quantize yet")
+    monkeypatch.undo()
+    out = tmp_path / "v2"
+    r = runner.invoke(app, ["quantize", str(tiny_dir("deepseek_v2")), "--recipe", "deepseek-v2-lite",
+                            "--eval-tokens", "0", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"]["block_structure"] == [128, 128]
+    from safetensors import safe_open
+
+    dtypes = {}
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            dtypes.update({k: h.get_slice(k).get_dtype() for k in h.keys()})
+    # the routed experts are FP8, the router (keep_16bit) is not
+    assert dtypes["model.layers.1.mlp.experts.0.up_proj.weight"] == "F8_E4M3"
+    assert dtypes["model.layers.1.mlp.gate.weight"] != "F8_E4M3"
     out = tmp_path / "r"
     r = runner.invoke(app, ["quantize", str(tiny_dir("qwen2")), "--recipe", "r1-distill-qwen-14b", "--calib-samples",
                             "8", "--eval-tokens", "0", "--out", str(out)])
@@ -289,6 +329,26 @@ def test_recipes_validate_and_apply(runner, tiny_dir, tmp_path):
     assert qc["quant_method"] == "gptq" and qc["desc_act"] is True and qc["checkpoint_format"] == "gptq"
     # flags given on the command line win over the recipe
     assert json.loads((out / "dsq_quant.json").read_text())["spec"]["calib_samples"] == 8
+
+
+def test_deepseek_recipes_hold_what_the_planner_computes():
+    """The DeepSeek recipes' memory per format and offload plans are benchmarks.deepseek_recipes'
+    output (the real configs' tensors, dsq's planner), not numbers typed in by hand."""
+    from benchmarks.deepseek_recipes import MODELS, active_params, model_shape, plans, weight_bytes
+    from dsq.quant.recipes import load_recipe
+
+    for name, (cfg, keep) in MODELS.items():
+        r = load_recipe(name)
+        total, _ = active_params(cfg)
+        assert abs(total / 1e9 - r["params_b"]) < 0.05
+        for fmt, gb in r["memory_gb"]["weights"].items():
+            assert abs(weight_bytes(cfg, fmt, keep) / 1e9 - gb) < 0.06, (name, fmt)
+        computed = plans(model_shape(name, cfg), r["offload"]["ctx"])
+        for p in r["offload"]["plans"]:
+            for ram in p["ram_gb"]:
+                c = next(x for x in computed if (x["gpu_gb"], x["ram_gb"]) == (p["gpu_gb"], ram))
+                assert (c["experts"], c["gpu_layers"], c["fits"]) == (p["experts"], p["gpu_layers"], p["fits"])
+                assert abs(c["gpu_used_gb"] - p["gpu_used_gb"]) < 0.06 and abs(c["ram_used_gb"] - p["ram_used_gb"]) < 0.06
 
 
 @pytest.mark.parametrize("method,kind", [("awq", "gemma3"), ("gptq", "llama"), ("awq", "deepseek_v3"),

@@ -10,6 +10,8 @@ from dsq.errors import DsqError
 
 REQUIRED = ("name", "model", "architecture", "params_b", "shape", "quantize", "memory_gb", "parallel", "serve")
 SERVE = ("llama_cpp", "ollama", "vllm", "sglang")
+SUPPORT = ("native", "pending")  # dsq_support: dsq quantizes and runs the architecture, or refuses it
+FORMATS = {"bf16": 16, "fp8": 8, "q8_0": 8.5, "q4_k_m": 4.5, "awq_int4": 4}  # memory_gb.weights: nominal bits
 _QUANT_KEYS = {"method", "bits", "group_size", "sym", "act_order", "damp", "fp8_scheme", "fp8_format", "type",
                "imatrix", "calib", "calib_samples", "calib_seq_len", "keep_16bit"}
 
@@ -54,11 +56,33 @@ def validate_recipe(r: dict) -> None:
         raise DsqError(f"recipe {name}: expert parallel size {par['ep']} needs a model with that many experts")
     if f"--tensor-parallel-size {par['tp']}" not in r["serve"]["vllm"] and par["tp"] > 1:
         raise DsqError(f"recipe {name}: the vLLM command does not use --tensor-parallel-size {par['tp']}")
+    if r.get("dsq_support", "native") not in SUPPORT:
+        raise DsqError(f"recipe {name}: dsq_support must be one of {', '.join(SUPPORT)}")
+    _validate_moe(r)
     bits = spec.impl.weight_bits(spec)
     floor = r["params_b"] * bits / 8 * 0.9
     if r["memory_gb"]["artifact"] < floor:
         raise DsqError(f"recipe {name}: an artifact of {r['memory_gb']['artifact']} GB is too small for "
                        f"{r['params_b']}B parameters at {bits} bits")
+
+
+def _validate_moe(r: dict) -> None:
+    """memory_gb.weights (GB per format) and offload (the `dsq offload` plans), where a recipe has them."""
+    name, sh = r.get("name", "?"), r["shape"]
+    for fmt, gb in r["memory_gb"].get("weights", {}).items():
+        if fmt not in FORMATS:
+            raise DsqError(f"recipe {name}: memory_gb.weights has unknown format {fmt!r} (one of {', '.join(FORMATS)})")
+        # embeddings and layers kept 16-bit only add: a size under the nominal bits is wrong
+        if not FORMATS[fmt] / 8 * r["params_b"] * 0.95 <= gb <= r["params_b"] * 2 * 1.05:
+            raise DsqError(f"recipe {name}: {gb} GB of {fmt} weights does not fit {r['params_b']}B parameters")
+    if "active_params_b" in r and not 0 < r["active_params_b"] <= r["params_b"]:
+        raise DsqError(f"recipe {name}: active_params_b must be between 0 and params_b")
+    for p in r.get("offload", {}).get("plans", []):
+        where = f"recipe {name}: offload plan for {p.get('gpu_gb')} GB"
+        if p.get("experts") not in ("cpu", "gpu") or not 0 <= p.get("gpu_layers", -1) <= sh["layers"]:
+            raise DsqError(f"{where}: experts must be cpu or gpu and gpu_layers 0..{sh['layers']}")
+        if p["gpu_used_gb"] > p["gpu_gb"] or p["fits"] != (p["ram_used_gb"] <= max(p["ram_gb"])):
+            raise DsqError(f"{where}: its GPU or RAM use does not match its budget and `fits`")
 
 
 def apply_recipe(name: str, opts: dict) -> dict:
