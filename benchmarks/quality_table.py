@@ -1,6 +1,7 @@
 """The quality table: every quantization dsq makes of one model, scored against its float source.
 
     python -m benchmarks.quality_table --out docs/results/quality-builtin.json
+    python -m benchmarks.quality_table --model DIR --ctx 256 --rows "RTN int4 g128,..." --out x.json
 
 Default model: the built-in Gemma 3 270M, whose bf16 export is the reference. Each row is made
 by dsq (`dsq quantize`), then scored by `dsq eval` on held-out text (never seen in calibration):
@@ -32,8 +33,9 @@ ROWS = [
 ]
 
 
-def block_bits_per_weight(path: Path) -> float:
-    """Bits per weight of the decoder blocks' Linear layers (what quantization changes)."""
+def block_bits_per_weight(path: Path, src: Path | None = None) -> float:
+    """Bits per weight of the decoder blocks' Linear layers (what quantization changes); for an
+    HF directory, the weights counted in `src` (the float source) where given."""
     if path.is_file():
         from dsq.formats.gguf_file import GGUFFile
 
@@ -48,6 +50,10 @@ def block_bits_per_weight(path: Path) -> float:
         if not name.startswith("model.layers.") or "norm" in name or name.endswith(".bias"):
             continue
         n_bytes += t.numel() * t.element_size()
+    if src is not None:  # any layout (MLA, experts): the source's 2-D block weights
+        n_weights = sum(t.numel() for name, t in HFModelDir(src).mmap_tensors().items()
+                        if name.startswith("model.layers.") and t.ndim == 2 and "norm" not in name)
+        return 8 * n_bytes / n_weights
     h, f, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) * hd
@@ -72,6 +78,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", help="comma list of row names to run (default: all)")
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--eval-tokens", type=int, default=8192)
+    ap.add_argument("--ctx", type=int, default=512, help="evaluation window (at most the model's context)")
     ap.add_argument("--out", help="JSON results (rows are added as they finish)")
     a = ap.parse_args(argv)
 
@@ -87,8 +94,8 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     wanted = set(a.rows.split(",")) if a.rows else None
     results = json.loads(Path(a.out).read_text()) if a.out and Path(a.out).is_file() else {"rows": []}
-    results.update(model=str(src), eval_tokens=a.eval_tokens, calib_samples=a.calib_samples, ctx=512)
-    base = evaluate(str(src), None, ctx=512, max_tokens=a.eval_tokens)
+    results.update(model=str(src), eval_tokens=a.eval_tokens, calib_samples=a.calib_samples, ctx=a.ctx)
+    base = evaluate(str(src), None, ctx=a.ctx, max_tokens=a.eval_tokens)
     results["reference_perplexity"] = base["perplexity"]
     print(f"reference {src.name}: perplexity {base['perplexity']:.4f}", flush=True)
     for name, row in ROWS:
@@ -97,9 +104,9 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         path = make(row, src, work, name, a.calib_samples)
         made_s = time.perf_counter() - t0
-        r = evaluate(str(path), str(src), ctx=512, max_tokens=a.eval_tokens)
+        r = evaluate(str(path), str(src), ctx=a.ctx, max_tokens=a.eval_tokens)
         size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        rec = {"name": name, "size_mib": round(size / 2**20, 1), "block_bpw": round(block_bits_per_weight(path), 2),
+        rec = {"name": name, "size_mib": round(size / 2**20, 1), "block_bpw": round(block_bits_per_weight(path, src), 2),
                "perplexity": round(r["perplexity"], 4), "delta_ppl": round(r["perplexity"] - base["perplexity"], 4),
                "delta_ppl_pct": round(100 * (r["perplexity"] / base["perplexity"] - 1), 2),
                "kld": round(r["kld"], 5), "top1": round(r["top1_agreement"], 4), "tokens": r["tokens"],
