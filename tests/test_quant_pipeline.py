@@ -267,6 +267,7 @@ def test_gguf_with_imatrix_loads_in_llama_cpp(runner, tiny_dir, tmp_path):
 
 
 def test_recipes_validate_and_apply(runner, tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a quantize the test expects refused would write its default output here
     from dsq.quant.recipes import FORMATS, apply_recipe, list_recipes, load_recipe, validate_recipe
 
     names = list_recipes()

@@ -82,6 +82,7 @@ def check_metadata(g: GGUFFile) -> None:
         _float(f, f"{arch}.{suffix}", lo, hi)
     _sliding_pattern(g, f"{arch}.attention.sliding_window_pattern", layers)
     _head_sizes(g, arch)
+    _rope_dims(g, arch)
     _shapes(g, arch, layers)
     _vocab(g)
 
@@ -186,6 +187,22 @@ def _head_sizes(g: GGUFFile, arch: str) -> None:
                 raise Refused(f"{arch}.{size_key}", f"is {size}, times {n} heads overflows")
     if n_embd and heads and not value("attention.key_length") and n_embd < heads:
         raise Refused(f"{arch}.embedding_length", f"is {n_embd}, fewer than its {heads} attention heads")
+
+
+# Architectures whose llama.cpp graph asserts that rope turns the whole head (n_rot == head size)
+_FULL_ROPE = {"llama", "qwen2"}
+
+
+def _rope_dims(g: GGUFFile, arch: str) -> None:
+    """rope.dimension_count equal to the head size where llama.cpp requires it (it aborts otherwise)."""
+    rot = g.field(f"{arch}.rope.dimension_count")
+    if arch not in _FULL_ROPE or rot is None:
+        return
+    heads = g.field(f"{arch}.attention.head_count")
+    heads = max(heads) if isinstance(heads, list) and heads else heads
+    head = g.field(f"{arch}.attention.key_length") or (g.field(f"{arch}.embedding_length") // heads if heads else None)
+    if head and rot != head:
+        raise Refused(f"{arch}.rope.dimension_count", f"is {rot}, but {arch} turns the whole head of {head}")
 
 
 def _per_layer(g: GGUFFile, key: str, layers: int, default) -> list:
