@@ -28,18 +28,12 @@ SEED0=${SEED0:-100}
 export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES= DSQ_FUZZ_PRELOAD_DSQ=1
 
 if [ "${SETUP:-1}" = 1 ]; then  # SETUP=0: a checkout where dsq and llama_cpp already import
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  "$ROOT"/.whl/*.whl >/dev/null 2>&1 || echo "wheels: install failed"
-[ -e dsq/kernels ] || ln -sfn ../kernels dsq/kernels
-ls kernels/_cpu_*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace >/tmp/build_ext.log 2>&1 ||
-  tail -5 /tmp/build_ext.log
-mkdir -p /tmp/ll && { [ -d /tmp/ll/llama_cpp_py ] || tar xzf "$ROOT"/.llsrc/llama-src.tar.gz -C /tmp/ll; }
-mkdir -p /tmp/llpy && ln -sfn /tmp/ll/llama_cpp_py /tmp/llpy/llama_cpp
+source benchmarks/h200_setup.sh
+setup_python
 if [ ! -e "$LL/build/bin/libllama.so" ]; then
   mkdir -p "$LL/build/bin" && cat "$ROOT"/.llbin/llbin.tar.xz.* | xz -d | tar x -C "$LL/build/bin" ||
     { echo "no .llbin/ to unpack: carry it (bash benchmarks/h200_split.sh build makes it)"; exit 1; }
 fi
-export PYTHONPATH=$ROOT:/tmp/llpy:/tmp/site LLAMA_CPP_LIB_PATH=$LL/build/bin
 fi
 python3 -c "import llama_cpp, dsq.fuzz.zygote" || exit 1
 nproc; lscpu | grep -E "Model name" || true

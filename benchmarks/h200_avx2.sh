@@ -10,16 +10,8 @@
 #   bash benchmarks/h200_avx2.sh            # ~6 minutes
 set -uo pipefail
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-ROOT=$PWD
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  "$ROOT"/.whl/*.whl >/dev/null 2>&1 || echo "wheels: install failed"
-[ -e dsq/kernels ] || ln -sfn ../kernels dsq/kernels
-ls kernels/_cpu_*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace >/tmp/build_ext.log 2>&1 ||
-  tail -5 /tmp/build_ext.log
-mkdir -p /tmp/ll && [ -d /tmp/ll/llama_cpp_py ] || tar xzf "$ROOT"/.llsrc/llama-src.tar.gz -C /tmp/ll
-mkdir -p /tmp/llpy && ln -sfn /tmp/ll/llama_cpp_py /tmp/llpy/llama_cpp
-export PYTHONPATH=$ROOT:/tmp/llpy:/tmp/site
+source benchmarks/h200_setup.sh
+setup_python
 export LLAMA_CPP_LIB_PATH=$ROOT/.llavx2 DSQ_CPU_ISA=avx2
 lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core" ; uptime
 GGUF=/tmp/q15.gguf

@@ -17,10 +17,7 @@
 set -uo pipefail
 PART=${1:?tests, v2lite or v3slice}
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-ROOT=$PWD
-LL=/tmp/ll/llama.cpp
-eval "$(sed -n '/^setup_python()/,/^}/p;/^llama_bins()/,/^}/p' benchmarks/h200_split.sh)"  # its two functions
+source benchmarks/h200_setup.sh  # setup_python, llama_bins
 setup_python
 THREADS=${THREADS:-16}
 D=$OUT/moe; mkdir -p "$D"

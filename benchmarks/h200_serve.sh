@@ -15,20 +15,13 @@
 set -uo pipefail
 PART=${1:?tests, dsq or llama}
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-ROOT=$PWD
-LL=/tmp/ll/llama.cpp
+source benchmarks/h200_setup.sh  # setup_python, llama_bins
 GGUF=${GGUF:-/tmp/r8b.gguf}
 PORT=${PORT:-8000}
 PROMPT=${PROMPT:-512}   # prompts of 16..PROMPT words of held-out text
 GEN=${GEN:-128}
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  "$ROOT"/.whl/*.whl >/dev/null 2>&1 || echo "wheels: install failed"
-[ -e dsq/kernels ] || ln -sfn ../kernels dsq/kernels
-ls kernels/_cpu_*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace >/tmp/build_ext.log 2>&1 ||
-  tail -5 /tmp/build_ext.log
-export PYTHONPATH=$ROOT:/tmp/site
+setup_python
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$PART" = tests ]; then
   timeout 400 python3 -m pytest -q tests/test_attn_triton.py -k "paged or serve" 2>&1 | tail -8
