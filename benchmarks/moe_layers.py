@@ -28,19 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-
-def _decode_rate(m, prompt: list[int], n: int) -> float:
-    from dsq.runtime.generate import GenStats
-    from dsq.runtime.sampling import SamplingParams
-
-    rates = []
-    for _ in range(2):
-        m.reset()
-        st = GenStats()
-        for _ in m.stream(prompt, SamplingParams(temperature=0), n, st, ignore_eos=True):
-            pass
-        rates.append(st.decode_tok_s)
-    return rates[-1]
+from benchmarks.split_profile import _decode_rate  # the same two-run greedy rate
 
 
 def _parts(model) -> list[tuple[str, object]]:
