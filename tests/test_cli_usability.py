@@ -286,7 +286,7 @@ def test_tests_use_their_own_cache():
 def test_progress_in_a_pipe_and_resume_messages(runner, tiny_dir, tmp_path, monkeypatch):
     out = tmp_path / "r"
     args = ["-m", "dsq", "quantize", str(tiny_dir("llama")), "--method", "rtn", "--eval-tokens", "0", "--out", str(out)]
-    env = {k: v for k, v in os.environ.items() if k != "DSQ_QUIET"}
+    env = {k: v for k, v in os.environ.items() if k not in ("DSQ_QUIET", "CI")}  # CI=1 also quiets a pipe
     p = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr
     assert "rtn rtn-w4: blocks: 1/2" in p.stderr and "rtn rtn-w4: blocks: 2/2" in p.stderr
@@ -372,6 +372,7 @@ def test_progress_fits_a_narrow_terminal(monkeypatch):
     from dsq.ui import progress_bar
 
     monkeypatch.delenv("DSQ_QUIET")
+    monkeypatch.delenv("CI", raising=False)  # CI with stderr not a terminal quiets progress
     buf = io.StringIO()
     con = Console(file=buf, width=50, force_terminal=True, color_system=None)
     with progress_bar(con) as p:
