@@ -13,6 +13,7 @@ from dsq.cli.options import Ctx, Dtype, GpuLayersOption, ModelArg, Threads
 @command("serve", examples=[
     "dsq serve",
     "dsq serve model.gguf --port 8080 --ctx 8192 --max-seqs 16",
+    "dsq serve big.gguf --draft small.gguf --spec-tokens 4",
     'curl http://127.0.0.1:8000/v1/chat/completions -d \'{"messages": [{"role": "user", "content": "Hi"}]}\'',
 ])
 def serve(
@@ -39,9 +40,14 @@ def serve(
         "--prefill-chunk", help="Most prompt tokens run in one step, between decode steps.")] = 512,
     prefix_cache: Annotated[bool, typer.Option(
         "--prefix-cache/--no-prefix-cache", help="Share KV blocks of a repeated prompt prefix.")] = True,
-    spec_tokens: Annotated[int, typer.Option(
-        "--spec-tokens", help="Speculative decoding by prompt lookup (n-gram): draft tokens a step for greedy "
-        "requests, while at most 2 requests decode; 0 = off. Greedy output is the same either way.")] = 0,
+    spec_tokens: Annotated[Optional[int], typer.Option(
+        "--spec-tokens", help="Draft tokens a step for greedy requests (speculative decoding; 0 = off; default 0, "
+        "or 4 with --draft). Without --draft they come from prompt lookup (n-gram), while at most 2 requests "
+        "decode. Greedy output is the same either way.")] = None,
+    draft: Annotated[Optional[str], typer.Option(
+        "--draft", help="A small draft model sharing MODEL's vocabulary (a .gguf, an HF directory, or 'builtin'): "
+        "it proposes --spec-tokens tokens for every greedy request, the model checks them all in one batched "
+        "pass. Sampled requests (temperature > 0) decode plainly.")] = None,
     drain: Annotated[float, typer.Option("--drain", help="Seconds SIGTERM waits for running requests.")] = 60.0,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
@@ -51,14 +57,16 @@ def serve(
     top_p, seed; DeepSeek-R1 reasoning as `reasoning_content`; continuous batching (requests join
     and leave the running batch every step) over a paged KV cache with admission by free blocks
     and preemption when it is full; chunked prefill; prefix caching (hit rate in /metrics);
-    --kv-dtype fp8; speculative decoding by prompt lookup (--spec-tokens; acceptance in /metrics).
+    --kv-dtype fp8; speculative decoding of greedy requests by prompt lookup (--spec-tokens) or
+    with a draft model (--draft, its own paged KV cache; a draft whose vocabulary differs from
+    MODEL's is refused); acceptance in /metrics.
     SIGTERM lets running requests finish, then exits 0.
 
     On a GPU (--gpu-layers all) the same step runs eagerly (no CUDA graph yet), its decode
     attention in a Triton kernel that reads the blocks in place (DSQ_PAGED_ATTN=0: gathered, as
     on the CPU); not yet measured there. A model split between the CPU and a GPU is refused.
 
-    Not implemented yet: DeepSeek V2/V3 models, a draft model (--draft), --backend llama.cpp,
+    Not implemented yet: DeepSeek V2/V3 models, --backend llama.cpp,
     n > 1, logprobs, tools.
     """
     from dsq.serve.server import build, check_port, run
@@ -68,5 +76,5 @@ def serve(
     engine, api = build(model, ctx=ctx, threads=threads, dtype=dtype, kv_tokens=kv_tokens, kv_memory_mb=kv_memory,
                         kv_dtype_name=kv_dtype, block_size=block_size,
                         max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-                        spec_tokens=spec_tokens, gpu_layers=gpu_layers, console=console())
+                        spec_tokens=spec_tokens, draft=draft, gpu_layers=gpu_layers, console=console())
     run(engine, api, host, port, drain)

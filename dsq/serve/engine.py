@@ -18,6 +18,8 @@ Every step it
    checks them all: the draft is kept up to the first token the model would not have picked,
    which is replaced by the model's own. Greedy output is the same with it on and off. Only while
    at most `spec_max_rows` requests decode (each draft is checked in a pass of its own).
+   With a draft model (`draft`, serve/draft.py) the draft model proposes instead, for every
+   greedy request, and the target checks all drafts in one batched pass (no row limit).
 
 A request's state: `tokens` (prompt, then generated), `computed` (tokens whose keys/values are
 in its blocks), `target` (len(tokens) when it was admitted). Prefilling while computed < target;
@@ -85,7 +87,7 @@ class Engine:
     def __init__(self, nm, *, kv_tokens: int | None = None, kv_bytes: int | None = None, block_size: int = 16,
                  max_seqs: int = 32, prefill_chunk: int = 512,
                  prefix_cache: bool = True, kv_dtype: torch.dtype | None = None, n_ctx: int | None = None,
-                 spec_tokens: int = 0, spec_ngram: int = 3, spec_max_rows: int = SPEC_MAX_ROWS):
+                 spec_tokens: int = 0, spec_ngram: int = 3, spec_max_rows: int = SPEC_MAX_ROWS, draft=None):
         self.nm, self.model, self.tok = nm, nm.model, nm.tokenizer
         self.n_ctx = min(n_ctx or nm.n_ctx, nm.n_ctx)  # the pool always holds one sequence this long
         self.block_size, self.max_seqs = block_size, max_seqs
@@ -100,6 +102,7 @@ class Engine:
         self.kv = PagedKV(self.model, num_blocks, block_size, self.n_ctx + block_size, kv_dtype)
         self.pool = self.kv.pool
         self.device = nm.head_device
+        self.drafter = self._drafter(draft, num_blocks, kv_dtype) if draft is not None else None
         self.inbox: deque[Request] = deque()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -109,6 +112,15 @@ class Engine:
         self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "preempted": 0, "prompt_tokens": 0,
                          "generated_tokens": 0, "steps": 0, "failed": 0, "spec_draft_tokens": 0,
                          "spec_accepted_tokens": 0}
+
+    def _drafter(self, draft, num_blocks: int, kv_dtype):
+        """The draft model's pool: as many blocks as the target's, in the draft's own dtype
+        unless kv_dtype says otherwise (a small draft's blocks are a fraction of the target's)."""
+        from dsq.serve.draft import Drafter
+
+        vocab = min(self.model.args.vocab_size, draft.model.args.vocab_size)
+        return Drafter(draft, num_blocks=num_blocks, block_size=self.block_size, max_len=self.n_ctx + self.block_size,
+                       vocab=vocab, prefill_chunk=self.prefill_chunk, kv_dtype=kv_dtype)
 
     # -- outside the loop (any thread) ----------------------------------------------------
     def start(self) -> None:
@@ -145,7 +157,9 @@ class Engine:
                 "prefix_cache_lookup_tokens": p.lookups,
                 "prefix_cache_hit_tokens": p.hits, "prefix_cache_hit_rate": round(p.hit_rate, 4),
                 "spec_acceptance_rate": round(self.counters["spec_accepted_tokens"]
-                                              / max(1, self.counters["spec_draft_tokens"]), 4)}
+                                              / max(1, self.counters["spec_draft_tokens"]), 4),
+                "spec_method": "off" if not self.spec_tokens else "draft" if self.drafter else "lookup",
+                **(self.drafter.metrics() if self.drafter else {})}
 
     # -- the loop -------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -181,6 +195,8 @@ class Engine:
         self._admit()
         self._prefill()
         self._decode()
+        if self.drafter is not None:  # finished and cancelled requests' draft blocks go back at once
+            self.drafter.sync(self.running)
         self.counters["steps"] += 1
 
     def _drop_cancelled(self) -> None:
@@ -248,6 +264,10 @@ class Engine:
                     break
                 r.blocks.append(self.pool.allocate())
         rows = [r for r in rows if r in self.running and r.computed // bs < len(r.blocks)]
+        if self.drafter is not None and self.spec_tokens:
+            from dsq.serve.draft import decode_with_draft
+
+            return decode_with_draft(self, rows)
         drafts = {r: self._draft(r) for r in rows} if self.spec_tokens and len(rows) <= self.spec_max_rows else {}
         drafts = {r: d for r, d in drafts.items() if d}
         plain = [r for r in rows if r not in drafts]

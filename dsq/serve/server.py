@@ -9,6 +9,8 @@ import sys
 
 from dsq.errors import DsqError
 
+DRAFT_TOKENS = 4  # --spec-tokens with --draft when not given (docs/benchmarks.md#dsq-serve)
+
 
 def model_id(nm) -> str:
     """The name clients pass as `model`: the model file's or directory's name, without .gguf."""
@@ -41,8 +43,9 @@ def kv_dtype(name: str | None):
 
 def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None, kv_tokens: int | None,
           block_size: int, kv_dtype_name: str | None = None, kv_memory_mb: float | None = None,
-          spec_tokens: int = 0, gpu_layers: str = "0", max_seqs: int, prefill_chunk: int, prefix_cache: bool, console=None):
-    """(engine, api) for MODEL on the native backend."""
+          spec_tokens: int | None = None, draft: str | None = None, gpu_layers: str = "0", max_seqs: int,
+          prefill_chunk: int, prefix_cache: bool, console=None):
+    """(engine, api) for MODEL on the native backend (and DRAFT, a draft model, with it)."""
     from dsq.runtime.engine import load
     from dsq.serve.api import Api
     from dsq.serve.engine import Engine
@@ -55,8 +58,13 @@ def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None
         raise DsqError(f"--kv-memory must be > 0 MiB, got {kv_memory_mb}")
     if block_size < 1 or block_size & (block_size - 1):
         raise DsqError(f"--block-size must be a power of two, got {block_size}")
+    if spec_tokens is None:
+        spec_tokens = DRAFT_TOKENS if draft is not None else 0
     if spec_tokens < 0:
         raise DsqError(f"--spec-tokens must be >= 0, got {spec_tokens}", "use 0 to turn speculative decoding off")
+    if draft is not None and spec_tokens == 0:
+        raise DsqError("--draft proposes --spec-tokens tokens a step, and --spec-tokens is 0",
+                       "pass --spec-tokens 1 or more (4 if left out), or drop --draft")
     if max_seqs < 1:
         raise DsqError(f"--max-seqs must be at least 1, got {max_seqs}")
     if prefill_chunk < 1:
@@ -71,11 +79,48 @@ def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None
         raise DsqError(f"dsq serve runs a model on one device; this one is split ({', '.join(sorted(devices))})",
                        "pass --gpu-layers all (or leave it out for the CPU)")
     nm.cache = None  # the single-sequence cache: the engine keeps its own pool
+    draft_nm = None
+    if draft is not None:
+        draft_nm = _load_draft(draft, nm, ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers,
+                               console=console)
     kv_bytes = int(kv_memory_mb * 2**20) if kv_memory_mb is not None else None
     engine = Engine(nm, kv_tokens=kv_tokens, kv_bytes=kv_bytes, block_size=block_size, max_seqs=max_seqs,
                     prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, kv_dtype=kv_dt,
-                    spec_tokens=spec_tokens)
+                    spec_tokens=spec_tokens, draft=draft_nm)
     return engine, Api(engine, model_id(nm))
+
+
+def _load_draft(draft: str, nm, *, ctx: int, threads, dtype, gpu_layers: str, console):
+    """--draft: the draft model on the target's device, refused unless it shares the target's
+    vocabulary and PagedKV can run it."""
+    from dsq.runtime.engine import load
+    from dsq.serve.draft import check_draft
+    from dsq.serve.paged import supported
+
+    try:
+        dm = load(None if draft == "builtin" else draft, backend="native", ctx=ctx, threads=threads, dtype=dtype,
+                  gpu_layers=gpu_layers, console=console, cuda_graph=False)
+    except DsqError as e:
+        hint = e.hint and e.hint.replace("nothing for the built-in model", "'builtin' for the built-in model")
+        raise type(e)(f"--draft: {e.message}", hint) from None
+    if not supported(dm.model):
+        raise DsqError(f"--draft {draft}: a {dm.arch} model cannot be a draft model yet",
+                       "pick a llama, qwen2 or gemma3 draft from the target's family")
+    where = {str(d) for d in dm.model.layer_devices()} | {str(dm.head_device)}
+    if where != {str(nm.head_device)}:
+        raise DsqError(f"--draft {draft} runs on {', '.join(sorted(where))}, the target on {nm.head_device}",
+                       "keep both on one device: --gpu-layers all (or leave it out for the CPU)")
+    check_draft(nm, dm, draft)
+    dm.cache = None
+    return dm
+
+
+def _spec_note(engine) -> str:
+    if not engine.spec_tokens:
+        return ""
+    if engine.drafter is None:
+        return f", prompt-lookup drafts of {engine.spec_tokens} tokens"
+    return f", draft model {model_id(engine.drafter.nm)} proposing {engine.spec_tokens} tokens"
 
 
 def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
@@ -92,7 +137,7 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
     sys.stderr.write(f"dsq serve: {api.model_id} on http://{host}:{port}/v1 (native engine, {m['kv_blocks_total']} "
                      f"KV blocks of {m['kv_block_size']} tokens in {m['kv_dtype']}, {m['kv_bytes'] / 2**20:.0f} MiB, "
                      f"context {engine.n_ctx}, up to {engine.max_seqs} "
-                     "sequences a step)\n")
+                     f"sequences a step{_spec_note(engine)})\n")
     sys.stderr.flush()
     try:
         server.run()

@@ -1,0 +1,146 @@
+"""`dsq serve --draft`: speculative decoding with a draft model, over HTTP with the official
+`openai` client (servers on 127.0.0.1, bounded waits), and in the engine.
+
+- the built-in model as its own draft: every proposal is kept (acceptance ~1);
+- a draft that disagrees: the built-in model without its last decoder layer (its first 17 layers
+  and its head, a bf16 HF directory written here), which the target overrules about half the time;
+- both: greedy replies to concurrent requests (more than spec_max_rows decoding: the draft path
+  checks all rows in one batched pass) equal to speculation off; a sampled request proposes nothing;
+- a draft with another vocabulary (a tiny random GGUF) is refused in one line before serving.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from test_serve import N_TOKENS, PROMPTS, _dsq_run_all, _metrics, _start, _stop, int8_x_build
+
+openai = pytest.importorskip("openai")
+
+MODEL = "gemma-3-270m-q4_k_m"
+
+
+@pytest.fixture(autouse=True)
+def _float_x(monkeypatch):
+    if int8_x_build():  # greedy equality across batch shapes is about batching, not x's rounding
+        monkeypatch.setenv("DSQ_NO_VNNI", "1")
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """Greedy replies with speculation off (dsq run's)."""
+    return _dsq_run_all(PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def shallow_draft(builtin_hf, tmp_path_factory):
+    """The built-in model minus its last decoder layer, as a bf16 HF directory."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("draft-17")
+    cfg = json.loads((builtin_hf / "config.json").read_text())
+    n = cfg["num_hidden_layers"] - 1
+    cfg["num_hidden_layers"] = n
+    if "layer_types" in cfg:
+        cfg["layer_types"] = cfg["layer_types"][:n]
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in builtin_hf.iterdir():
+        if f.is_file() and f.name not in ("config.json",) and f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    weights = {}
+    for f in sorted(builtin_hf.glob("*.safetensors")):
+        weights.update(load_file(f))
+    kept = {k: v for k, v in weights.items() if not (m := re.search(r"\.layers\.(\d+)\.", k)) or int(m[1]) < n}
+    assert len(kept) < len(weights)
+    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _greedy_all(base: str, prompts: list[str]) -> list[str]:
+    c = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=300, max_retries=0)
+
+    def one(p: str) -> str:
+        return c.completions.create(model=MODEL, prompt=p, max_tokens=N_TOKENS, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts, timeout=600))
+
+
+def test_the_model_as_its_own_draft_keeps_every_proposal(expected, runner):
+    from dsq.cli import app
+
+    s = _start("--draft", "builtin", "--spec-tokens", "4")
+    try:
+        jobs = PROMPTS + PROMPTS[:3]  # 8 at once: more rows than prompt lookup would speculate on
+        assert _greedy_all(s["base"], jobs) == [expected[p] for p in jobs]
+        m = _metrics(s)
+        assert m["spec_method"] == "draft" and m["spec_draft_tokens"] > 0
+        assert m["spec_acceptance_rate"] >= 0.9
+        assert m["draft_rows"] > 0 and m["failed"] == 0
+        assert m["kv_blocks_held"] == 0 and m["draft_kv_blocks_held"] == 0
+        # a sampled request decodes plainly: no proposals
+        c = openai.OpenAI(base_url=s["base"] + "/v1", api_key="none", timeout=120, max_retries=0)
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=1.0, seed=3)
+        assert r.usage.completion_tokens >= 1
+        assert _metrics(s)["spec_draft_tokens"] == m["spec_draft_tokens"]
+        # dsq bench --serve reports the server's acceptance over each level
+        b = runner.invoke(app, ["bench", "--serve", s["base"], "--concurrency", "2", "--requests", "2",
+                                "--gen-tokens", "6", "--prompt-tokens", "16"])
+        assert b.exit_code == 0, b.output
+        assert "speculative acceptance" in b.stderr
+    finally:
+        _stop(s)
+
+
+def test_a_draft_the_model_overrules_keeps_greedy_output(expected, shallow_draft):
+    s = _start("--draft", str(shallow_draft), "--spec-tokens", "3")
+    try:
+        assert _greedy_all(s["base"], PROMPTS) == [expected[p] for p in PROMPTS]
+        m = _metrics(s)
+        assert m["spec_draft_tokens"] > 0
+        assert 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"]
+        assert 0 < m["spec_acceptance_rate"] < 1
+        assert m["kv_blocks_held"] == 0 and m["draft_kv_blocks_held"] == 0 and m["failed"] == 0
+    finally:
+        _stop(s)
+
+
+def test_a_draft_with_another_vocabulary_is_one_line(runner, tmp_path):
+    from dsq.bench.random_gguf import write_random_gguf
+    from dsq.cli import app
+
+    tiny = write_random_gguf(tmp_path / "tiny.gguf", shape="tiny", mix="Q8_0")
+    r = runner.invoke(app, ["serve", "--port", "0", "--ctx", "256", "--draft", str(tiny)])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 1 and len(lines) == 1, r.output
+    assert lines[0].startswith("error: --draft") and "vocabulary" in lines[0] and "1024 tokens" in lines[0]
+    r = runner.invoke(app, ["serve", "--port", "0", "--draft", str(tiny), "--spec-tokens", "0"])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 1 and len(lines) == 1 and "--spec-tokens" in lines[0], r.output
+
+
+def test_vocab_check_names_what_differs(builtin_gguf):
+    """Same tokens: no complaint; a tokenizer that splits text differently, or other special
+    tokens, is named."""
+    from dsq.runtime.engine import load
+    from dsq.serve.draft import vocab_mismatch
+
+    nm = load(None, backend="native", ctx=64, cuda_graph=False)
+    assert vocab_mismatch(nm, nm) is None
+
+    class Other:
+        model, bos_token, eos_token = nm.model, nm.bos_token, nm.eos_token
+        detokenize, is_eog = nm.detokenize, nm.is_eog
+
+        def tokenize(self, text, add_bos=True):
+            return nm.tokenize(text, add_bos=add_bos)[::-1]
+
+    assert "splits" in vocab_mismatch(nm, Other())
+    Other.tokenize = lambda self, text, add_bos=True: nm.tokenize(text, add_bos=add_bos)
+    assert vocab_mismatch(nm, Other()) is None
+    Other.eos_token = "</s>"
+    assert "eos token is '</s>'" in vocab_mismatch(nm, Other())
