@@ -144,3 +144,74 @@ def test_vocab_check_names_what_differs(builtin_gguf):
     assert vocab_mismatch(nm, Other()) is None
     Other.eos_token = "</s>"
     assert "eos token is '</s>'" in vocab_mismatch(nm, Other())
+
+
+# -- the engine, without HTTP --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def builtin():
+    from dsq.runtime.engine import load
+
+    return load(None, backend="native", ctx=512, cuda_graph=False)
+
+
+def _greedy_engine(eng, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """Run `prompts` through `eng` step by step; each request's text."""
+    from dsq.runtime.sampling import SamplingParams
+    from dsq.serve.engine import Request
+
+    texts = [""] * len(prompts)
+    reqs = []
+    for i, p in enumerate(prompts):
+        def emit(ev, i=i):
+            assert ev.kind != "error", ev.text
+            texts[i] += ev.text if ev.kind == "text" else ""
+        reqs.append(Request(p, SamplingParams(temperature=0), max_tokens, emit))
+        eng.submit(reqs[-1])
+    eng.waiting.extend(eng.inbox)
+    eng.inbox.clear()
+    for _ in range(20 * max_tokens * len(prompts)):
+        if all(r.finished for r in reqs):
+            break
+        eng.step()
+    assert all(r.finished for r in reqs)
+    return texts, reqs
+
+
+def test_seq_catch_up_counts_the_kept_proposals():
+    from dsq.serve.draft import _Seq
+
+    s = _Seq(base=5, fed=[7, 8, 9])
+    assert s.catch_up([0, 1, 2, 3, 4, 7, 8, 9, 6, 2]) == 8  # all three kept, then more
+    assert s.catch_up([0, 1, 2, 3, 4, 7, 5]) == 6  # one kept, then the target's own
+    assert s.catch_up([0, 1, 2, 3, 4, 7]) == 5  # never the last token: the draft runs it
+    assert s.catch_up([0, 1, 2]) == 2  # fewer tokens than the draft saw (cannot happen; still safe)
+
+
+def test_engine_draft_survives_a_full_draft_pool_and_preemption(builtin, shallow_draft):
+    """A draft pool too small for every request skips some (they decode plainly); a target pool
+    too small for all preempts; greedy replies stay those of speculation off."""
+    from dsq.runtime.engine import encode_prompt, load
+    from dsq.serve.draft import Drafter
+    from dsq.serve.engine import Engine
+
+    draft = load(str(shallow_draft), backend="native", ctx=512, cuda_graph=False)
+    ids = [encode_prompt(builtin, p) for p in PROMPTS[:4]]
+    ref, _ = _greedy_engine(Engine(builtin, kv_tokens=4096, block_size=4), ids, 12)
+    eng = Engine(builtin, kv_tokens=4096, block_size=4, spec_tokens=3, draft=draft)
+    eng.drafter = Drafter(draft, num_blocks=8, block_size=4, max_len=eng.n_ctx + 4, vocab=eng.drafter.vocab,
+                          prefill_chunk=eng.prefill_chunk)  # room for about two of the four
+    got, _ = _greedy_engine(eng, ids, 12)
+    m = eng.metrics()
+    assert got == ref
+    assert m["draft_skipped_rows"] > 0 and m["draft_rows"] > 0 and 0 < m["spec_acceptance_rate"] < 1
+    assert m["draft_kv_blocks_held"] == 0 and m["kv_blocks_held"] == 0
+    # a target pool of 11 blocks of 4 tokens for four sequences of ~21 tokens: preemptions
+    eng = Engine(builtin, kv_tokens=44, block_size=4, max_seqs=4, prefix_cache=False, n_ctx=40, spec_tokens=3,
+                 draft=builtin)
+    got, reqs = _greedy_engine(eng, ids, 12)
+    assert eng.counters["preempted"] > 0 and eng.metrics()["spec_accepted_tokens"] > 0
+    # a preempted request is recomputed by a prefill, whose rounding may part greedy ways at a near-tie
+    kept = [i for i, r in enumerate(reqs) if r.preemptions == 0]
+    assert kept and [got[i] for i in kept] == [ref[i] for i in kept]
+    assert eng.metrics()["draft_kv_blocks_held"] == 0
