@@ -6,6 +6,9 @@
 #   bash benchmarks/h200_serve.sh tests    # the Triton paged attention and serve's paged step on the GPU
 #   bash benchmarks/h200_serve.sh dsq      # dsq serve --gpu-layers all (the eager torch step, paged KV in bf16,
 #                                          # decode attention in the Triton paged kernel)
+#   DRAFT=/tmp/r8b-2l.gguf bash benchmarks/h200_serve.sh dsq   # with a draft model (--draft; SPEC tokens, default 4):
+#                                          # made here as the same random shape cut to DRAFT_LAYERS (2) layers,
+#                                          # which shares the 8B file's vocabulary; DRAFT=$GGUF: the model as its own draft
 #   bash benchmarks/h200_serve.sh llama    # llama-server -ngl 99 --parallel 32 (continuous batching), built
 #                                          # from the vendored sources when .llbin/ carries no llama-server
 #
@@ -28,6 +31,9 @@ if [ "$PART" = tests ]; then
   exit 0
 fi
 [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape "${SHAPE:-llama3-8b}" --mix Q4_K_M | tail -1
+if [ -n "${DRAFT:-}" ] && [ ! -f "$DRAFT" ]; then
+  python3 -m dsq.bench.random_gguf "$DRAFT" --shape "${SHAPE:-llama3-8b}" --mix Q4_K_M --layers "${DRAFT_LAYERS:-2}" | tail -1
+fi
 
 wait_up() {  # $1: pid; the server's /health within 300 s
   for _ in $(seq 300); do
@@ -49,12 +55,13 @@ load() {  # $1: tag. Concurrency 1 on 8 requests, then 8 and 32 on 64 (P99 of 64
 
 if [ "$PART" = dsq ]; then
   python3 -m dsq serve "$GGUF" --gpu-layers all --ctx 4096 --kv-memory "${KV_MB:-40000}" --max-seqs 64 \
-    --port "$PORT" ${KV_DTYPE:+--kv-dtype $KV_DTYPE} ${SPEC:+--spec-tokens $SPEC} > /tmp/serve.log 2>&1 &
+    --port "$PORT" ${KV_DTYPE:+--kv-dtype $KV_DTYPE} ${SPEC:+--spec-tokens $SPEC} ${DRAFT:+--draft $DRAFT} \
+    > /tmp/serve.log 2>&1 &
   pid=$!
   wait_up $pid || { echo "dsq serve did not come up"; tail -20 /tmp/serve.log; exit 1; }
   head -1 /tmp/serve.log
-  load "dsq${KV_DTYPE:+_$KV_DTYPE}"
-  curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "preempted|prefix_cache_hit_rate|spec_acceptance|kv_blocks_total"
+  load "dsq${KV_DTYPE:+_$KV_DTYPE}${DRAFT:+_draft}"
+  curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "preempted|prefix_cache_hit_rate|spec_|draft_|kv_blocks_total"
   kill -TERM $pid; wait $pid; echo "dsq serve exited $?"
   exit 0
 fi

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -39,25 +38,10 @@ def expected():
 @pytest.fixture(scope="module")
 def shallow_draft(builtin_hf, tmp_path_factory):
     """The built-in model minus its last decoder layer, as a bf16 HF directory."""
-    from safetensors.torch import load_file, save_file
+    from benchmarks.draft_layers import write_first_layers
 
-    out = tmp_path_factory.mktemp("draft-17")
-    cfg = json.loads((builtin_hf / "config.json").read_text())
-    n = cfg["num_hidden_layers"] - 1
-    cfg["num_hidden_layers"] = n
-    if "layer_types" in cfg:
-        cfg["layer_types"] = cfg["layer_types"][:n]
-    (out / "config.json").write_text(json.dumps(cfg))
-    for f in builtin_hf.iterdir():
-        if f.is_file() and f.name not in ("config.json",) and f.suffix != ".safetensors":
-            (out / f.name).write_bytes(f.read_bytes())
-    weights = {}
-    for f in sorted(builtin_hf.glob("*.safetensors")):
-        weights.update(load_file(f))
-    kept = {k: v for k, v in weights.items() if not (m := re.search(r"\.layers\.(\d+)\.", k)) or int(m[1]) < n}
-    assert len(kept) < len(weights)
-    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    n = json.loads((builtin_hf / "config.json").read_text())["num_hidden_layers"] - 1
+    return write_first_layers(builtin_hf, tmp_path_factory.mktemp("draft-first-layers"), n)
 
 
 def _greedy_all(base: str, prompts: list[str]) -> list[str]:
@@ -215,3 +199,8 @@ def test_engine_draft_survives_a_full_draft_pool_and_preemption(builtin, shallow
     kept = [i for i, r in enumerate(reqs) if r.preemptions == 0]
     assert kept and [got[i] for i in kept] == [ref[i] for i in kept]
     assert eng.metrics()["draft_kv_blocks_held"] == 0
+    # the same prompt twice: the draft's pool shares the first one's full prompt blocks with the second
+    eng = Engine(builtin, kv_tokens=4096, block_size=4, spec_tokens=3, draft=builtin)
+    got, _ = _greedy_engine(eng, [ids[0], ids[0]], 12)
+    assert got == [ref[0], ref[0]]
+    assert eng.metrics()["draft_prefix_cache_hit_tokens"] >= (len(ids[0]) - 1) // 4 * 4 > 0

@@ -15,7 +15,9 @@ the last verification kept past the draft's own), then proposes. What the draft 
 tokens the target kept is forgotten by setting its computed count back (`_Seq.catch_up`), and
 overwritten when the draft runs there again. Rows whose catch-up is short run together, padded to
 the longest by starting earlier (re-running tokens the draft already holds: the draft's rounding
-only changes what it proposes, never what the target outputs).
+only changes what it proposes, never what the target outputs). Full blocks of a prompt the draft
+ran are indexed by prefix hash in its pool, so a later request with the same prefix (a shared
+system prompt) takes them instead of running them again.
 
 Non-greedy requests (temperature > 0, or a repeat penalty) decode plainly.
 """
@@ -105,14 +107,21 @@ class Drafter:
 
     def metrics(self) -> dict:
         return {**self.counters, "draft_kv_blocks_total": self.pool.num_blocks,
-                "draft_kv_blocks_held": sum(1 for r in self.pool.ref if r > 0)}
+                "draft_kv_blocks_held": sum(1 for r in self.pool.ref if r > 0),
+                "draft_prefix_cache_hit_tokens": self.pool.hits}
 
     def sync(self, running) -> None:
         """Forget requests that no longer run (finished, cancelled, preempted): their blocks go
         back to the draft's pool (a preempted request starts over when it is admitted again)."""
         alive = set(running)
         for r in [r for r in self.seqs if r not in alive]:
-            self.pool.release(self.seqs.pop(r).blocks)
+            self.release(r)
+
+    def release(self, r) -> None:
+        """r is done (finished, cancelled, failed): its draft blocks go back to the pool."""
+        s = self.seqs.pop(r, None)
+        if s is not None:
+            self.pool.release(s.blocks)
 
     def _forward(self, ids, starts, tables) -> list[int]:
         """The draft's greedy next token after each row."""
@@ -136,9 +145,11 @@ class Drafter:
         short: list = []  # (request, seq, tokens to run from, run length)
         for r, room in rooms.items():
             s = self.seqs.get(r)
-            if s is None:
-                s = self.seqs[r] = _Seq()
             t = r.tokens
+            if s is None:  # full blocks of a prompt prefix the draft ran before are shared, as in the target's pool
+                s = self.seqs[r] = _Seq()
+                s.blocks = self.pool.match(t, len(t) - 1)
+                s.base = len(s.blocks) * self.block_size
             have = s.catch_up(t)
             if not self._reserve(s, len(t) + room - 1):
                 self.counters["draft_skipped_rows"] += 1
@@ -155,6 +166,7 @@ class Drafter:
                 nxt = self._forward([t[start:end]], [start], [s.blocks])[0]
                 start = end
             first[r] = nxt
+            self.pool.register(t, s.blocks)
         if short:
             width = max(todo for _, _, todo in short)
             fits = [(r, s) for r, s, _ in short if len(r.tokens) >= width]

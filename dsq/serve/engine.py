@@ -195,7 +195,7 @@ class Engine:
         self._admit()
         self._prefill()
         self._decode()
-        if self.drafter is not None:  # finished and cancelled requests' draft blocks go back at once
+        if self.drafter is not None:  # preempted requests' draft blocks go back too
             self.drafter.sync(self.running)
         self.counters["steps"] += 1
 
@@ -369,6 +369,8 @@ class Engine:
             self.running.remove(r)
         self.pool.release(r.blocks)
         r.blocks = []
+        if self.drafter is not None:
+            self.drafter.release(r)
 
     def _fail(self, r: Request, message: str) -> None:
         self._retire(r)
