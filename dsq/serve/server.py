@@ -9,7 +9,7 @@ import sys
 
 from dsq.errors import DsqError
 
-DRAFT_TOKENS = 4  # --spec-tokens with --draft when not given (docs/benchmarks.md#dsq-serve)
+DRAFT_TOKENS = 4  # --spec-tokens with --draft when not given: as measured, not tuned (docs/benchmarks.md#dsq-serve)
 
 
 def model_id(nm) -> str:
