@@ -239,6 +239,9 @@ def test_engine_batches_preempts_and_matches_generate(q8):
     texts, usages, eng, _ = _run_engine(q8, ids, N_TOKENS, kv_tokens=4096, max_seqs=8)
     assert texts == ref
     assert all(u["completion_tokens"] == N_TOKENS for u in usages.values())
+    # speculative decoding by prompt lookup: a draft is checked in one pass over several positions
+    spec, _, eng, _ = _run_engine(q8, ids, N_TOKENS, kv_tokens=4096, max_seqs=8, spec_tokens=4, spec_max_rows=8)
+    assert spec == ref and eng.counters["spec_draft_tokens"] > 0
     # a pool too small for all five: requests wait and are preempted; the ones never preempted
     # match exactly (a preempted one is recomputed by a prefill, whose rounding differs)
     texts, _, eng, reqs = _run_engine(q8, ids, N_TOKENS, kv_tokens=56, block_size=4, max_seqs=5,
