@@ -364,3 +364,15 @@ def test_served_concurrent_greedy_and_prefix_hits_match_dsq_run(server, client, 
     m = _get(server["base"] + "/metrics?format=json")
     assert cached >= 32 and m["prefix_cache_hit_tokens"] - before >= cached > 0
     assert m["failed"] == 0 and m["kv_blocks_held"] == 0 and m["kv_dtype"] == "float32"
+
+
+def test_cli_experts_flag_errors(runner, tiny_dir, q8_path):
+    """Bad --experts for serve: one line, exit 1, before a server starts."""
+    from test_cli_errors import one_line_error
+
+    from dsq.cli import app
+
+    r = runner.invoke(app, ["serve", str(q8_path), "--port", "0", "--experts", "sideways"])
+    assert one_line_error(r).startswith("error: --experts takes cpu, gpu or auto")
+    r = runner.invoke(app, ["serve", str(tiny_dir("deepseek_v2")), "--port", "0", "--experts", "cpu"])
+    one_line_error(r, "--experts cpu runs GGUF experts", "--experts gpu")
