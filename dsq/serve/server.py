@@ -41,8 +41,10 @@ def kv_dtype(name: str | None):
 
 def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None, kv_tokens: int | None,
           block_size: int, kv_dtype_name: str | None = None, kv_memory_mb: float | None = None,
-          spec_tokens: int = 0, gpu_layers: str = "0", max_seqs: int, prefill_chunk: int, prefix_cache: bool, console=None):
-    """(engine, api) for MODEL on the native backend."""
+          spec_tokens: int = 0, gpu_layers: str = "0", max_seqs: int, prefill_chunk: int, prefix_cache: bool,
+          experts: str = "auto", console=None):
+    """(engine, api) for MODEL on the native backend (`experts`: where a MoE model's routed
+    experts run, runtime/experts.py)."""
     from dsq.runtime.engine import load
     from dsq.serve.api import Api
     from dsq.serve.engine import Engine
@@ -62,9 +64,9 @@ def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None
     if prefill_chunk < 1:
         raise DsqError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
     nm = load(model, backend="native", ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers, console=console,
-              cuda_graph=False)
+              cuda_graph=False, experts=experts)
     if not supported(nm.model):
-        raise DsqError(f"dsq serve runs llama, qwen2 and gemma3 models; {nm.arch} is not served yet",
+        raise DsqError(f"dsq serve runs llama, qwen2, gemma3 and deepseek models; {nm.arch} is not served yet",
                        "use dsq run or dsq chat for this model")
     devices = {str(d) for d in nm.model.layer_devices()} | {str(nm.head_device)}
     if len(devices) > 1:
@@ -89,8 +91,9 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
     signal.signal(signal.SIGTERM, lambda *_: None)
     engine.start()
     m = engine.metrics()
-    sys.stderr.write(f"dsq serve: {api.model_id} on http://{host}:{port}/v1 (native engine, {m['kv_blocks_total']} "
-                     f"KV blocks of {m['kv_block_size']} tokens in {m['kv_dtype']}, {m['kv_bytes'] / 2**20:.0f} MiB, "
+    sys.stderr.write(f"dsq serve: {api.model_id} on http://{host}:{port}/v1 (native engine, KV cache of "
+                     f"{m['kv_blocks_total'] * m['kv_block_size']} tokens: {m['kv_blocks_total']} blocks of "
+                     f"{m['kv_block_size']} in {m['kv_dtype']}, {m['kv_bytes'] / 2**20:.0f} MiB, "
                      f"context {engine.n_ctx}, up to {engine.max_seqs} "
                      "sequences a step)\n")
     sys.stderr.flush()
