@@ -3,7 +3,8 @@
 # the same `dsq bench --serve` load on a random 8B-shaped Q4_K_M GGUF (ignore_eos, so every reply is --gen-tokens
 # long), cost per 1M output tokens at $3/GPU-hour.
 #
-#   bash benchmarks/h200_serve.sh tests    # the Triton paged attention and serve's paged step on the GPU
+#   bash benchmarks/h200_serve.sh tests    # the Triton paged attention and serve's paged step on the GPU (llama's,
+#                                          # and DeepSeek's latent cache with the experts on the GPU and in RAM)
 #   bash benchmarks/h200_serve.sh dsq      # dsq serve --gpu-layers all (the eager torch step, paged KV in bf16,
 #                                          # decode attention in the Triton paged kernel)
 #   DRAFT=/tmp/r8b-2l.gguf bash benchmarks/h200_serve.sh dsq   # with a draft model (--draft; SPEC tokens, default 4):
@@ -11,6 +12,9 @@
 #                                          # which shares the 8B file's vocabulary; DRAFT=$GGUF: the model as its own draft
 #   bash benchmarks/h200_serve.sh llama    # llama-server -ngl 99 --parallel 32 (continuous batching), built
 #                                          # from the vendored sources when .llbin/ carries no llama-server
+#
+# DeepSeek (MLA + MoE): SHAPE=deepseek-v2-lite GGUF=/tmp/v2lite.gguf EXPERTS=cpu|gpu bash benchmarks/h200_serve.sh dsq
+# (and the same SHAPE/GGUF for llama).
 #
 # The machine has no dsq install and no network: the C kernels are built in place, dsq.kernels is linked to
 # kernels/, and the wheels dsq serve needs travel in .whl/ (starlette, uvicorn, h11, anyio, sniffio, idna,
@@ -28,6 +32,7 @@ setup_python
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$PART" = tests ]; then
   timeout 400 python3 -m pytest -q tests/test_attn_triton.py -k "paged or serve" 2>&1 | tail -8
+  timeout 400 python3 -m pytest -q -rs tests/test_serve_deepseek.py -k gpu 2>&1 | tail -8
   exit 0
 fi
 [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape "${SHAPE:-llama3-8b}" --mix Q4_K_M | tail -1
@@ -55,12 +60,12 @@ load() {  # $1: tag. Concurrency 1 on 8 requests, then 8 and 32 on 64 (P99 of 64
 
 if [ "$PART" = dsq ]; then
   python3 -m dsq serve "$GGUF" --gpu-layers all --ctx 4096 --kv-memory "${KV_MB:-40000}" --max-seqs 64 \
-    --port "$PORT" ${KV_DTYPE:+--kv-dtype $KV_DTYPE} ${SPEC:+--spec-tokens $SPEC} ${DRAFT:+--draft $DRAFT} \
-    > /tmp/serve.log 2>&1 &
+    --port "$PORT" ${KV_DTYPE:+--kv-dtype $KV_DTYPE} ${SPEC:+--spec-tokens $SPEC} ${EXPERTS:+--experts $EXPERTS} \
+    ${DRAFT:+--draft $DRAFT} > /tmp/serve.log 2>&1 &
   pid=$!
   wait_up $pid || { echo "dsq serve did not come up"; tail -20 /tmp/serve.log; exit 1; }
   head -1 /tmp/serve.log
-  load "dsq${KV_DTYPE:+_$KV_DTYPE}${DRAFT:+_draft}"
+  load "dsq${KV_DTYPE:+_$KV_DTYPE}${EXPERTS:+_experts_$EXPERTS}${DRAFT:+_draft}"
   curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "preempted|prefix_cache_hit_rate|spec_|draft_|kv_blocks_total"
   kill -TERM $pid; wait $pid; echo "dsq serve exited $?"
   exit 0

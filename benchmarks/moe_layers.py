@@ -25,10 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
-from benchmarks.split_profile import _decode_rate  # the same two-run greedy rate
+from benchmarks.split_profile import _decode_rate, timing_hooks  # the same two-run greedy rate and hooks
 
 
 def _parts(model) -> list[tuple[str, object]]:
@@ -59,24 +58,7 @@ def _part_times(m, prompt: list[int], steps: int) -> dict[str, float]:
     from dsq.runtime.generate import GenStats
     from dsq.runtime.sampling import SamplingParams
 
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    marks: dict[str, list[float]] = {}
-    t0: dict[str, float] = {}
-
-    def pre(name):
-        def hook(mod, args):
-            sync()
-            t0[name] = time.perf_counter()
-        return hook
-
-    def post(name):
-        def hook(mod, args, out):
-            sync()
-            marks.setdefault(name, []).append(1e3 * (time.perf_counter() - t0[name]))
-        return hook
-
-    hooks = [h for name, mod in _parts(m.model) for h in (mod.register_forward_pre_hook(pre(name)),
-                                                          mod.register_forward_hook(post(name)))]
+    marks, hooks = timing_hooks(_parts(m.model))
     MoE.overlap = False
     graph, m._graph = m._graph, None  # eager steps: the hooks see each part
     try:

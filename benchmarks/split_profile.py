@@ -34,14 +34,14 @@ def _decode_rate(m, prompt: list[int], n: int) -> float:
     return rates[-1]
 
 
-def _layer_times(m, prompt: list[int], steps: int = 3) -> dict:
-    """Median wall ms per decoder layer (and head) over a few eager decode steps."""
+def timing_hooks(mods: list) -> tuple[dict[str, list[float]], list]:
+    """Forward hooks on each (name, module) that record its wall ms per call into marks[name], a
+    device sync before and after; returns (marks, the hook handles to remove)."""
     import torch
 
-    model = m.model
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     marks: dict[str, list[float]] = {}
-    t0 = {}
+    t0: dict[str, float] = {}
 
     def pre(name):
         def hook(mod, args):
@@ -55,10 +55,17 @@ def _layer_times(m, prompt: list[int], steps: int = 3) -> dict:
             marks.setdefault(name, []).append(1e3 * (time.perf_counter() - t0[name]))
         return hook
 
-    mods = [(f"layer {i} ({next(layer.parameters(), next(layer.buffers())).device.type})", layer)
-            for i, layer in enumerate(model.model.layers)] + [("head", model.lm_head), ("norm", model.model.norm)]
     hooks = [h for name, mod in mods for h in (mod.register_forward_pre_hook(pre(name)),
                                                 mod.register_forward_hook(post(name)))]
+    return marks, hooks
+
+
+def _layer_times(m, prompt: list[int], steps: int = 3) -> dict:
+    """Median wall ms per decoder layer (and head) over a few eager decode steps."""
+    model = m.model
+    mods = [(f"layer {i} ({next(layer.parameters(), next(layer.buffers())).device.type})", layer)
+            for i, layer in enumerate(model.model.layers)] + [("head", model.lm_head), ("norm", model.model.norm)]
+    marks, hooks = timing_hooks(mods)
     graph, m._graph = m._graph, None  # eager steps: hooks see each layer
     fused, m.model._fused_decode = m.model._fused_decode, None  # op by op: hooks see each CPU layer
     try:

@@ -25,12 +25,16 @@ from dsq.kernels.triton_common import INTERPRET, sm_count
 
 
 @triton.jit
-def _attn_part(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, ml_ptr, S, HK, scale,
-               s_qb, s_qh, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_mb,
-               SPLIT, REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, F32: tl.constexpr):
+def _attn_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, acc_ptr, ml_ptr, S, HK, scale,
+               s_qb, s_qh, s_kn, s_kh, s_ks, s_vn, s_vh, s_vs, s_tb, s_mb, BLK,
+               SPLIT, REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, F32: tl.constexpr,
+               PAGED: tl.constexpr):
     """Program (b * HK + hk, split): query heads hk * REP .. + REP of sequence b against cache slots
     split * SPLIT .. + SPLIT, in tiles of BS slots. Writes acc = sum_s p_s v_s (RP, D), and the
-    running max m and sum l of p (RP,) per head, with p_s = exp(q k_s scale - m)."""
+    running max m and sum l of p (RP,) per head, with p_s = exp(q k_s scale - m).
+
+    Slot s of sequence b is row s of cache b (s_kn: the batch stride), or with PAGED row s % BLK of
+    block t[b, s // BLK] (s_kn: the block stride)."""
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     b = bh // HK
@@ -42,13 +46,17 @@ def _attn_part(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, ml_ptr, S, HK, scale,
     m_i = tl.full((RP,), float("-inf"), tl.float32)
     l_i = tl.zeros((RP,), tl.float32)
     acc = tl.zeros((RP, D), tl.float32)
-    kb = k_ptr + b * s_kb + hk * s_kh
-    vb = v_ptr + b * s_vb + hk * s_vh
     s0 = sp * SPLIT
     for t in range(0, SPLIT, BS):
         offs = s0 + t + tl.arange(0, BS)
         ok = tl.load(m_ptr + b * s_mb + offs, mask=offs < S, other=0) != 0  # masked or past S: not loaded
-        k = tl.load(kb + offs[:, None] * s_ks + d[None, :], mask=ok[:, None], other=0)
+        if PAGED:
+            blk = tl.load(t_ptr + b * s_tb + offs // BLK, mask=ok, other=0).to(tl.int64)
+            row = offs % BLK
+        else:
+            blk = b
+            row = offs
+        k = tl.load(k_ptr + (blk * s_kn + hk * s_kh + row * s_ks)[:, None] + d[None, :], mask=ok[:, None], other=0)
         if F32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -59,16 +67,16 @@ def _attn_part(q_ptr, k_ptr, v_ptr, m_ptr, acc_ptr, ml_ptr, S, HK, scale,
         p = tl.exp(s - m_use[:, None])
         alpha = tl.exp(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vb + offs[:, None] * s_vs + d[None, :], mask=ok[:, None], other=0)
+        v = tl.load(v_ptr + (blk * s_vn + hk * s_vh + row * s_vs)[:, None] + d[None, :], mask=ok[:, None], other=0)
         if F32:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
-    row = (bh * tl.num_programs(1) + sp) * REP + r  # the real heads only (RP pads REP up to a dot's 16)
-    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=rm[:, None])
-    tl.store(ml_ptr + row * 2, m_i, mask=rm)
-    tl.store(ml_ptr + row * 2 + 1, l_i, mask=rm)
+    out = (bh * tl.num_programs(1) + sp) * REP + r  # the real heads only (RP pads REP up to a dot's 16)
+    tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=rm[:, None])
+    tl.store(ml_ptr + out * 2, m_i, mask=rm)
+    tl.store(ml_ptr + out * 2 + 1, l_i, mask=rm)
 
 
 @triton.jit
@@ -94,63 +102,14 @@ def _attn_combine(acc_ptr, ml_ptr, o_ptr, H, s_ob, s_oh, NSPLIT, REP: tl.constex
     tl.store(o_ptr + b * s_ob + h * s_oh + d, o.to(o_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _paged_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, acc_ptr, ml_ptr, S, HK, scale,
-                s_qb, s_qh, s_kn, s_kh, s_ks, s_vn, s_vh, s_vs, s_tb, s_mb, BLK,
-                SPLIT, REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, F32: tl.constexpr):
-    """_attn_part over a paged cache: slot s of sequence b is row s % BLK of block t[b, s // BLK]."""
-    bh = tl.program_id(0)
-    sp = tl.program_id(1)
-    b = bh // HK
-    hk = bh % HK
-    r = tl.arange(0, RP)
-    d = tl.arange(0, D)
-    rm = r < REP
-    q = tl.load(q_ptr + b * s_qb + (hk * REP + r)[:, None] * s_qh + d[None, :], mask=rm[:, None], other=0)
-    m_i = tl.full((RP,), float("-inf"), tl.float32)
-    l_i = tl.zeros((RP,), tl.float32)
-    acc = tl.zeros((RP, D), tl.float32)
-    s0 = sp * SPLIT
-    for t in range(0, SPLIT, BS):
-        offs = s0 + t + tl.arange(0, BS)
-        ok = tl.load(m_ptr + b * s_mb + offs, mask=offs < S, other=0) != 0
-        blk = tl.load(t_ptr + b * s_tb + offs // BLK, mask=ok, other=0).to(tl.int64)
-        row = offs % BLK
-        k = tl.load(k_ptr + (blk * s_kn + hk * s_kh + row * s_ks)[:, None] + d[None, :], mask=ok[:, None], other=0)
-        if F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s = tl.where(ok[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + (blk * s_vn + hk * s_vh + row * s_vs)[:, None] + d[None, :], mask=ok[:, None], other=0)
-        if F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
-    out = (bh * tl.num_programs(1) + sp) * REP + r
-    tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=rm[:, None])
-    tl.store(ml_ptr + out * 2, m_i, mask=rm)
-    tl.store(ml_ptr + out * 2 + 1, l_i, mask=rm)
-
-
-def paged_attn_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                      mask: torch.Tensor, scale: float, nsplit: int | None = None, block: int = 64) -> torch.Tensor:
-    """attn_decode over a paged cache: q (B, H, 1, D); k_pool / v_pool (NB, Hk, BLK, D), the last
-    dimension contiguous; table (B, n) block ids (int32 or int64), row b's slot s in block
-    table[b, s // BLK]; mask (B, 1, 1, S) bool with S <= n * BLK -> (B, 1, H * D) in q's dtype."""
+def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool) -> torch.Tensor:
+    """Both public entries: the partial results over `nsplit` slices of the cache (default: about
+    two programs per SM), then their combination."""
     B, H, _, D = q.shape
-    HK, BLK = k_pool.shape[1], k_pool.shape[2]
+    HK = k.shape[1]
     S = mask.shape[-1]
-    assert table.shape[0] == B and S <= table.shape[1] * BLK and mask.stride(-1) == 1
-    assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1 and H % HK == 0
     rep = H // HK
-    rp = max(16, triton.next_power_of_2(rep))
+    rp = max(16, triton.next_power_of_2(rep))  # tl.dot's smallest M
     tiles = triton.cdiv(S, block)
     if nsplit is None:
         nsplit = max(1, min(tiles, triton.cdiv(2 * sm_count(q.device), B * HK)))
@@ -159,14 +118,26 @@ def paged_attn_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     acc = torch.empty(B * HK * nsplit * rep, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * HK * nsplit * rep, 2, dtype=torch.float32, device=q.device)
     f32 = q.dtype == torch.float32 or INTERPRET
-    _paged_part[(B * HK, nsplit)](q, k_pool, v_pool, table, mask, acc, ml, S, HK, scale, q.stride(0), q.stride(1),
-                                  k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0),
-                                  v_pool.stride(1), v_pool.stride(2), table.stride(0), mask.stride(0), BLK, split,
-                                  REP=rep, RP=rp, D=D, BS=block, F32=f32, num_warps=4 if D <= 128 else 8)
+    t, s_tb, blk = (table, table.stride(0), k.shape[2]) if paged else (mask, 0, 1)
+    _attn_part[(B * HK, nsplit)](q, k, v, t, mask, acc, ml, S, HK, scale, q.stride(0), q.stride(1),
+                                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                                 s_tb, mask.stride(0), blk, split, REP=rep, RP=rp, D=D, BS=block, F32=f32,
+                                 PAGED=paged, num_warps=4 if D <= 128 else 8)  # D 256 on 4 warps: 255 registers
     o = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device)
     _attn_combine[(B * H,)](acc, ml, o, H, o.stride(0), o.stride(2), nsplit, REP=rep, D=D,
                             NSP=triton.next_power_of_2(nsplit), num_warps=1)
     return o.reshape(B, 1, H * D)
+
+
+def paged_attn_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                      mask: torch.Tensor, scale: float, nsplit: int | None = None, block: int = 64) -> torch.Tensor:
+    """attn_decode over a paged cache: q (B, H, 1, D); k_pool / v_pool (NB, Hk, BLK, D), the last
+    dimension contiguous; table (B, n) block ids (int32 or int64), row b's slot s in block
+    table[b, s // BLK]; mask (B, 1, 1, S) bool with S <= n * BLK -> (B, 1, H * D) in q's dtype."""
+    B, H = q.shape[:2]
+    assert table.shape[0] == B and mask.shape[-1] <= table.shape[1] * k_pool.shape[2] and mask.stride(-1) == 1
+    assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1 and H % k_pool.shape[1] == 0
+    return _decode(q, k_pool, v_pool, table, mask, scale, nsplit, block, paged=True)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -185,26 +156,7 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     """softmax(q k^T scale, masked) v for one query token: q (B, H, 1, D), k/v (B, Hk, S, D),
     mask (B, 1, 1, S) bool (True: attend) -> (B, 1, H * D) in q's dtype (rows with nothing to
     attend are 0). `nsplit` slices of the cache (default: about two programs per SM)."""
-    B, H, _, D = q.shape
-    HK, S = k.shape[1], k.shape[2]
-    rep = H // HK
-    rp = max(16, triton.next_power_of_2(rep))  # tl.dot's smallest M
-    tiles = triton.cdiv(S, block)
-    if nsplit is None:
-        nsplit = max(1, min(tiles, triton.cdiv(2 * sm_count(q.device), B * HK)))
-    split = triton.cdiv(tiles, nsplit) * block
-    nsplit = triton.cdiv(S, split)
-    acc = torch.empty(B * HK * nsplit * rep, D, dtype=torch.float32, device=q.device)
-    ml = torch.empty(B * HK * nsplit * rep, 2, dtype=torch.float32, device=q.device)
-    f32 = q.dtype == torch.float32 or INTERPRET
-    _attn_part[(B * HK, nsplit)](q, k, v, mask, acc, ml, S, HK, scale, q.stride(0), q.stride(1),
-                                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                                 mask.stride(0), split, REP=rep, RP=rp, D=D, BS=block, F32=f32,
-                                 num_warps=4 if D <= 128 else 8)  # D 256 on 4 warps: 255 registers
-    o = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device)
-    _attn_combine[(B * H,)](acc, ml, o, H, o.stride(0), o.stride(2), nsplit, REP=rep, D=D,
-                            NSP=triton.next_power_of_2(nsplit), num_warps=1)
-    return o.reshape(B, 1, H * D)
+    return _decode(q, k, v, None, mask, scale, nsplit, block, paged=False)
 
 
 def attn_decode_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

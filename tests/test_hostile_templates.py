@@ -129,8 +129,10 @@ def test_cli_chat_template_file_is_used_and_checked(seed, tmp_path):
     (tmp_path / "empty.json").write_text("{}")
     (tmp_path / "adir").mkdir()
     (tmp_path / "bin.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    (tmp_path / "blank.jinja").write_text(" \n")
     for name, needle in (("nope.jinja", "does not exist"), ("empty.json", "holds no chat_template"),
-                         ("adir", "is not a file"), ("bin.jinja", "not UTF-8")):
+                         ("adir", "is not a file"), ("bin.jinja", "not UTF-8"),
+                         ("blank.jinja", "is empty")):
         p = dsq(args + [name], tmp_path, stdin="hi\n/exit\n", timeout=60)
         lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
         assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], p.stderr

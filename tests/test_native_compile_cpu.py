@@ -44,6 +44,7 @@ def test_compiled_cpu_decode_equals_eager(tiny_gguf, monkeypatch):
     from dsq.runtime.native import NativeModel
 
     monkeypatch.setenv("DSQ_NO_VNNI", "1")
+    monkeypatch.setenv("DSQ_FUSED_LAYER", "0")  # else every layer is one C call and nothing compiles
 
     for kind, qtype in (("llama", "Q4_K_M"), ("gemma3", "Q4_K_M"), ("gemma3", "Q8_0")):
         path = tiny_gguf(kind, qtype)
@@ -54,6 +55,20 @@ def test_compiled_cpu_decode_equals_eager(tiny_gguf, monkeypatch):
         got_ids, got = _decode_logits(compiled, IDS, 8)
         assert got_ids == want_ids
         assert (got - want).abs().max() < 1e-4
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no CPU kernels built")
+def test_compile_keeps_the_one_call_layers(tiny_gguf):
+    """Where every layer decodes as one C call, --compile says so and keeps that step (it decodes
+    faster than inductor's: docs/benchmarks.md#cpu-decode); the output is the default's."""
+    from dsq.runtime.native import NativeModel
+
+    path = tiny_gguf("llama", "Q4_K_M")
+    with pytest.warns(UserWarning, match="one C call"):
+        m = NativeModel(path, "gguf", n_ctx=64, dtype="fp32", compile=True)
+    assert m._compiled is None and m.fused_layers == len(m.model.model.layers)
+    plain = NativeModel(path, "gguf", n_ctx=64, dtype="fp32")
+    assert _decode_logits(m, IDS, 4)[0] == _decode_logits(plain, IDS, 4)[0]
 
 
 def test_compile_failure_keeps_the_eager_step(tiny_dir, monkeypatch):

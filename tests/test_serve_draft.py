@@ -139,7 +139,7 @@ def builtin():
     return load(None, backend="native", ctx=512, cuda_graph=False)
 
 
-def _greedy_engine(eng, prompts: list[list[int]], max_tokens: int) -> list[str]:
+def _greedy_engine(eng, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False) -> list[str]:
     """Run `prompts` through `eng` step by step; each request's text."""
     from dsq.runtime.sampling import SamplingParams
     from dsq.serve.engine import Request
@@ -150,7 +150,7 @@ def _greedy_engine(eng, prompts: list[list[int]], max_tokens: int) -> list[str]:
         def emit(ev, i=i):
             assert ev.kind != "error", ev.text
             texts[i] += ev.text if ev.kind == "text" else ""
-        reqs.append(Request(p, SamplingParams(temperature=0), max_tokens, emit))
+        reqs.append(Request(p, SamplingParams(temperature=0), max_tokens, emit, ignore_eos=ignore_eos))
         eng.submit(reqs[-1])
     eng.waiting.extend(eng.inbox)
     eng.inbox.clear()
@@ -204,3 +204,19 @@ def test_engine_draft_survives_a_full_draft_pool_and_preemption(builtin, shallow
     got, _ = _greedy_engine(eng, [ids[0], ids[0]], 12)
     assert got == [ref[0], ref[0]]
     assert eng.metrics()["draft_prefix_cache_hit_tokens"] >= (len(ids[0]) - 1) // 4 * 4 > 0
+
+
+def test_engine_draft_on_deepseek_latent_cache(tiny_gguf):
+    """A DeepSeek V2 (MLA: the paged blocks hold latent rows; MoE) as its own draft: the draft's
+    pool is latent rows too, and greedy replies stay those of speculation off."""
+    from dsq.runtime.engine import encode_prompt, load
+    from dsq.serve.engine import Engine
+
+    nm = load(str(tiny_gguf("deepseek_v2", "Q8_0")), backend="native", ctx=256, cuda_graph=False, experts="cpu")
+    ids = [encode_prompt(nm, p) for p in PROMPTS]
+    ref, _ = _greedy_engine(Engine(nm, kv_tokens=2048), ids, 12, ignore_eos=True)
+    eng = Engine(nm, kv_tokens=2048, spec_tokens=3, draft=nm)
+    got, _ = _greedy_engine(eng, ids, 12, ignore_eos=True)
+    m = eng.metrics()
+    assert got == ref and m["spec_method"] == "draft" and m["draft_rows"] > 0
+    assert m["spec_acceptance_rate"] >= 0.5 and m["draft_kv_blocks_held"] == 0

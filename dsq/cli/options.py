@@ -44,7 +44,8 @@ Dtype = Annotated[Optional[str], typer.Option(
 KvDtype = Annotated[Optional[str], typer.Option("--kv-dtype", help="KV cache dtype: bf16|fp16|fp32.")]
 Compile = Annotated[bool, typer.Option(
     "--compile", help="native: torch.compile the decode step, on CUDA or the CPU (starts slower: ~20 s on a "
-    "GPU, ~40 s on 2 CPU cores the first time, ~7 s once cached; decodes faster).")]
+    "GPU, ~40 s on 2 CPU cores the first time, ~7 s once cached; decodes faster). On the CPU, not where "
+    "every layer already decodes as one C call (GGUF llama/qwen2/gemma3), which is faster.")]
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Ctx, Dtype, GpuLayersOption, ModelArg, Threads
+from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, ModelArg, Threads
 
 
 @command("serve", examples=[
@@ -25,11 +25,13 @@ def serve(
     threads: Threads = None,
     gpu_layers: GpuLayersOption = "0",
     dtype: Dtype = None,
+    experts: Experts = "auto",
     kv_tokens: Annotated[Optional[int], typer.Option(
         "--kv-tokens", min=1, help="Tokens the paged KV cache holds, all sequences together (default 4 x --ctx).")]
     = None,
     kv_memory: Annotated[Optional[float], typer.Option(
-        "--kv-memory", help="MiB the paged KV cache takes (instead of --kv-tokens): fp8 holds twice bf16's tokens.")]
+        "--kv-memory", help="MiB the paged KV cache takes (instead of --kv-tokens): fp8 holds twice bf16's tokens; "
+        "a DeepSeek model's latent rows (MLA) hold many more than a llama's keys and values.")]
     = None,
     kv_dtype: Annotated[Optional[str], typer.Option(
         "--kv-dtype", help="KV cache dtype: fp8 (e4m3, a scale per token and head), bf16, fp16, fp32 "
@@ -60,13 +62,18 @@ def serve(
     --kv-dtype fp8; speculative decoding of greedy requests by prompt lookup (--spec-tokens) or
     with a draft model (--draft, its own paged KV cache; a draft whose vocabulary differs from
     MODEL's is refused); acceptance in /metrics.
-    SIGTERM lets running requests finish, then exits 0.
+    SIGTERM lets running requests finish, then exits 0. The startup line gives the KV cache's
+    capacity in tokens.
+
+    DeepSeek V2/V3 (MLA + MoE): the paged cache holds each token's latent row (kv_lora_rank +
+    qk_rope_head_dim values a layer, no separate values); --experts cpu keeps the routed experts
+    in RAM as with dsq run.
 
     On a GPU (--gpu-layers all) the same step runs eagerly (no CUDA graph yet), its decode
     attention in a Triton kernel that reads the blocks in place (DSQ_PAGED_ATTN=0: gathered, as
     on the CPU); not yet measured there. A model split between the CPU and a GPU is refused.
 
-    Not implemented yet: DeepSeek V2/V3 models, --backend llama.cpp,
+    Not implemented yet: --backend llama.cpp,
     n > 1, logprobs, tools.
     """
     from dsq.serve.server import build, check_port, run
@@ -76,5 +83,6 @@ def serve(
     engine, api = build(model, ctx=ctx, threads=threads, dtype=dtype, kv_tokens=kv_tokens, kv_memory_mb=kv_memory,
                         kv_dtype_name=kv_dtype, block_size=block_size,
                         max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-                        spec_tokens=spec_tokens, draft=draft, gpu_layers=gpu_layers, console=console())
+                        spec_tokens=spec_tokens, draft=draft, gpu_layers=gpu_layers, experts=experts,
+                        console=console())
     run(engine, api, host, port, drain)

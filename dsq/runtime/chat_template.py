@@ -127,7 +127,10 @@ def read_template_file(path: str | Path) -> str:
         raise ModelNotFound(f"{path} {'is not a file' if path.exists() else 'does not exist'}",
                             "pass a .jinja file or a tokenizer_config.json")
     if path.suffix != ".json":
-        return read_text(path)
+        text = read_text(path)
+        if not text.strip():  # a blank template would silently fall back to the model's own
+            raise BadModelFile(f"{path} is empty", "pass a file holding a Jinja chat template")
+        return text
     ct = read_json(path, dict).get("chat_template")
     if isinstance(ct, list):
         ct = next((t.get("template") for t in ct if isinstance(t, dict) and t.get("name") == "default"), None)

@@ -204,13 +204,23 @@ class _Step:
         return self.x
 
 
+def enabled() -> bool:
+    """The one-call layer is built and not turned off (DSQ_FUSED_LAYER=0)."""
+    return os.environ.get("DSQ_FUSED_LAYER", "1") != "0" and cpu.has("dsq_layer_decode")
+
+
+def covers_all(model) -> bool:
+    """Whether attach would give every layer of `model` the one-call decode."""
+    return enabled() and all(uncovered(model, i) is None for i in range(len(model.model.layers)))
+
+
 def attach(model) -> int:
     """Give `model` the one-call decode of each covered CPU layer (model._fused_decode); returns
     how many layers are covered (0: none, nothing attached). Call it once the layers' tensors are
     final: the descriptors point into them (and keep them alive), so a tensor replaced afterwards
     (pinned, moved) would be read from its old copy."""
     model._fused_decode = None
-    if os.environ.get("DSQ_FUSED_LAYER", "1") == "0" or not cpu.has("dsq_layer_decode"):
+    if not enabled():
         return 0
     layers = [FusedLayer(model, i) if uncovered(model, i) is None else None for i in range(len(model.model.layers))]
     n = sum(f is not None for f in layers)

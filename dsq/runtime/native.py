@@ -20,6 +20,7 @@ import torch
 from dsq.errors import DsqError
 from dsq.kernels import dispatch
 from dsq.models.registry import gguf_name
+from dsq.runtime import fused_layer
 from dsq.runtime.generate import GenStats, TokenEvent
 from dsq.runtime.gpu_layers import GpuLayers
 from dsq.runtime.model_ref import ModelRef
@@ -229,11 +230,9 @@ class NativeModel:
         self.head_device = module_device(model.lm_head)
         self.seed = seed
         self._prepare_steps(model, cuda_graph, compile)
-        from dsq.runtime.fused_layer import attach
-
         # CPU layers whose decode step is one C call; last: the pointers are taken from the tensors as
         # they end up (StreamedLayers moves the CPU layers' weights into pinned memory)
-        self.fused_layers = attach(model)
+        self.fused_layers = fused_layer.attach(model)
 
     def _prepare_steps(self, model, cuda_graph: bool, compile: bool | str) -> None:
         """The decode step: captured as a CUDA graph with every layer on one GPU (compiled first
@@ -267,6 +266,11 @@ class NativeModel:
         if n_cpu and torch.cuda.is_available() and (split or on_cpu):
             self._streamed = StreamedLayers(model, n_cpu, torch.device("cuda:0"), torch.bfloat16)
         self._compiled = None  # the CPU decode step under torch.compile
+        if compile and on_cpu and fused_layer.covers_all(model):
+            # the one C call per layer decodes faster than inductor's code (docs/benchmarks.md#cpu-decode)
+            warnings.warn("--compile: every layer decodes as one C call on the CPU, faster than the compiled "
+                          "step, so it is not compiled (DSQ_FUSED_LAYER=0 compiles it instead)", stacklevel=3)
+            compile = False
         if compile and on_cpu:
             try:
                 self._compiled = _CompiledStep(model, self.cache, 1, mode)

@@ -15,6 +15,12 @@ table per sequence, full blocks shared between sequences by hash of their token 
 - FP8 (`dtype=FP8`): keys and values stored as float8 e4m3, each token's head scaled by its own
   absmax / 448 (a float32 scale per token and head, D / 4 + 1 bytes against 2 D for bf16 when D is
   the head width: twice the tokens in the same memory, bytes_per_block); dequantized when gathered.
+- DeepSeek's MLA (the model's Cache is MLACache): the blocks hold its latent rows instead,
+  (num_blocks, 1, block, kv_lora_rank + qk_rope_head_dim) per layer and no values (the pool's
+  widths are the model cache's `slot_shapes`), which the model's MLAttention reads as it reads its
+  own cache (absorbed or plain by its token and cache counts): 576 values a token and layer for
+  V3, where its 128 heads' keys and values would be 40,960. FP8 scales each latent row by its
+  absmax, as a key head.
 """
 
 from __future__ import annotations
@@ -110,9 +116,12 @@ class BlockPool:
 
 
 def supported(model) -> bool:
-    """Whether `model` is one whose layers PagedKV can drive (the llama-family attention over a
-    plain KV cache; DeepSeek's MLA keeps its own cache)."""
-    return isinstance(model, Transformer) and model.Cache is KVCache
+    """Whether `model` is one whose layers PagedKV can drive: the llama-family attention over a
+    plain KV cache, or DeepSeek's MLA over its latent cache (both write and read their cache
+    through `update` only)."""
+    from dsq.models.deepseek_model import MLACache
+
+    return isinstance(model, Transformer) and model.Cache in (KVCache, MLACache)
 
 
 class _StepCache:
@@ -139,15 +148,19 @@ class _StepCache:
         return triton_attn.paged_attn_decode(q.transpose(1, 2), kp, vp, self.gather, mask, scale)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots):
-        """k, v (B, Hk, T, D): written at the step's flat slots; returns (B, Hk, S, D) gathered."""
+        """k, v (B, Hk, T, D): written at the step's flat slots; returns (B, Hk, S, D) gathered
+        (values of width 0, MLA's: nothing stored, an empty (B, Hv, S, 0) back)."""
         kp, vp = self.kv.k[layer], self.kv.v[layer]
-        B, Hk, T, D = k.shape
         bs = kp.shape[2]
         blk, off = self.write_at // bs, self.write_at % bs
         g = self.gather  # (B, n) block ids
         idx = g.reshape(-1)  # (index_select: advanced indexing with a 2-D index is ~1000x slower on the CPU)
         out = []
         for new, pool, scales in ((k, kp, self.kv.k_scale), (v, vp, self.kv.v_scale)):
+            B, Hk, T, D = new.shape
+            if D == 0:
+                out.append(new.new_empty(B, Hk, self.kv_len, 0))
+                continue
             rows = new.permute(0, 2, 1, 3).reshape(B * T, Hk, D)
             if scales is None:
                 pool[blk, :, off] = rows.to(pool.dtype)
@@ -172,14 +185,14 @@ class PagedKV:
         dev = model.layer_devices()[0] if a.num_hidden_layers else torch.device("cpu")
         self.device = dev
         self.dtype = dtype or model.dtype
-        shape = (num_blocks, a.num_key_value_heads, block_size, a.head_dim)
+        (hk, dk), (hv, dv) = model.Cache.slot_shapes(a)  # MLA: (1, rank + rope), (1, 0)
         n = a.num_hidden_layers
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(n)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(n)]
+        self.k = [torch.zeros(num_blocks, hk, block_size, dk, dtype=self.dtype, device=dev) for _ in range(n)]
+        self.v = [torch.zeros(num_blocks, hv, block_size, dv, dtype=self.dtype, device=dev) for _ in range(n)]
         self.k_scale = self.v_scale = None
         if self.dtype == FP8:
-            self.k_scale = [torch.ones(shape[:3], device=dev) for _ in range(n)]
-            self.v_scale = [torch.ones(shape[:3], device=dev) for _ in range(n)]
+            self.k_scale = [torch.ones(num_blocks, hk, block_size, device=dev) for _ in range(n)]
+            self.v_scale = [torch.ones(num_blocks, hv, block_size, device=dev) for _ in range(n)] if dv else None
         self.pool = BlockPool(num_blocks, block_size)
         # the Triton paged decode attention on a GPU (DSQ_PAGED_ATTN=0: gather the blocks, the model's attention)
         self.paged_kernel = (dev.type == "cuda" and self.dtype != FP8 and os.environ.get("DSQ_PAGED_ATTN", "1") != "0"
@@ -190,9 +203,13 @@ class PagedKV:
 
     @staticmethod
     def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-        a = model.args
-        per_head = a.head_dim * dtype.itemsize + (4 if dtype == FP8 else 0)  # FP8: a float32 scale
-        return 2 * a.num_hidden_layers * a.num_key_value_heads * block_size * per_head
+        """The pool's bytes for one block of every layer: keys and values (MLA: the latent rows
+        only) in `dtype`, plus FP8's float32 scale per token and head."""
+        total = 0
+        for heads, width in model.Cache.slot_shapes(model.args):
+            if width:
+                total += heads * (width * dtype.itemsize + (4 if dtype == FP8 else 0))
+        return model.args.num_hidden_layers * block_size * total
 
     @torch.inference_mode()
     def forward(self, ids: list[list[int]], starts: list[int], tables: list[list[int]],

@@ -44,8 +44,9 @@ def kv_dtype(name: str | None):
 def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None, kv_tokens: int | None,
           block_size: int, kv_dtype_name: str | None = None, kv_memory_mb: float | None = None,
           spec_tokens: int | None = None, draft: str | None = None, gpu_layers: str = "0", max_seqs: int,
-          prefill_chunk: int, prefix_cache: bool, console=None):
-    """(engine, api) for MODEL on the native backend (and DRAFT, a draft model, with it)."""
+          prefill_chunk: int, prefix_cache: bool, experts: str = "auto", console=None):
+    """(engine, api) for MODEL on the native backend (and DRAFT, a draft model, with it;
+    `experts`: where a MoE model's routed experts run, runtime/experts.py)."""
     from dsq.runtime.engine import load
     from dsq.serve.api import Api
     from dsq.serve.engine import Engine
@@ -70,9 +71,9 @@ def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None
     if prefill_chunk < 1:
         raise DsqError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
     nm = load(model, backend="native", ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers, console=console,
-              cuda_graph=False)
+              cuda_graph=False, experts=experts)
     if not supported(nm.model):
-        raise DsqError(f"dsq serve runs llama, qwen2 and gemma3 models; {nm.arch} is not served yet",
+        raise DsqError(f"dsq serve runs llama, qwen2, gemma3 and deepseek models; {nm.arch} is not served yet",
                        "use dsq run or dsq chat for this model")
     devices = {str(d) for d in nm.model.layer_devices()} | {str(nm.head_device)}
     if len(devices) > 1:
@@ -105,7 +106,7 @@ def _load_draft(draft: str, nm, *, ctx: int, threads, dtype, gpu_layers: str, co
         raise type(e)(f"--draft: {e.message}", hint) from None
     if not supported(dm.model):
         raise DsqError(f"--draft {draft}: a {dm.arch} model cannot be a draft model yet",
-                       "pick a llama, qwen2 or gemma3 draft from the target's family")
+                       "pick a llama, qwen2, gemma3 or deepseek draft from the target's family")
     where = {str(d) for d in dm.model.layer_devices()} | {str(dm.head_device)}
     if where != {str(nm.head_device)}:
         raise DsqError(f"--draft {draft} runs on {', '.join(sorted(where))}, the target on {nm.head_device}",
@@ -134,8 +135,9 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
     signal.signal(signal.SIGTERM, lambda *_: None)
     engine.start()
     m = engine.metrics()
-    sys.stderr.write(f"dsq serve: {api.model_id} on http://{host}:{port}/v1 (native engine, {m['kv_blocks_total']} "
-                     f"KV blocks of {m['kv_block_size']} tokens in {m['kv_dtype']}, {m['kv_bytes'] / 2**20:.0f} MiB, "
+    sys.stderr.write(f"dsq serve: {api.model_id} on http://{host}:{port}/v1 (native engine, KV cache of "
+                     f"{m['kv_blocks_total'] * m['kv_block_size']} tokens: {m['kv_blocks_total']} blocks of "
+                     f"{m['kv_block_size']} in {m['kv_dtype']}, {m['kv_bytes'] / 2**20:.0f} MiB, "
                      f"context {engine.n_ctx}, up to {engine.max_seqs} "
                      f"sequences a step{_spec_note(engine)})\n")
     sys.stderr.flush()
