@@ -108,7 +108,9 @@ class Drafter:
     def metrics(self) -> dict:
         return {**self.counters, "draft_kv_blocks_total": self.pool.num_blocks,
                 "draft_kv_blocks_held": sum(1 for r in self.pool.ref if r > 0),
-                "draft_prefix_cache_hit_tokens": self.pool.hits}
+                "draft_prefix_cache_hit_tokens": self.pool.hits,
+                "draft_kv_bytes": self.pool.num_blocks * PagedKV.bytes_per_block(self.nm.model, self.block_size,
+                                                                                 self.kv.dtype)}
 
     def sync(self, running) -> None:
         """Forget requests that no longer run (finished, cancelled, preempted): their blocks go
@@ -142,7 +144,7 @@ class Drafter:
         model's greedy continuation of the request's tokens. A request the draft's pool cannot
         take this step gets none (it decodes plainly)."""
         first: dict = {}  # request -> the draft's next token after its tokens
-        short: list = []  # (request, seq, tokens to run from, run length)
+        short: list = []  # (request, seq, how many of its last tokens the draft has yet to run)
         for r, room in rooms.items():
             s = self.seqs.get(r)
             t = r.tokens

@@ -115,7 +115,8 @@ class Engine:
 
     def _drafter(self, draft, num_blocks: int, kv_dtype):
         """The draft model's pool: as many blocks as the target's, in the draft's own dtype
-        unless kv_dtype says otherwise (a small draft's blocks are a fraction of the target's)."""
+        unless kv_dtype says otherwise (a small draft's blocks are a fraction of the target's;
+        its bytes come on top of --kv-memory, the startup line and /metrics give them)."""
         from dsq.serve.draft import Drafter
 
         vocab = min(self.model.args.vocab_size, draft.model.args.vocab_size)

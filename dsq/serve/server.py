@@ -121,7 +121,9 @@ def _spec_note(engine) -> str:
         return ""
     if engine.drafter is None:
         return f", prompt-lookup drafts of {engine.spec_tokens} tokens"
-    return f", draft model {model_id(engine.drafter.nm)} proposing {engine.spec_tokens} tokens"
+    m = engine.drafter.metrics()
+    return (f", draft model {model_id(engine.drafter.nm)} proposing {engine.spec_tokens} tokens, its KV cache "
+            f"{m['draft_kv_bytes'] / 2**20:.0f} MiB more")
 
 
 def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
