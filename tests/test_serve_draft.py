@@ -102,6 +102,10 @@ def test_a_draft_with_another_vocabulary_is_one_line(runner, tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.exit_code == 1 and len(lines) == 1, r.output
     assert lines[0].startswith("error: --draft") and "vocabulary" in lines[0] and "1024 tokens" in lines[0]
+    r = runner.invoke(app, ["serve", "--port", "0", "--ctx", "256", "--draft", str(tmp_path / "nope.gguf")])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: --draft: "), r.output
+    assert "does not exist" in lines[0] and "'builtin'" in lines[0]
     r = runner.invoke(app, ["serve", "--port", "0", "--draft", str(tiny), "--spec-tokens", "0"])
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.exit_code == 1 and len(lines) == 1 and "--spec-tokens" in lines[0], r.output
