@@ -1,0 +1,81 @@
+"""The grouped GEMV with expert indirection (triton_gemv.gemv_experts) against its torch reference:
+each GGUF format the routed experts of Q4_K_M / Q8_0 files use (and the rest of them), E weights
+stacked along N, (token, expert) pairs with repeated and out-of-order ids, x a row per token
+(gate/up) or a row per pair (down), outputs poisoned before each call. Under TRITON_INTERPRET=1
+without a GPU (triton_interp)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from triton_interp import DEV
+
+from dsq.kernels import gguf_ref, packed, triton_gemv  # noqa: E402
+from test_kernels_ref import FORMATS, random_blocks  # noqa: E402
+
+
+def stacked(qtype: str, E: int, N: int, K: int, rng) -> tuple[packed.Packed, torch.Tensor]:
+    """E random GGUF weights (N, K) packed as one (E * N, K) and their float32 weights (E, N, K)
+    dequantized by the GGUF reference (not the packed layout's)."""
+    raws = [torch.from_numpy(random_blocks(qtype, N, K, rng)) for _ in range(E)]
+    p = packed.from_gguf(torch.cat(raws), qtype, K)
+    return p, torch.stack([gguf_ref.dequantize(r, qtype, K) for r in raws])
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    P = ids.numel()
+    rows = x.reshape(-1, x.shape[-1]).double()
+    per = P // rows.shape[0]
+    return torch.stack([rows[i // per] @ w[int(e)].double().t() for i, e in enumerate(ids.reshape(P))])
+
+
+def run(x, p, ids, E, config=None):
+    out = torch.full((ids.numel(), p.N // E), float("nan"), dtype=x.dtype, device=DEV)
+    y = triton_gemv.gemv_experts(x.to(DEV), p.to(DEV), ids.to(DEV), E, out=out, config=config)
+    assert y.data_ptr() == out.data_ptr()
+    return y
+
+
+def check(y, ref, dtype):
+    assert torch.isfinite(y).all(), "an output was left unwritten (NaN poison) or overflowed"
+    err = float((y.double().cpu() - ref).norm() / ref.norm())
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("E,T,k", [(4, 1, 2), (6, 3, 3), (3, 2, 1)])
+@pytest.mark.parametrize("per_pair", [False, True])
+def test_pairs_through_their_experts(qtype, E, T, k, per_pair):
+    rng = np.random.default_rng()
+    per = gguf_ref.BLOCKS[qtype][0]
+    N, K = int(rng.integers(1, 20)), per * int(rng.integers(1, 4))
+    p, w = stacked(qtype, E, N, K, rng)
+    # ids: out of order, and (T > 1) the same expert for several tokens
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    if T > 1:
+        ids[-1] = ids[0].flip(0)
+    x = torch.randn(T * k if per_pair else T, K)
+    cfg = {"BN": int(rng.choice([4, 8])), "BK": 64 if K % 64 == 0 else 32}
+    check(run(x, p, ids, E, cfg), reference(x, w, ids), torch.float32)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("bn,bk", [(4, 256), (8, 512)])
+def test_wide_tiles_and_repeated_ids(qtype, bn, bk):
+    """The autotuner's tile shapes (many scale groups a tile; K not a multiple of BK: a masked
+    tail, as DeepSeek-V2-Lite's 1408-wide down), bf16 x, every pair on one expert and a
+    descending order."""
+    rng = np.random.default_rng()
+    E, N, K = 5, 9, 768 if gguf_ref.BLOCKS[qtype][0] == 256 else 352
+    p, w = stacked(qtype, E, N, K, rng)
+    for ids in (torch.full((2, 3), 3), torch.tensor([[4, 3, 2], [1, 0, 4]])):
+        x = torch.randn(2, K).to(torch.bfloat16)
+        check(run(x, p, ids, E, {"BN": bn, "BK": bk, "STAGES": 2}), reference(x.float(), w, ids), torch.bfloat16)
+
+
+def test_refuses_uneven_experts():
+    rng = np.random.default_rng()
+    p, _ = stacked("Q8_0", 3, 4, 64, rng)
+    with pytest.raises(ValueError, match="experts of equal rows"):
+        triton_gemv.gemv_experts(torch.randn(1, 64), p, torch.tensor([[0, 1]]), 5)
