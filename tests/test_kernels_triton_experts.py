@@ -79,3 +79,38 @@ def test_refuses_uneven_experts():
     p, _ = stacked("Q8_0", 3, 4, 64, rng)
     with pytest.raises(ValueError, match="experts of equal rows"):
         triton_gemv.gemv_experts(torch.randn(1, 64), p, torch.tensor([[0, 1]]), 5)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
+def test_torch_reference_and_operator(qtype):
+    """packed.experts_ref (what dispatch.packed_experts runs off the GPU) and the torch operator
+    torch.compile keeps (ops.packed_experts_op) compute the same pairs, on CPU tensors."""
+    from dsq.kernels import dispatch, ops
+
+    rng = np.random.default_rng()
+    E, N, K = 4, 6, 256
+    p, w = stacked(qtype, E, N, K, rng)
+    ids = torch.tensor([[3, 1], [1, 1], [0, 2]])
+    for x in (torch.randn(3, K), torch.randn(6, K)):
+        ref = reference(x, w, ids)
+        check(packed.experts_ref(x, p, ids, E), ref, torch.float32)
+        check(ops.packed_experts_op(x, p, ids, E), ref, torch.float32)
+        check(dispatch.packed_experts(x, p, ids, E), ref, torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the autotuned launch needs a GPU")
+@pytest.mark.parametrize("qtype,N,K", [("Q4_K", 2816, 2048), ("Q5_0", 2048, 1408), ("Q8_0", 2048, 1408),
+                                       ("Q6_K", 2048, 1536)])
+def test_autotuned_at_deepseek_v2_lite_shapes(qtype, N, K):
+    """The autotuned launch (no fixed config) at DeepSeek-V2-Lite's expert shapes (gate/up 2 x 1408
+    rows of 2048; down 2048 rows of 1408, which llama.cpp's Q4_K_M stores as Q5_0 or Q8_0), six
+    experts a token out of 16 stacked, bf16 x, a token and a batch of four."""
+    rng = np.random.default_rng()
+    E = 16
+    p, w = stacked(qtype, E, N, K, rng)
+    for T in (1, 4):
+        ids = torch.stack([torch.randperm(E)[:6] for _ in range(T)])
+        x = torch.randn(T, K).to(torch.bfloat16)
+        out = torch.full((ids.numel(), N), float("nan"), dtype=x.dtype, device="cuda")
+        y = triton_gemv.gemv_experts(x.cuda(), p.to("cuda"), ids.cuda(), E, out=out)
+        check(y, reference(x.float(), w, ids), torch.bfloat16)
