@@ -114,3 +114,20 @@ def test_autotuned_at_deepseek_v2_lite_shapes(qtype, N, K):
         out = torch.full((ids.numel(), N), float("nan"), dtype=x.dtype, device="cuda")
         y = triton_gemv.gemv_experts(x.cuda(), p.to("cuda"), ids.cuda(), E, out=out)
         check(y, reference(x.float(), w, ids), torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["channel", "block"])
+def test_fp8_experts(kind):
+    """FP8 experts (an HF checkpoint's, as DeepSeek-V3's): per-row or 128x128-block scales, whose
+    block rows stay whole per expert (N a multiple of 128), stacked as experts_to_gpu does."""
+    from dsq.kernels import fp8_ref
+
+    E, N, K = 3, 128, 256
+    ws = [(torch.randn(N, K) * 3).to(torch.float8_e4m3fn) for _ in range(E)]
+    scales = [(torch.rand(N, 1) if kind == "channel" else torch.rand(1, 2)) + 0.01 for _ in range(E)]
+    p = packed.Packed.cat([packed.from_fp8(w, s) for w, s in zip(ws, scales)])
+    w = torch.stack([fp8_ref.fp8_linear_ref(torch.eye(K, dtype=torch.float64), wi, si).t().float()
+                     for wi, si in zip(ws, scales)])
+    ids = torch.tensor([[2, 0], [0, 2]])
+    x = torch.randn(2, K)
+    check(run(x, p, ids, E, {"BN": 16, "BK": 128}), reference(x, w, ids), torch.float32)
