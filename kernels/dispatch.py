@@ -309,15 +309,18 @@ def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None =
 def packed_experts(x: torch.Tensor, p: packed.Packed, ids: torch.Tensor, n_expert: int) -> torch.Tensor:
     """MoE pairs through their experts' weights stacked in one Packed (triton_gemv.gemv_experts:
     y[i] = x[i // (P / T)] W_ids[i]^T), the expert ids never leaving the device: on CUDA the
-    Triton kernel, elsewhere the torch reference (packed.experts_ref). Under torch.compile: one
-    operator."""
+    Triton kernel, with x rounded to int8 (triton_gemv_q8.q8_experts) for the formats the int8-x
+    GEMV takes unless DSQ_ACT_Q8=0, as a dense decode step's one row does; elsewhere the torch
+    reference (packed.experts_ref). Under torch.compile: one operator."""
     if torch.compiler.is_compiling():
         from dsq.kernels import ops
 
         return ops.packed_experts_op(x, p, ids, n_expert)
     if x.device.type == "cuda" and not _reference() and _triton_ok():
-        from dsq.kernels import triton_common, triton_gemv
+        from dsq.kernels import triton_common, triton_gemv, triton_gemv_q8
 
+        if ACT_Q8 and packed.q8_ok(p, 1):  # x rounded to int8, as the dense decode's GEMV (Q8_MAX_ROWS)
+            return triton_gemv_q8.q8_experts(x, p, ids, n_expert)
         if triton_common.supported(p, x):
             return triton_gemv.gemv_experts(x, p, ids, n_expert)
     return packed.experts_ref(x, p, ids, n_expert)

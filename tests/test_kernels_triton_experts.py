@@ -131,3 +131,53 @@ def test_fp8_experts(kind):
     ids = torch.tensor([[2, 0], [0, 2]])
     x = torch.randn(2, K)
     check(run(x, p, ids, E, {"BN": 16, "BK": 128}), reference(x, w, ids), torch.float32)
+
+
+Q8_FORMATS = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]  # packed.q8_ok at one row: every GGUF format
+
+
+def reference_q8(x, w, ids):
+    """reference() with x rounded to int8 per 32 elements as the int8-activation kernels do."""
+    return reference(packed.dequantize_x_q8(x.float()), w, ids)
+
+
+@pytest.mark.parametrize("qtype", Q8_FORMATS)
+@pytest.mark.parametrize("per_pair", [False, True])
+def test_q8_pairs_through_their_experts(qtype, per_pair):
+    """q8_experts (x rounded to int8, dp4a) against the GGUF reference on the same rounded x."""
+    from dsq.kernels import triton_gemv_q8
+
+    rng = np.random.default_rng()
+    per = gguf_ref.BLOCKS[qtype][0]
+    E, T, k = 5, 2, 3
+    N, K = int(rng.integers(1, 20)), per * int(rng.integers(1, 4)) if per == 256 else 96
+    p, w = stacked(qtype, E, N, K, rng)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    ids[1] = ids[0].flip(0)
+    x = torch.randn(T * k if per_pair else T, K)
+    out = torch.full((ids.numel(), N), float("nan"), device=DEV)
+    y = triton_gemv_q8.q8_experts(x.to(DEV), p.to(DEV), ids.to(DEV), E, out=out,
+                                  config={"BN": int(rng.choice([2, 4])), "BK": 32 if K % 64 else 64})
+    check(y, reference_q8(x, w, ids), torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the autotuned launch needs a GPU")
+@pytest.mark.parametrize("qtype,N,K", [("Q4_K", 2816, 2048), ("Q5_0", 2048, 1408), ("Q8_0", 2048, 1408),
+                                       ("Q6_K", 2048, 1536)])
+def test_q8_autotuned_at_deepseek_v2_lite_shapes(qtype, N, K):
+    """q8_experts autotuned at the shapes of test_autotuned_at_deepseek_v2_lite_shapes, and
+    dispatch.packed_experts taking it (DSQ_ACT_Q8 on)."""
+    from dsq.kernels import dispatch, triton_gemv_q8
+
+    rng = np.random.default_rng()
+    E = 16
+    p, w = stacked(qtype, E, N, K, rng)
+    pc = p.to("cuda")
+    for T in (1, 4):
+        ids = torch.stack([torch.randperm(E)[:6] for _ in range(T)])
+        x = torch.randn(T, K).to(torch.bfloat16)
+        ref = reference_q8(x.float(), w, ids)
+        out = torch.full((ids.numel(), N), float("nan"), dtype=x.dtype, device="cuda")
+        check(triton_gemv_q8.q8_experts(x.cuda(), pc, ids.cuda(), E, out=out), ref, torch.bfloat16)
+        if dispatch.ACT_Q8:
+            check(dispatch.packed_experts(x.cuda(), pc, ids.cuda(), E), ref, torch.bfloat16)
