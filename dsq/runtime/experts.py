@@ -157,9 +157,12 @@ def experts_to_gpu(model, on: tuple[str, ...] = ("cuda",)) -> int:
 
 
 def _stackable(mods: list, kind) -> bool:
+    """Whether one expert's weights of one projection stack: one module kind and format, no bias or
+    act-order, one shape and device, and whole row blocks of scales (FP8 128-row blocks)."""
     m0 = mods[0]
     return all(type(m) is kind and m.bias is None and m.perm is None and m.fmt == m0.fmt and m.in_features ==
-               m0.in_features and m.out_features == m0.out_features and m.lo.device == m0.lo.device for m in mods)
+               m0.in_features and m.out_features == m0.out_features and m.lo.device == m0.lo.device
+               and m.out_features % m.fmt.sc_rows == 0 for m in mods)
 
 
 def _stack(*parts: list):
