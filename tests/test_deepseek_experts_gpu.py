@@ -148,3 +148,20 @@ def test_cuda_stacked_experts_graph_decode_equals_eager(kind, tiny_gguf):
         assert kld < 0.25 and top1 >= 0.6, (len(ids), kld, top1)
     out = graph.generate_batch([IDS[:20], IDS[5:9]], SamplingParams(temperature=0), 4, ignore_eos=True)
     assert [len(x) for x in out] == [4, 4] and graph._batch is not None  # the batch's step captured
+
+
+def test_expert_views_of_the_stack():
+    """GPUStackedExperts.expert (the grouped loop's weights): expert e's rows of the stack, views,
+    FP8 128-row scale blocks included."""
+    from dsq.kernels import packed
+    from dsq.models.deepseek_model import GPUStackedExperts
+
+    E, N, K = 3, 128, 256
+    ws = [(torch.randn(N, K) * 3).to(torch.float8_e4m3fn) for _ in range(E)]
+    ps = [packed.from_fp8(w, torch.rand(1, 2) + 0.01) for w in ws]
+    st = packed.Packed.cat(ps)
+    m = GPUStackedExperts(None, st, st, st, E, torch.nn.functional.silu)
+    for e in range(E):
+        ex = m.expert("down", e)
+        assert ex.N == N and ex.lo.data_ptr() == m.down_lo[e * N].data_ptr()
+        assert torch.equal(packed.dequantize(ex), packed.dequantize(ps[e]))

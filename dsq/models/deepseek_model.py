@@ -257,8 +257,8 @@ class GPUStackedExperts(nn.Module):
     device (dispatch.packed_experts: two grouped GEMVs, the activation, the weighted sum per token),
     so it never syncs with the host and a decode step made of these can be captured as one CUDA
     graph (the model's graph_safe). Longer calls (prompt chunks) run each chosen expert once over
-    its tokens, as RoutedExperts does: there a pair a launch would read each expert's weights once
-    per token."""
+    its tokens, as RoutedExperts does (pairs would read an expert's weights once per token that
+    chose it)."""
 
     # tokens up to which a call takes the pairs path; above, the grouped loop (one host sync). A
     # captured batch decode step has one token a sequence, so batches up to this size capture.
@@ -290,7 +290,8 @@ class GPUStackedExperts(nn.Module):
         """Expert e's rows of weight `name` (views)."""
         p = self.weight(name)
         n = p.N // self.n_expert
-        kw = {k: t[e * n:(e + 1) * n] for k, t in p.tensors().items()}
+        rows = {k: (p.fmt.sc_rows if k == "sc" else 1) for k in p.tensors()}  # FP8 block scales: n / 128 rows
+        kw = {k: t[e * n // rows[k]:(e + 1) * n // rows[k]] for k, t in p.tensors().items()}
         return packed.Packed(p.fmt, n, p.K, **kw)
 
     def extra_repr(self) -> str:
