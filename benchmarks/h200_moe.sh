@@ -6,7 +6,8 @@
 #                                        # all on the GPU and with -ot exps=CPU, dsq bench native with
 #                                        # --experts gpu and cpu, the offload plan of each: one table with
 #                                        # ratios and rooflines (benchmarks/moe_table.py). ~4-5 min
-#   bash benchmarks/h200_moe.sh tests    # the CUDA tests of the experts in RAM (and test_deepseek's). ~1 min
+#   bash benchmarks/h200_moe.sh tests    # the CUDA tests of the experts in RAM and stacked on the GPU, the
+#                                        # grouped expert GEMV on the GPU (and test_deepseek's). ~2 min
 #   bash benchmarks/h200_moe.sh v3slice  # random V3-width slice (1 dense + 1 MoE layer of 256 experts,
 #                                        # ~7 GB): per-layer and per-part times with the experts in RAM
 #                                        # and on the GPU, and the full 61-layer projection
@@ -27,6 +28,8 @@ lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)" | tr -s ' '
 llama_bins || exit 1  # llama-bench, and the library dsq's GGUF tokenizer loads
 if [ "$PART" = tests ]; then
   timeout 400 python3 -m pytest -q -rs tests/test_deepseek_experts_cpu.py tests/test_deepseek.py -k "cuda or stand_in" \
+    2>&1 | tail -15
+  timeout 300 python3 -m pytest -q -rs tests/test_deepseek_experts_gpu.py tests/test_kernels_triton_experts.py \
     2>&1 | tail -15
   exit 0
 fi

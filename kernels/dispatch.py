@@ -3,7 +3,8 @@ quantized modules call these functions, never a kernel directly.
 
 - Quantized matmuls (`packed_linear`, the GPU layout): on CUDA the Triton kernels when Triton
   imports; `gpu_kernel` picks the family by rows of x and format (see its docstring). Elsewhere
-  the torch reference (kernels/packed.py).
+  the torch reference (kernels/packed.py). `packed_experts`: a MoE layer's (token, expert) pairs
+  through stacked expert weights, the ids read on the device.
 - GGUF, int4/int8 and FP8 weights on the CPU (`gguf_linear`, `int_linear`, `fp8_linear`): the C
   kernels (kernels/csrc) when they were built, else the torch reference with the same signature.
 - A generation's prefill runs inside `int8_prefill()`: on the avx2 build, GGUF weights at M > 1
@@ -303,6 +304,26 @@ def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None =
         if y is not None:
             return y
     return packed.linear_ref(x, p, bias)
+
+
+def packed_experts(x: torch.Tensor, p: packed.Packed, ids: torch.Tensor, n_expert: int) -> torch.Tensor:
+    """MoE pairs through their experts' weights stacked in one Packed (triton_gemv.gemv_experts:
+    y[i] = x[i // (P / T)] W_ids[i]^T), the expert ids never leaving the device: on CUDA the
+    Triton kernel, with x rounded to int8 (triton_gemv_q8.q8_experts) for the formats the int8-x
+    GEMV takes unless DSQ_ACT_Q8=0, as a dense decode step's one row does; elsewhere the torch
+    reference (packed.experts_ref). Under torch.compile: one operator."""
+    if torch.compiler.is_compiling():
+        from dsq.kernels import ops
+
+        return ops.packed_experts_op(x, p, ids, n_expert)
+    if x.device.type == "cuda" and not _reference() and _triton_ok():
+        from dsq.kernels import triton_common, triton_gemv, triton_gemv_q8
+
+        if ACT_Q8 and packed.q8_ok(p, 1):  # x rounded to int8, as the dense decode's GEMV (Q8_MAX_ROWS)
+            return triton_gemv_q8.q8_experts(x, p, ids, n_expert)
+        if triton_common.supported(p, x):
+            return triton_gemv.gemv_experts(x, p, ids, n_expert)
+    return packed.experts_ref(x, p, ids, n_expert)
 
 
 def _triton_linear(kind: str, x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -38,6 +38,8 @@ _lib.define("fp8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias=None
 # the GPU layout (kernels/packed.py): fmt = Fmt's fields as ints, in order
 _lib.define("packed_linear(Tensor x, Tensor lo, Tensor sc, Tensor? hi, Tensor? d, Tensor? zp, Tensor? mn, "
             "Tensor? dmin, Tensor? perm, Tensor? bias, int[] fmt, int N, int K) -> Tensor")
+_lib.define("packed_experts(Tensor x, Tensor ids, Tensor lo, Tensor sc, Tensor? hi, Tensor? d, Tensor? zp, "
+            "Tensor? mn, Tensor? dmin, int[] fmt, int N, int K, int n_expert) -> Tensor")
 
 # the GPU decode attention (kernels/triton_attn.py)
 _lib.define("attn_decode(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor")
@@ -65,6 +67,17 @@ _lib.impl("packed_linear", _packed_linear, "CPU")
 _lib.impl("packed_linear", _packed_linear, "CUDA")
 
 
+def _packed_experts(x, ids, lo, sc, hi, d, zp, mn, dmin, fmt, N, K, n_expert):
+    """dispatch.packed_experts (the grouped GEMV over MoE pairs)."""
+    p = Packed(Fmt(*(kind(v) for kind, v in zip(_FMT_KINDS, fmt))), N, K, lo, sc, hi=hi, d=d, zp=zp, mn=mn,
+               dmin=dmin)
+    return dispatch.packed_experts(x, p, ids, n_expert)
+
+
+_lib.impl("packed_experts", _packed_experts, "CPU")
+_lib.impl("packed_experts", _packed_experts, "CUDA")
+
+
 def _attn_decode_cuda(q, k, v, mask, scale):
     from dsq.kernels import triton_attn
 
@@ -87,6 +100,13 @@ def packed_linear_op(x, p, bias=None):
     fmt = [int(getattr(p.fmt, k)) for k in _FMT_FIELDS]
     return torch.ops.dsq.packed_linear.default(x, p.lo, p.sc, p.hi, p.d, p.zp, p.mn, p.dmin, p.perm, bias, fmt,
                                                p.N, p.K)
+
+
+def packed_experts_op(x, p, ids, n_expert):
+    """dispatch.packed_experts as one operator call (as packed_linear_op)."""
+    fmt = [int(getattr(p.fmt, k)) for k in _FMT_FIELDS]
+    return torch.ops.dsq.packed_experts.default(x, ids, p.lo, p.sc, p.hi, p.d, p.zp, p.mn, p.dmin, fmt, p.N, p.K,
+                                                n_expert)
 
 
 # shapes only: N output features = the weight's rows
@@ -118,6 +138,11 @@ def _attn_decode_fake(q, k, v, mask, scale):
 @torch.library.register_fake("dsq::packed_linear", lib=_lib)
 def _packed_linear_fake(x, lo, sc, hi, d, zp, mn, dmin, perm, bias, fmt, N, K):
     return x.new_empty(*x.shape[:-1], N)
+
+
+@torch.library.register_fake("dsq::packed_experts", lib=_lib)
+def _packed_experts_fake(x, ids, lo, sc, hi, d, zp, mn, dmin, fmt, N, K, n_expert):
+    return x.new_empty(ids.numel(), N // n_expert)
 
 
 gguf_linear = torch.ops.dsq.gguf_linear.default

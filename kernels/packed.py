@@ -134,6 +134,24 @@ def linear_ref(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None) -> 
     return y.to(x.dtype)
 
 
+def experts_ref(x: torch.Tensor, p: Packed, ids: torch.Tensor, n_expert: int) -> torch.Tensor:
+    """What triton_gemv.gemv_experts computes, in torch: `p` stacks n_expert weights of N = p.N /
+    n_expert rows; y[i] = x[i // (P / T)] W_ids[i]^T for the P = ids.numel() pairs and x's T rows,
+    in x's dtype. Only device ops (the chosen experts' rows gathered, then dequantized)."""
+    N, P = p.N // n_expert, ids.numel()
+    xf = x.reshape(-1, p.K).float()
+    if p.perm is not None:
+        xf = xf[:, p.perm]
+    xf = xf.repeat_interleave(P // xf.shape[0], dim=0)
+    rows = (ids.reshape(P, 1).long() * N + torch.arange(N, device=ids.device)).reshape(-1)
+    if p.fmt.sc_rows == 1:
+        kw = {k: t.index_select(0, rows) for k, t in p.tensors().items() if k != "perm"}
+        w = dequantize(Packed(p.fmt, P * N, p.K, **kw))
+    else:
+        w = dequantize(p).index_select(0, rows)
+    return torch.bmm(w.view(P, N, p.K), xf[:, :, None])[:, :, 0].to(x.dtype)
+
+
 def q8_ok(p: Packed, rows: int = 1) -> bool:
     """Formats the int8-activation kernels take for `rows` rows of x: integer codes (int4 AWQ/GPTQ,
     int8, Q4_0, Q8_0, Q4_K, and with one high bit per code Q5_0, Q5_K) with scale groups of whole

@@ -134,7 +134,9 @@ def autotune_choices() -> dict[str, dict[str, str]]:
     out = {}
     for name, tuned in (("gemv_q8", triton_gemv_q8._gemv_q8_tuned), ("gemv_q8 (2-4 rows)", triton_gemv_q8._gemm_q8_tuned),
                         ("gemv", triton_gemv._gemv_tuned), ("gemm", triton_gemm._gemm_tuned),
-                        ("mma_t", triton_mma._mma_t_tuned), ("mma_s", triton_mma._mma_s_tuned)):
+                        ("mma_t", triton_mma._mma_t_tuned), ("mma_s", triton_mma._mma_s_tuned),
+                        ("gemv_q8 experts", triton_gemv_q8._gemv_q8_experts_tuned),
+                        ("gemv experts", triton_gemv._gemv_experts_tuned)):
         picks = {", ".join(f"{n}={v}" for n, v in zip(tuned.keys, key)): str(cfg)
                  for key, cfg in getattr(tuned, "cache", {}).items()}
         if picks:

@@ -6,6 +6,8 @@
 - `_gemv4` (four row tensors, not pipelined) is the faster one for GGUF formats with high-bit
   planes; `_gemv` picks between them by BN, so one autotuner holds both.
 - Codes become floats by writing them into a float's mantissa (no conversion instruction).
+- `gemv_experts`: the same GEMV over (token, expert) pairs of a MoE layer, each pair's expert id
+  read on the device from stacked per-expert planes (no host sync: a CUDA graph can hold it).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 from dsq.kernels.packed import FP8, Packed
-from dsq.kernels.triton_common import FMT_KEYS, INTERPRET, autotune, even_k, float_args, group_params
+from dsq.kernels.triton_common import (FMT_KEYS, INTERPRET, autotune, even_k, float_args, fmt_flags, group_params,
+                                       plane_args)
 
 
 @triton.jit
@@ -100,7 +103,7 @@ def _fp8x4(word):
 
 
 @triton.jit
-def _gemv4(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
+def _gemv4(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K, row0,
            s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
            CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
            TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
@@ -109,7 +112,8 @@ def _gemv4(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr
     row's code words (GT, GW): each x element is loaded and converted once and used by the four rows, the
     elements of a word are taken one at a time (unrolled), and threads combine their sums once,
     after the loop. Per element: a shift, an and/or and one FMA (see _element); per word:
-    sum c x = 2^CB (sum f x - sum x), then W x = s (sum c x - z sum x) - m sum x."""
+    sum c x = 2^CB (sum f x - sum x), then W x = s (sum c x - z sum x) - m sum x. The weight's
+    rows start at row `row0` of the planes (an expert's in stacked planes: _gemv_experts)."""
     EPW: tl.constexpr = 8 if CODES == 0 else 4  # elements per 32-bit word
     CB: tl.constexpr = 4 + HI_BITS if CODES == 0 else 8  # code bits
     SC: tl.constexpr = 1 << CB
@@ -131,16 +135,16 @@ def _gemv4(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr
         rw = wt * 0 + r0  # the row index as tensors (masks of tensor & tensor), per word and per group
         rv = et * 0 + r0
         em = e < K
-        q0, s0, z0, h0, m0 = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r0, w, e,
+        q0, s0, z0, h0, m0 = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, row0 + r0, w, e,
                                        km & (rw < N), em & (rv < N), s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
                                        CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
-        q1, s1, z1, h1, m1 = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r0 + 1, w, e,
+        q1, s1, z1, h1, m1 = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, row0 + r0 + 1, w, e,
                                        km & (rw + 1 < N), em & (rv + 1 < N), s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
                                        CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
-        q2, s2, z2, h2, m2 = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r0 + 2, w, e,
+        q2, s2, z2, h2, m2 = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, row0 + r0 + 2, w, e,
                                        km & (rw + 2 < N), em & (rv + 2 < N), s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
                                        CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
-        q3, s3, z3, h3, m3 = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r0 + 3, w, e,
+        q3, s3, z3, h3, m3 = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, row0 + r0 + 3, w, e,
                                        km & (rw + 3 < N), em & (rv + 3 < N), s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
                                        CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
         t0 = tl.zeros((GT, GW), dtype=tl.float32)
@@ -174,7 +178,7 @@ def _gemv4(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr
 
 
 @triton.jit
-def _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
+def _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K, row0,
                s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
                CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
                TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
@@ -184,7 +188,8 @@ def _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
     x's elements (1, GT, GW, EPW) loaded 16 bytes at a time, once for all BN rows, then split per
     element of a word (_lanes4, FP8). The K loop is software-pipelined (tl.range: the next tiles' words
     are copied asynchronously while this one is computed). EVEN_K (K % BK == 0): no K mask, so the
-    copies are full width. FP8_HW (sm_89 and later): FP8 codes convert in hardware (_fp8x4)."""
+    copies are full width. FP8_HW (sm_89 and later): FP8 codes convert in hardware (_fp8x4). The
+    weight's rows start at row `row0` of the planes (as _gemv4)."""
     EPW: tl.constexpr = 8 if CODES == 0 else 4
     CB: tl.constexpr = 4 + HI_BITS if CODES == 0 else 8
     SC: tl.constexpr = 1 << CB
@@ -206,7 +211,7 @@ def _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
         else:
             km = w < KW
             em = e < K
-        q, s, z, h, m = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, r3, w, e,
+        q, s, z, h, m = _row_load(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, row0 + r3, w, e,
                                   km & (r3 < N), em & (r3 < N), s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
                                   CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS)
         t = tl.zeros((BN, GT, GW), dtype=tl.float32)
@@ -236,22 +241,53 @@ def _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn
 
 
 @triton.jit
+def _gemv_at(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K, row0,
+             s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+             CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
+             TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
+             HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+             EVEN_K: tl.constexpr, FP8_HW: tl.constexpr):
+    """M = 1 over the weight at rows row0.. of the planes: BN == 4 takes _gemv4 (four row tensors,
+    no pipelining: the faster one for K-quants and Q6_K on an H200), any other BN, and FP8,
+    _gemv_rows (int4, FP8: 1.2-1.5x faster there)."""
+    if BN == 4 and CODES != 3:
+        _gemv4(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K, row0,
+               s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET,
+               MINS, HAS_BIAS, BK)
+    else:
+        _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K, row0,
+                   s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET,
+                   MINS, HAS_BIAS, BN, BK, STAGES, EVEN_K, FP8_HW)
+
+
+@triton.jit
 def _gemv(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
           s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
           CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
           TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
           HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
           EVEN_K: tl.constexpr = False, FP8_HW: tl.constexpr = False):
-    """M = 1: BN == 4 takes _gemv4 (four row tensors, no pipelining: the faster one for K-quants
-    and Q6_K on an H200), any other BN, and FP8, _gemv_rows (int4, FP8: 1.2-1.5x faster there)."""
-    if BN == 4 and CODES != 3:
-        _gemv4(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
-               s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET,
-               MINS, HAS_BIAS, BK)
-    else:
-        _gemv_rows(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K,
-                   s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET,
-                   MINS, HAS_BIAS, BN, BK, STAGES, EVEN_K, FP8_HW)
+    """M = 1: y = x W^T (+ bias), a program per BN rows (_gemv_at)."""
+    _gemv_at(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K, 0,
+             s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET,
+             MINS, HAS_BIAS, BN, BK, STAGES, EVEN_K, FP8_HW)
+
+
+@triton.jit
+def _gemv_experts(x_ptr, y_ptr, ids_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K, XDIV,
+                  s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+                  CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
+                  TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                  EVEN_K: tl.constexpr = False, FP8_HW: tl.constexpr = False):
+    """Grouped GEMV with expert indirection: program (n, p) computes BN outputs of pair p,
+    y[p] = x[p // XDIV] W_ids[p]^T, where the planes stack E weights of N rows each (expert e's
+    rows are e*N..e*N+N-1) and the expert id is read here, on the device (no host round trip)."""
+    p = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)  # int64: E * N rows times a row stride may pass 2^31
+    _gemv_at(x_ptr + (p // XDIV).to(tl.int64) * K, y_ptr + p.to(tl.int64) * N, y_ptr, lo_ptr, hi_ptr, sc_ptr,
+             d_ptr, zp_ptr, mn_ptr, dmin_ptr, N, K, e * N, s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin, CODES, HI_BITS,
+             SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS, False, BN, BK, STAGES, EVEN_K, FP8_HW)
 
 
 # the winners of an H200 sweep of fixed configs, BN 4 = _gemv4 (docs/benchmarks.md#gpu-kernels-by-rows-of-x)
@@ -259,6 +295,7 @@ _GEMV_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
                  for bn, bk, w, st in [(8, 1024, 2, 3), (16, 1024, 4, 3), (8, 1024, 4, 1), (8, 1024, 4, 3),
                                        (4, 2048, 2, 1), (4, 1024, 2, 1), (4, 2048, 4, 1), (4, 4096, 4, 1)]]
 _gemv_tuned = autotune(_GEMV_CONFIGS, ["N", "K", *FMT_KEYS])(even_k(_gemv))
+_gemv_experts_tuned = autotune(_GEMV_CONFIGS, ["N", "K", *FMT_KEYS])(even_k(_gemv_experts))
 
 
 @functools.lru_cache(maxsize=None)
@@ -282,3 +319,37 @@ def gemv_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, ou
         cfg.setdefault("EVEN_K", p.K % cfg["BK"] == 0)
         _gemv[(triton.cdiv(p.N, cfg["BN"]),)](x2, y, b, *planes, p.N, p.K, *strides, **flags, **cfg)
     return y.reshape(*x.shape[:-1], p.N)
+
+
+
+def gemv_experts(x: torch.Tensor, p: Packed, ids: torch.Tensor, n_expert: int, out: torch.Tensor | None = None,
+                 config: dict | None = None) -> torch.Tensor:
+    """Pairs (token, expert) through their experts' weights, the ids read on the device: `p`
+    stacks `n_expert` weights of N = p.N / n_expert rows each along N (expert e's rows e*N..);
+    for P = ids.numel() pairs, y (P, N) with y[i] = x[i // (P / T)] W_ids[i]^T, x (T, K): one
+    row per token against its k experts (ids (T, k): gate/up), or one per pair (T = P: down).
+    y in x's dtype; `out` (P, N) may be given (the tests poison it); `config` fixes the tile
+    sizes (no autotuning). Never syncs with the host (a CUDA graph can hold it)."""
+    P = ids.numel()
+    x2 = x.reshape(-1, p.K)
+    if x2.stride(-1) != 1 or x2.stride(0) != p.K:
+        x2 = x2.contiguous()
+    T = x2.shape[0]
+    if P % T or p.perm is not None or p.N % n_expert or (p.N // n_expert) % p.fmt.sc_rows:
+        raise ValueError("gemv_experts takes one row of x per token or per pair, no act-order, and experts of "
+                         "equal rows (whole scale blocks)")
+    N = p.N // n_expert
+    ids1 = ids.reshape(P)
+    if ids1.stride(0) != 1:
+        ids1 = ids1.contiguous()
+    y = out if out is not None else torch.empty(P, N, dtype=x.dtype, device=x.device)
+    planes, strides = plane_args(p)
+    flags = {**fmt_flags(p.fmt), "FP8_HW": p.fmt.codes == FP8 and _fp8_hw(x.device)}
+    if config is None and not INTERPRET:
+        grid = lambda meta: (triton.cdiv(N, meta["BN"]), P)  # noqa: E731
+        _gemv_experts_tuned[grid](x2, y, ids1, *planes, N, p.K, P // T, *strides, **flags)
+    else:
+        cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
+        cfg.setdefault("EVEN_K", p.K % cfg["BK"] == 0)
+        _gemv_experts[(triton.cdiv(N, cfg["BN"]), P)](x2, y, ids1, *planes, N, p.K, P // T, *strides, **flags, **cfg)
+    return y

@@ -1,5 +1,6 @@
 """1 to 16 rows of x rounded to int8 against integer codes (int4/int8 AWQ and GPTQ, Q4_0, Q5_0,
-Q8_0, Q4_K, Q5_K; Q6_K at one row): `q8_linear`, and `q8_rows_linear` (one row at a time).
+Q8_0, Q4_K, Q5_K; Q6_K at one row): `q8_linear`, and `q8_rows_linear` (one row at a time);
+`q8_experts`: one row a (token, expert) pair of a MoE layer, the expert ids read on the device.
 
 `_quant_x` rounds x to int8 per 32 elements (llama.cpp's Q8_1 scheme); in `_gemv_q8` codes and x
 meet in dp4a (four products per instruction, exact int32 per 32-element block), then block and
@@ -314,6 +315,27 @@ def _quant_x(x_ptr, perm_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.cons
     tl.store(xsum_ptr + blk, sx * qs, mask=bm)
 
 
+@triton.jit
+def _gemv_q8_experts(xw_ptr, sx_ptr, xsum_ptr, y_ptr, ids_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr,
+                     dmin_ptr, N, K, XDIV, s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+                     CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr,
+                     ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr, USE_ASM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr = False,
+                     EVEN_N: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+    """_gemv_q8 (one row of int8 x) over (token, expert) pairs: program (n, p) computes BN outputs
+    of pair p, y[p] = x[p // XDIV] W_ids[p]^T, the planes stacking the experts' weights of N rows
+    each. The expert id is read here, on the device, and moves every plane's base pointer to the
+    expert's first row (per-row planes: q8_ok formats have no row-block scales)."""
+    p = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64) * N  # the expert's first row; int64: E * N rows may pass 2^31 words
+    xr = (p // XDIV).to(tl.int64)
+    _gemv_q8(xw_ptr + xr * (K // 4), sx_ptr + xr * (K // 32), xsum_ptr + xr * (K // 32), y_ptr + p.to(tl.int64) * N,
+             y_ptr, lo_ptr + e * s_lo, hi_ptr + e * s_hi, sc_ptr + e * s_sc, d_ptr + e * s_d, zp_ptr + e * s_zp,
+             mn_ptr + e * s_mn, dmin_ptr + e * s_dmin, 1, N, K, N, s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
+             CODES, HI_BITS, SUB, TWO_LEVEL, ZERO, OFFSET, MINS, False, USE_ASM, BN, BK, STAGES, EVEN_K, EVEN_N,
+             PREFETCH, 0, False, 1)
+
+
 # pipelined through shared memory, and register prefetch (one 32-element block a thread and row; PERSIST:
 # programs per SM): the H200 winners of benchmarks.q8_sweep per decode shape and format
 # (docs/benchmarks.md#gpu-kernels-by-rows-of-x)
@@ -331,6 +353,9 @@ _Q8M_CONFIGS = ([triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
                 + [triton.Config({"BN": bn, "BK": bk, "STAGES": 1, "PREFETCH": True, "PERSIST": pe}, num_warps=w)
                    for bn, bk, w, pe in [(1, 1024, 1, 0), (2, 1024, 1, 0), (4, 1024, 1, 0), (1, 2048, 1, 32)]])
 _gemm_q8_tuned = autotune(_Q8M_CONFIGS, _Q8_KEYS)(even_kn(_gemv_q8))  # the same kernel with MR rows of x
+# the one-row candidates that keep one program a row tile (no PERSIST: the grid's second axis is the pairs)
+_Q8E_CONFIGS = [c for c in _Q8_CONFIGS if not c.kwargs.get("PERSIST")]
+_gemv_q8_experts_tuned = autotune(_Q8E_CONFIGS, [k for k in _Q8_KEYS if k != "MR"])(even_kn(_gemv_q8_experts))
 
 
 @functools.lru_cache(maxsize=None)
@@ -417,3 +442,38 @@ def q8_rows_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
     for i in range(x1.shape[0]):
         q8_linear(x1[i:i + 1], p, bias, out=y[i:i + 1])
     return y.reshape(*x.shape[:-1], p.N)
+
+
+def q8_experts(x: torch.Tensor, p: Packed, ids: torch.Tensor, n_expert: int, out: torch.Tensor | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """triton_gemv.gemv_experts with x rounded to int8 per 32 elements (_quant_x, once per row of x):
+    y[i] = x_q8[i // (P / T)] W_ids[i]^T for the P = ids.numel() pairs, `p` stacking n_expert
+    weights of p.N / n_expert rows; computes packed.linear_ref_q8 per pair. Formats: packed.q8_ok
+    at one row. The ids stay on the device (no host sync)."""
+    P = ids.numel()
+    x1 = x.reshape(-1, p.K)
+    if x1.stride(-1) != 1:
+        x1 = x1.contiguous()
+    T = x1.shape[0]
+    if P % T or p.perm is not None or p.N % n_expert or not q8_ok(p, 1):
+        raise ValueError("q8_experts takes one row of x per token or per pair, no act-order, experts of equal rows "
+                         "and a format packed.q8_ok takes at one row")
+    N = p.N // n_expert
+    ids1 = ids.reshape(P)
+    if ids1.stride(0) != 1:
+        ids1 = ids1.contiguous()
+    xw, sx, xs = _quantize_x(x1, p, False)
+    y = out if out is not None else torch.empty(P, N, dtype=x.dtype, device=x.device)
+    planes, strides = plane_args(p)
+    flags = {**fmt_flags(p.fmt), "USE_ASM": not INTERPRET}
+    del flags["SC_ROWS"]
+    args = (xw, sx, xs, y, ids1, *planes, N, p.K, P // T, *strides)
+    if config is None and not INTERPRET:
+        grid = lambda meta: (triton.cdiv(N, meta["BN"]), P)  # noqa: E731
+        _gemv_q8_experts_tuned[grid](*args, **flags)
+    else:
+        cfg = {"BN": 8, "BK": 64, "STAGES": 1, **(config or {})}
+        cfg.setdefault("EVEN_K", p.K % cfg["BK"] == 0)
+        cfg.setdefault("EVEN_N", N % cfg["BN"] == 0)
+        _gemv_q8_experts[(triton.cdiv(N, cfg["BN"]), P)](*args, **flags, **cfg)
+    return y

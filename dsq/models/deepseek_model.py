@@ -16,7 +16,9 @@ A token runs only its experts' weights: with GGUF weights each expert's GGUFLine
 into the stacked `*_exps` blocks. The routed experts are one module with one call, so a runtime
 can put them on another device than the rest of the layer and move the hidden state there and back:
 `CPURoutedExperts` keeps the stacked blocks in RAM and runs them with one C call per layer while
-the rest of the layer runs on a GPU.
+the rest of the layer runs on a GPU; `GPUStackedExperts` keeps every expert's weights stacked on the
+GPU and runs a decode step's (token, expert) pairs with the expert ids read on the device (no host
+sync, so the step is one CUDA graph).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsq.kernels import dispatch
+from dsq.kernels import dispatch, packed
 from dsq.models.base import (MLP, DecoderLayer, KVCache, ModelArgs, RMSNorm, Transformer, apply_rope,
                              apply_rope_interleaved)
 
@@ -247,6 +249,86 @@ class RoutedExperts(nn.ModuleList):
         return out
 
 
+class GPUStackedExperts(nn.Module):
+    """The routed experts of one MoE layer with every expert's weights stacked in one packed weight
+    per projection (kernels/packed.py; expert e's rows e*N..e*N+N-1): gate and up as one (per
+    expert its gate rows, then its up rows) where they share a format, and down. A call of up to
+    GRAPH_ROWS tokens runs each (token, expert) pair through its expert with the ids read on the
+    device (dispatch.packed_experts: two grouped GEMVs, the activation, the weighted sum per token),
+    so it never syncs with the host and a decode step made of these can be captured as one CUDA
+    graph (the model's graph_safe). Longer calls (prompt chunks) run each chosen expert once over
+    its tokens, as RoutedExperts does (pairs would read an expert's weights once per token that
+    chose it)."""
+
+    # tokens up to which a call takes the pairs path; above, the grouped loop (one host sync). A
+    # captured batch decode step has one token a sequence, so batches up to this size capture.
+    GRAPH_ROWS = 16
+    _PARTS = ("lo", "sc", "hi", "d", "zp", "mn", "dmin")
+
+    def __init__(self, gate_up: packed.Packed | None, gate: packed.Packed | None, up: packed.Packed | None,
+                 down: packed.Packed, n_expert: int, act, source: str = ""):
+        super().__init__()
+        self.n_expert, self.act, self.source = n_expert, act, source
+        self.hidden, self.inter = down.N // n_expert, down.K
+        self._fmts, self._names = {}, []
+        for name, p in (("gate_up", gate_up), ("gate", gate), ("up", up), ("down", down)):
+            if p is None:
+                continue
+            if p.perm is not None or p.N % n_expert:
+                raise ValueError("stacked experts take weights without act-order, equal rows per expert")
+            self._fmts[name] = (p.fmt, p.N, p.K)
+            self._names.append(name)
+            for k in self._PARTS:
+                self.register_buffer(f"{name}_{k}", getattr(p, k))
+
+    def weight(self, name: str) -> packed.Packed:
+        """The stacked packed weight `name` (gate_up, gate, up or down) over this module's buffers."""
+        fmt, N, K = self._fmts[name]
+        return packed.Packed(fmt, N, K, **{k: getattr(self, f"{name}_{k}") for k in self._PARTS})
+
+    def expert(self, name: str, e: int) -> packed.Packed:
+        """Expert e's rows of weight `name` (views)."""
+        p = self.weight(name)
+        n = p.N // self.n_expert
+        rows = {k: (p.fmt.sc_rows if k == "sc" else 1) for k in p.tensors()}  # FP8 block scales: n / 128 rows
+        kw = {k: t[e * n // rows[k]:(e + 1) * n // rows[k]] for k, t in p.tensors().items()}
+        return packed.Packed(p.fmt, n, p.K, **kw)
+
+    def extra_repr(self) -> str:
+        return (f"{self.n_expert} experts stacked ({', '.join(self._names)}), {self.source}, hidden={self.hidden}, "
+                f"inter={self.inter}")
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (T, H), ids and weights (T, k) -> (T, H) in x's dtype."""
+        T, k = ids.shape
+        if T > self.GRAPH_ROWS:
+            return self._grouped(x, ids, weights)
+        E = self.n_expert
+        if "gate_up" in self._fmts:
+            g, u = dispatch.packed_experts(x, self.weight("gate_up"), ids, E).chunk(2, dim=-1)
+        else:
+            g = dispatch.packed_experts(x, self.weight("gate"), ids, E)
+            u = dispatch.packed_experts(x, self.weight("up"), ids, E)
+        y = dispatch.packed_experts(self.act(g) * u, self.weight("down"), ids, E)  # (T * k, H)
+        return (y.view(T, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
+
+    def _mlp(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        if "gate_up" in self._fmts:
+            g, u = dispatch.packed_linear(x, self.expert("gate_up", e)).chunk(2, dim=-1)
+        else:
+            g, u = dispatch.packed_linear(x, self.expert("gate", e)), dispatch.packed_linear(x, self.expert("up", e))
+        return dispatch.packed_linear(self.act(g) * u, self.expert("down", e))
+
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert once over the tokens that chose it (one host sync: the ids)."""
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            y = self._mlp(x[rows], e) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+
 class _Pinned:
     """Page-locked host buffers for the hidden state's trips to the CPU experts and back, shared by
     every layer (each layer's copies are done before the next layer writes them: a layer waits for
@@ -405,13 +487,17 @@ class DeepseekTransformer(Transformer):
 
     @property
     def graph_safe(self) -> bool:
-        """Dense layers only, or every MoE layer's experts in RAM and queued from a GPU (no host
-        control flow: the C call is a host function on the stream)."""
+        """Dense layers only, or every MoE layer's experts stacked on the GPU (GPUStackedExperts:
+        the ids stay on the device) or in RAM and queued from a GPU (no host control flow: the C
+        call is a host function on the stream)."""
         from dsq.models.base import module_device
 
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):
                 dev = module_device(layer.input_layernorm)
-                if not (isinstance(layer.mlp.experts, CPURoutedExperts) and CPURoutedExperts.queues(dev)):
+                ex = layer.mlp.experts
+                if isinstance(ex, GPUStackedExperts) and dev.type == "cuda":
+                    continue
+                if not (isinstance(ex, CPURoutedExperts) and CPURoutedExperts.queues(dev)):
                     return False
         return True

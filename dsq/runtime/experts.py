@@ -1,6 +1,9 @@
 """--experts cpu|gpu|auto: where a MoE model's routed experts run on the native backend.
 
-- gpu: with the rest of their layer (on the layer's device);
+- gpu: with the rest of their layer (on the layer's device); on a GPU each layer's experts are
+  stacked into one packed weight per projection (GPUStackedExperts, `experts_to_gpu`), so a
+  decode step routes its tokens with the expert ids on the device, without a host sync, and is
+  captured as one CUDA graph;
 - cpu: every layer's routed experts stay in RAM as the GGUF file's stacked blocks and run through
   one C call per layer (CPURoutedExperts), while attention, the router, the shared experts, the
   dense layers, the norms and the head run where --gpu-layers puts them;
@@ -117,6 +120,64 @@ def experts_to_cpu(model) -> int:
         moe.experts = CPURoutedExperts(*parts, qtypes)
         n += 1
     return n
+
+
+def experts_to_gpu(model, on: tuple[str, ...] = ("cuda",)) -> int:
+    """Replace every MoE layer's routed experts that run on a GPU through the Triton kernels (each
+    projection a PackedLinear, prepare_kernels' output, of one format, no bias or act-order) by
+    GPUStackedExperts over their stacked planes. Call after prepare_kernels; each layer's
+    per-expert weights are freed as its stack is made. `on`: the device types whose experts are
+    stacked (the tests stack CPU tensors too). Returns how many layers changed."""
+    import torch
+
+    from dsq.models.deepseek_model import GPUStackedExperts, MoE, RoutedExperts
+    from dsq.runtime.qmodules import PackedLinear
+
+    n = 0
+    for layer in model.model.layers:
+        moe = layer.mlp
+        if not isinstance(moe, MoE) or not isinstance(moe.experts, RoutedExperts):
+            continue
+        mods = {proj: [getattr(e, proj, None) for e in moe.experts] for proj in ("gate_proj", "up_proj", "down_proj")}
+        if not all(_stackable(ms, PackedLinear) and ms[0].lo.device.type in on for ms in mods.values()):
+            continue
+        E = len(moe.experts)
+        gate, up, down = ([m.packed for m in mods[proj]] for proj in ("gate_proj", "up_proj", "down_proj"))
+        act, source = moe.experts[0].act, mods["gate_proj"][0].source
+        if gate[0].fmt == up[0].fmt and gate[0].K == up[0].K and gate[0].fmt.sc_rows == 1:
+            gate_up, gate, up = _stack(gate, up), None, None  # per expert: its gate rows, then its up rows
+        else:
+            gate_up, gate, up = None, _stack(gate), _stack(up)
+        moe.experts = GPUStackedExperts(gate_up, gate, up, _stack(down), E, act, source)
+        del mods, gate, up, down, gate_up  # the per-expert weights go with the old module
+        n += 1
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return n
+
+
+def _stackable(mods: list, kind) -> bool:
+    """Whether one expert's weights of one projection stack: one module kind and format, no bias or
+    act-order, one shape and device, and whole row blocks of scales (FP8 128-row blocks)."""
+    m0 = mods[0]
+    return all(type(m) is kind and m.bias is None and m.perm is None and m.fmt == m0.fmt and m.in_features ==
+               m0.in_features and m.out_features == m0.out_features and m.lo.device == m0.lo.device
+               and m.out_features % m.fmt.sc_rows == 0 for m in mods)
+
+
+def _stack(*parts: list):
+    """One Packed over E experts' weights (lists of E Packed of one format): expert e's rows are
+    those of parts[0][e], parts[1][e], ... in turn."""
+    import torch
+
+    from dsq.kernels.packed import Packed
+
+    p0 = parts[0][0]
+    E = len(parts[0])
+    rows = sum(ps[0].N for ps in parts)
+    kw = {k: torch.cat([torch.stack([getattr(p, k) for p in ps]) for ps in parts], dim=1).reshape(E * rows, -1)
+          for k in p0.tensors()}
+    return Packed(p0.fmt, E * rows, p0.K, **kw)
 
 
 def _stacked(raws: list):

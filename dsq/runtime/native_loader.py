@@ -113,6 +113,10 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NO
         experts_to_cpu(model)  # refuses: an HF directory's experts are not GGUF blocks
     _place(model, gpu_layers, gpu)
     prepare_kernels(model)
+    if experts != "cpu":
+        from dsq.runtime.experts import experts_to_gpu
+
+        experts_to_gpu(model)
     _release_cached_memory(gpu)
     return model.eval(), cfg
 
@@ -174,6 +178,10 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.
         experts_to_cpu(model)
     _place(model, gpu_layers, gpu)
     prepare_kernels(model)
+    if experts != "cpu":
+        from dsq.runtime.experts import experts_to_gpu
+
+        experts_to_gpu(model)
     _release_cached_memory(gpu)
     return model.eval(), cfg
 

@@ -1,0 +1,167 @@
+"""--experts gpu on a GPU: each MoE layer's routed experts stacked into one packed weight per
+projection (GPUStackedExperts, runtime/experts.experts_to_gpu) and run as (token, expert) pairs
+through the grouped GEMV with the ids on the device, so the decode step has no host sync and is
+captured as one CUDA graph.
+
+CI has no GPU: the module runs on CPU tensors, its grouped GEMV through the Triton interpreter
+(triton_interp), against RoutedExperts (one MLP per expert over the GGUF reference) on tiny random
+DeepSeek GGUFs' experts. The CUDA tests (skipped without a GPU) load the model on the GPU and
+check the captured step against the eager one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interp import CUDA
+
+KINDS = ["deepseek_v2", "deepseek_v3"]
+IDS = [5, 17, 99, 250, 31, 7, 400, 12, 3, 77] * 3
+
+
+def _cpu_model(path):
+    from dsq.runtime.native import NativeModel
+
+    return NativeModel(path, "gguf", n_ctx=128, dtype="fp32", experts="gpu", cuda_graph=False)
+
+
+def _pack_experts(model) -> None:
+    """What prepare_kernels does on a GPU, for the experts only: each GGUFLinear a PackedLinear."""
+    from dsq.kernels import packed
+    from dsq.models.deepseek_model import MoE
+    from dsq.runtime.qmodules import PackedLinear
+
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, MoE):
+            for e in layer.mlp.experts:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    m = getattr(e, proj)
+                    setattr(e, proj, PackedLinear(packed.from_gguf(m.raw, m.qtype, m.in_features), None, m.qtype))
+
+
+def _interpreted(monkeypatch, calls: list, q8: bool = False):
+    """dispatch.packed_experts through the Triton kernel on CPU tensors (the interpreter), float x
+    or (q8) x rounded to int8; counts calls."""
+    from dsq.kernels import dispatch, triton_gemv, triton_gemv_q8
+
+    def run(x, p, ids, n_expert):
+        calls.append(ids.numel())
+        if q8:
+            return triton_gemv_q8.q8_experts(x, p, ids, n_expert, config={"BN": 8, "BK": 256})
+        return triton_gemv.gemv_experts(x, p, ids, n_expert, config={"BN": 32, "BK": 256})
+
+    monkeypatch.setattr(dispatch, "packed_experts", run)
+
+
+def _no_host_sync(monkeypatch):
+    """Any of the ops that read a tensor back to the host raises."""
+    def boom(*a, **k):
+        raise AssertionError("a host sync in the pairs path")
+
+    for name in ("tolist", "item", "nonzero", "unique", "__bool__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    monkeypatch.setattr(torch, "unique", boom)
+    monkeypatch.setattr(torch, "nonzero", boom)
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU stand-in; the CUDA tests below load the model on the GPU")
+@pytest.mark.parametrize("kind,qtype,q8", [("deepseek_v2", "Q4_K_M", False), ("deepseek_v3", "Q8_0", False),
+                                          ("deepseek_v2", "Q4_K_M", True)])
+def test_stacked_experts_equal_routed_experts(kind, qtype, q8, tiny_gguf, monkeypatch):
+    """Float x: within 1e-4 of the largest output; x rounded to int8 per 32 elements (the GPU's
+    default, as llama.cpp's): within 4e-2."""
+    from dsq.models.deepseek_model import GPUStackedExperts, MoE, RoutedExperts
+    from dsq.runtime.experts import experts_to_gpu
+
+    monkeypatch.setenv("DSQ_KERNELS", "reference")  # RoutedExperts over the GGUF reference: the oracle
+    m = _cpu_model(tiny_gguf(kind, qtype)).model
+    moes = [layer.mlp for layer in m.model.layers if isinstance(layer.mlp, MoE)]
+    refs = [moe.experts for moe in moes]
+    assert moes and all(type(r) is RoutedExperts for r in refs)
+    _pack_experts(m)
+    assert experts_to_gpu(m) == 0  # CPU tensors: not stacked outside the tests
+    assert experts_to_gpu(m, on=("cpu",)) == len(moes)
+    assert all(isinstance(moe.experts, GPUStackedExperts) for moe in moes)
+    assert "gate_up" in moes[0].experts._fmts  # gate and up of one format: one stacked weight
+    calls: list = []
+    _interpreted(monkeypatch, calls, q8)
+    tol = 4e-2 if q8 else 1e-4  # q8 rounds x and the activation (1.5e-2 measured; the kernel is exact)
+    torch.manual_seed(0)
+    for moe, ref in zip(moes, refs):
+        H, k = moe.experts.hidden, moe.gate.top_k
+        for T in (1, 3):
+            x = torch.randn(T, H)
+            w, ids = moe.gate(x)
+            if T == 3:  # the same experts for two tokens, their slots in another order
+                ids[2], w[2] = ids[0].flip(0), w[0].flip(0)
+            want = ref(x, ids, w)
+            del calls[:]
+            with monkeypatch.context() as mp:
+                _no_host_sync(mp)
+                got = moe.experts(x, ids, w)
+            assert calls == [T * k, T * k]  # gate/up, down: every pair in one launch each
+            assert got.dtype == x.dtype
+            assert (got - want).abs().max() <= tol * want.abs().max(), (T, (got - want).abs().max())
+        with monkeypatch.context() as mp:  # past GRAPH_ROWS tokens: the grouped loop (prompt chunks)
+            mp.setattr(GPUStackedExperts, "GRAPH_ROWS", 2)
+            x = torch.randn(5, H)
+            w, ids = moe.gate(x)
+            del calls[:]
+            got, want = moe.experts(x, ids, w), ref(x, ids, w)
+            assert not calls and (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+# -- CUDA (skipped without a GPU) --------------------------------------------------------------------
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_stacked_experts_graph_decode_equals_eager(kind, tiny_gguf):
+    """All on the GPU with --experts gpu: every MoE layer's experts stacked, the model graph-safe
+    and its decode step captured as one CUDA graph (a batch's too), whose logits step by step are
+    the eager step's; prompts of up to GRAPH_ROWS tokens (the pairs path) and longer ones (the
+    grouped loop) stay close to the CPU model's (bf16 and int8-rounded x in the GPU's dense
+    kernels against float32: routing may move a few tokens)."""
+    from dsq.models.deepseek_model import GPUStackedExperts, MoE
+    from dsq.runtime.native import NativeModel
+    from dsq.runtime.sampling import SamplingParams
+    from tiny import kld_top1
+
+    path = tiny_gguf(kind, "Q4_K_M")
+    graph = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="gpu")
+    eager = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="gpu", cuda_graph=False)
+    for m in (graph, eager):
+        moes = [layer.mlp for layer in m.model.model.layers if isinstance(layer.mlp, MoE)]
+        assert moes and all(isinstance(x.experts, GPUStackedExperts) for x in moes)
+        assert all(b.is_cuda for x in moes for b in x.experts.buffers())
+    assert graph.model.graph_safe and graph._graph is not None and eager._graph is None
+    pad = torch.zeros(1, dtype=torch.long, device="cuda")
+    prompt = IDS[:12]
+    a, b = graph._prefill(prompt, 0, graph.cache, pad), eager._prefill(prompt, 0, eager.cache, pad)
+    torch.testing.assert_close(a, b)
+    for step in range(8):  # the same tokens into both: the captured step against the eager one
+        tok = a.argmax(-1)
+        a = graph._decode(tok, len(prompt) + step, graph.cache, pad).clone()
+        b = eager._decode(tok, len(prompt) + step, eager.cache, pad)
+        assert torch.isfinite(a).all()
+        assert (a - b).abs().max() <= 1e-3 * b.abs().max(), (step, (a - b).abs().max())
+    cpu = NativeModel(path, "gguf", n_ctx=128, dtype="fp32", experts="gpu")
+    for ids in (IDS[:12], IDS):  # pairs, grouped loop
+        kld, top1, _ = kld_top1(cpu.logits(ids), graph.logits(ids))
+        assert kld < 0.25 and top1 >= 0.6, (len(ids), kld, top1)
+    out = graph.generate_batch([IDS[:20], IDS[5:9]], SamplingParams(temperature=0), 4, ignore_eos=True)
+    assert [len(x) for x in out] == [4, 4] and graph._batch is not None  # the batch's step captured
+
+
+def test_expert_views_of_the_stack():
+    """GPUStackedExperts.expert (the grouped loop's weights): expert e's rows of the stack, views,
+    FP8 128-row scale blocks included."""
+    from dsq.kernels import packed
+    from dsq.models.deepseek_model import GPUStackedExperts
+
+    E, N, K = 3, 128, 256
+    ws = [(torch.randn(N, K) * 3).to(torch.float8_e4m3fn) for _ in range(E)]
+    ps = [packed.from_fp8(w, torch.rand(1, 2) + 0.01) for w in ws]
+    st = packed.Packed.cat(ps)
+    m = GPUStackedExperts(None, st, st, st, E, torch.nn.functional.silu)
+    for e in range(E):
+        ex = m.expert("down", e)
+        assert ex.N == N and ex.lo.data_ptr() == m.down_lo[e * N].data_ptr()
+        assert torch.equal(packed.dequantize(ex), packed.dequantize(ps[e]))
