@@ -62,10 +62,12 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def _start(*flags: str):
+def _start(*flags: str, ctx: int = CTX):
+    """`dsq serve` on a free port of 127.0.0.1 with `flags` (a model path among them, or the
+    built-in model), once /health answers."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dsq", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--ctx", str(CTX), "--max-seqs", "8", *flags], cwd=ROOT, env=_env(),
+                             "--ctx", str(ctx), "--max-seqs", "8", *flags], cwd=ROOT, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180

@@ -9,15 +9,10 @@ Every wait is bounded."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +20,8 @@ import pytest
 import torch
 
 from dsq.serve.paged import FP8, PagedKV
+from test_serve import _env, _get, _start, int8_x_build
+from test_serve_engine import _run_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["deepseek_v2", "deepseek_v3"]
@@ -32,16 +29,6 @@ PROMPTS = ["The history of the Roman Empire", "Why is the sky blue?", "def fibon
            "Once upon a time, in a land far away", "one two three four five six seven one two three four five"]
 N_TOKENS = 12
 CTX = 256
-
-
-def int8_x_build() -> bool:
-    """Whether the C kernels in use are the avx2 build, whose GGUF row dots round x to int8 per 32
-    values: a batch of B rows and B single rows then round differently, and greedy outputs can
-    split at near-ties. The equality tests here are about batching, so they keep x in float there
-    (DSQ_NO_VNNI=1), as tests/test_serve_engine.py does."""
-    from dsq.kernels import cpu
-
-    return cpu.library()[1] == "avx2"
 
 
 @pytest.fixture(autouse=True)
@@ -205,46 +192,21 @@ def q8(q8_path):
     return nm
 
 
-def _run_engine(nm, prompts, max_tokens, **kw):
-    from dsq.runtime.sampling import SamplingParams
-    from dsq.serve.engine import Engine, Request
-
-    eng = Engine(nm, **kw)
-    done, texts, usages = threading.Event(), {}, {}
-    reqs = []
-    for i, p in enumerate(prompts):
-        def emit(ev, i=i):
-            if ev.kind == "text":
-                texts[i] = texts.get(i, "") + ev.text
-            else:
-                usages[i] = ev.usage if ev.kind == "done" else ev.text
-                if len(usages) == len(prompts):
-                    done.set()
-        reqs.append(Request(p, SamplingParams(temperature=0), max_tokens, emit, ignore_eos=True))
-    eng.start()
-    try:
-        for r in reqs:
-            eng.submit(r)
-        assert done.wait(300), "the engine did not finish in time"
-    finally:
-        eng.stop()
-    return [texts.get(i, "") for i in range(len(prompts))], usages, eng, reqs
-
-
 def test_engine_batches_preempts_and_matches_generate(q8):
     from dsq.runtime.engine import encode_prompt, generate
 
     ref = [generate(q8, p, max_tokens=N_TOKENS, temperature=0, ignore_eos=True).text for p in PROMPTS]
     ids = [encode_prompt(q8, p) for p in PROMPTS]
-    texts, usages, eng, _ = _run_engine(q8, ids, N_TOKENS, kv_tokens=4096, max_seqs=8)
+    texts, usages, eng, _ = _run_engine(q8, ids, N_TOKENS, ignore_eos=True, kv_tokens=4096, max_seqs=8)
     assert texts == ref
     assert all(u["completion_tokens"] == N_TOKENS for u in usages.values())
     # speculative decoding by prompt lookup: a draft is checked in one pass over several positions
-    spec, _, eng, _ = _run_engine(q8, ids, N_TOKENS, kv_tokens=4096, max_seqs=8, spec_tokens=4, spec_max_rows=8)
+    spec, _, eng, _ = _run_engine(q8, ids, N_TOKENS, ignore_eos=True, kv_tokens=4096, max_seqs=8, spec_tokens=4,
+                                  spec_max_rows=8)
     assert spec == ref and eng.counters["spec_draft_tokens"] > 0
     # a pool too small for all five: requests wait and are preempted; the ones never preempted
     # match exactly (a preempted one is recomputed by a prefill, whose rounding differs)
-    texts, _, eng, reqs = _run_engine(q8, ids, N_TOKENS, kv_tokens=56, block_size=4, max_seqs=5,
+    texts, _, eng, reqs = _run_engine(q8, ids, N_TOKENS, ignore_eos=True, kv_tokens=56, block_size=4, max_seqs=5,
                                       prefix_cache=False, n_ctx=48)
     kept = [i for i, r in enumerate(reqs) if r.preemptions == 0]
     assert eng.counters["preempted"] > 0 and kept
@@ -260,7 +222,7 @@ def test_engine_prefix_cache_hits_with_the_same_output(q8):
     ref = [generate(q8, p, max_tokens=N_TOKENS, temperature=0, ignore_eos=True).text for p in prompts]
     ids = [encode_prompt(q8, p) for p in prompts]
     # one at a time: the first one's prompt blocks are indexed when the second arrives
-    texts, usages, eng, _ = _run_engine(q8, ids, N_TOKENS, kv_tokens=2048, block_size=16, max_seqs=1)
+    texts, usages, eng, _ = _run_engine(q8, ids, N_TOKENS, ignore_eos=True, kv_tokens=2048, block_size=16, max_seqs=1)
     shared = len(ids[0]) - 8
     assert eng.metrics()["prefix_cache_hit_tokens"] >= 2 * (shared // 16) * 16 > 0
     assert usages[2]["prompt_tokens_details"]["cached_tokens"] >= (shared // 16) * 16
@@ -268,42 +230,12 @@ def test_engine_prefix_cache_hits_with_the_same_output(q8):
 
 
 # -- over HTTP ------------------------------------------------------------------------------------
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    if int8_x_build():
-        env["DSQ_NO_VNNI"] = "1"
-    return env
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
-
-
 @pytest.fixture(scope="module")
 def server(q8_path):
     pytest.importorskip("uvicorn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "dsq", "serve", str(q8_path), "--host", "127.0.0.1", "--port",
-                             str(port), "--ctx", str(CTX), "--max-seqs", "8", "--experts", "cpu"], cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"dsq serve exited {proc.returncode}: {proc.stdout.read()}")
-        try:
-            if _get(base + "/health")["status"] == "ok":
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("dsq serve did not come up in 180 s")
-    yield {"proc": proc, "base": base}
+    started = _start(str(q8_path), "--experts", "cpu", ctx=CTX)
+    proc = started["proc"]
+    yield started
     proc.send_signal(signal.SIGTERM)
     try:
         out, _ = proc.communicate(timeout=60)

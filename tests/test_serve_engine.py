@@ -89,7 +89,7 @@ def builtin():
     return load(None, backend="native", ctx=512, cuda_graph=False)
 
 
-def _run_engine(nm, prompts, max_tokens, **kw):
+def _run_engine(nm, prompts, max_tokens, ignore_eos: bool = False, **kw):
     from dsq.runtime.sampling import SamplingParams
     from dsq.serve.engine import Engine, Request
 
@@ -104,7 +104,7 @@ def _run_engine(nm, prompts, max_tokens, **kw):
                 usages[i] = ev.usage if ev.kind == "done" else ev.text
                 if len(usages) == len(prompts):
                     done.set()
-        reqs.append(Request(p, SamplingParams(temperature=0), max_tokens, emit))
+        reqs.append(Request(p, SamplingParams(temperature=0), max_tokens, emit, ignore_eos=ignore_eos))
     eng.start()
     try:
         for r in reqs:
