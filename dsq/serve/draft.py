@@ -218,13 +218,7 @@ def decode_with_draft(eng, rows: list) -> None:
                 r.blocks.append(eng.pool.allocate())
     eng.drafter.sync(eng.running)
     drafts = eng.drafter.propose(rooms) if rooms else {}
-    plain = [r for r in rows if r not in drafts]
-    if plain:
-        logits = eng.kv.forward([[r.tokens[-1]] for r in plain], [r.computed for r in plain],
-                                [r.blocks for r in plain])
-        for i, r in enumerate(plain):
-            r.computed += 1
-            eng._take(r, logits[i:i + 1])
+    eng.decode_plain([r for r in rows if r not in drafts])
     verify(eng, drafts)
 
 

@@ -271,15 +271,18 @@ class Engine:
             return decode_with_draft(self, rows)
         drafts = {r: self._draft(r) for r in rows} if self.spec_tokens and len(rows) <= self.spec_max_rows else {}
         drafts = {r: d for r, d in drafts.items() if d}
-        plain = [r for r in rows if r not in drafts]
-        if plain:
-            logits = self.kv.forward([[r.tokens[-1]] for r in plain], [r.computed for r in plain],
-                                     [r.blocks for r in plain])
-            for i, r in enumerate(plain):
-                r.computed += 1
-                self._take(r, logits[i:i + 1])
+        self.decode_plain([r for r in rows if r not in drafts])
         for r, draft in drafts.items():
             self._verify(r, draft)
+
+    def decode_plain(self, rows: list[Request]) -> None:
+        """One decode step of each row's last token, batched, without speculation."""
+        if rows:
+            logits = self.kv.forward([[r.tokens[-1]] for r in rows], [r.computed for r in rows],
+                                     [r.blocks for r in rows])
+            for i, r in enumerate(rows):
+                r.computed += 1
+                self._take(r, logits[i:i + 1])
 
     def _draft(self, r: Request) -> list[int]:
         """Prompt lookup: the tokens that followed the latest earlier occurrence of r's last n
