@@ -266,6 +266,30 @@ def test_gguf_with_imatrix_loads_in_llama_cpp(runner, tiny_dir, tmp_path):
     assert steps[-1].unit == "bytes" and steps[-1].done == steps[-1].total
 
 
+def test_recipes_dsq_commands_use_real_options():
+    """Each recipe's `dsq` serving line (quantize, then serve) names only commands and options the
+    CLI has, and serves what it quantized."""
+    import shlex
+
+    import typer
+
+    from dsq.cli import app
+    from dsq.quant.recipes import list_recipes, load_recipe
+
+    group = typer.main.get_command(app)
+    for n in list_recipes():
+        line = load_recipe(n)["serve"]["dsq"].split("#")[0]
+        steps = [shlex.split(part) for part in line.split("&&")]
+        assert [st[:2] for st in steps] == [["dsq", "quantize"], ["dsq", "serve"]], (n, line)
+        for st in steps:
+            cmd = group.commands[st[1]]
+            known = {o for p in cmd.params for o in p.opts + p.secondary_opts}
+            unknown = [t for t in st[2:] if t.startswith("-") and t not in known]
+            assert not unknown, (n, st[1], unknown)
+        out = steps[0][steps[0].index("--out") + 1]
+        assert out in steps[1][2:3], (n, line)  # serve's model is quantize's output
+
+
 def test_recipes_validate_and_apply(runner, tiny_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a quantize the test expects refused would write its default output here
     from dsq.quant.recipes import FORMATS, apply_recipe, list_recipes, load_recipe, validate_recipe

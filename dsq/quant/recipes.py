@@ -9,7 +9,7 @@ import yaml
 from dsq.errors import DsqError
 
 REQUIRED = ("name", "model", "architecture", "params_b", "shape", "quantize", "memory_gb", "parallel", "serve")
-SERVE = ("llama_cpp", "ollama", "vllm", "sglang")
+SERVE = ("dsq", "llama_cpp", "ollama", "vllm", "sglang")
 SUPPORT = ("native", "pending")  # dsq_support: dsq quantizes and runs the architecture, or refuses it
 FORMATS = {"bf16": 16, "fp8": 8, "q8_0": 8.5, "q4_k_m": 4.5, "awq_int4": 4}  # memory_gb.weights: nominal bits
 _QUANT_KEYS = {"method", "bits", "group_size", "sym", "act_order", "damp", "fp8_scheme", "fp8_format", "type",
