@@ -107,18 +107,22 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NO
     if not args.tie_word_embeddings and "lm_head.weight" not in sd:
         raise BadModelFile(f"{path} lacks lm_head.weight and does not tie embeddings", "fix tie_word_embeddings")
     model.tie_weights()
-    if experts == "cpu":
-        from dsq.runtime.experts import experts_to_cpu
+    _place_experts_and_layers(model, experts, gpu_layers, gpu)  # HF experts in RAM: refused (not GGUF blocks)
+    return model.eval(), cfg
 
-        experts_to_cpu(model)  # refuses: an HF directory's experts are not GGUF blocks
+
+def _place_experts_and_layers(model: nn.Module, experts: str, gpu_layers, gpu) -> None:
+    """Routed experts into RAM (--experts cpu), the layers onto the GPU, every quantized module into
+    its kernels' layout, then experts left on a GPU stacked for the grouped GEMV."""
+    from dsq.runtime.experts import experts_to_cpu, experts_to_gpu
+
+    if experts == "cpu":
+        experts_to_cpu(model)
     _place(model, gpu_layers, gpu)
     prepare_kernels(model)
     if experts != "cpu":
-        from dsq.runtime.experts import experts_to_gpu
-
         experts_to_gpu(model)
     _release_cached_memory(gpu)
-    return model.eval(), cfg
 
 
 def _swap_quantized(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor], dtype) -> None:
@@ -172,17 +176,7 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.
     model.load_state_dict(sd, strict=False, assign=True)
     if "model.embed_tokens.weight" in sd:
         model.tie_weights()
-    if experts == "cpu":
-        from dsq.runtime.experts import experts_to_cpu
-
-        experts_to_cpu(model)
-    _place(model, gpu_layers, gpu)
-    prepare_kernels(model)
-    if experts != "cpu":
-        from dsq.runtime.experts import experts_to_gpu
-
-        experts_to_gpu(model)
-    _release_cached_memory(gpu)
+    _place_experts_and_layers(model, experts, gpu_layers, gpu)
     return model.eval(), cfg
 
 
