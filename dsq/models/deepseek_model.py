@@ -241,12 +241,18 @@ class RoutedExperts(nn.ModuleList):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (N, H), ids and weights (N, k) -> (N, H) in x's dtype."""
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            y = self[e](x[rows]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-        return out
+        return _each_expert_once(x, ids, weights, lambda xe, e: self[e](xe))
+
+
+def _each_expert_once(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mlp) -> torch.Tensor:
+    """Each chosen expert's mlp(x rows, e) once over the tokens that chose it, weighted and summed per
+    token (one host sync: the ids)."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        y = mlp(x[rows], e) * weights[rows, slot, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+    return out
 
 
 class GPUStackedExperts(nn.Module):
@@ -302,7 +308,7 @@ class GPUStackedExperts(nn.Module):
         """x (T, H), ids and weights (T, k) -> (T, H) in x's dtype."""
         T, k = ids.shape
         if T > self.GRAPH_ROWS:
-            return self._grouped(x, ids, weights)
+            return _each_expert_once(x, ids, weights, self._mlp)
         E = self.n_expert
         if "gate_up" in self._fmts:
             g, u = dispatch.packed_experts(x, self.weight("gate_up"), ids, E).chunk(2, dim=-1)
@@ -319,14 +325,6 @@ class GPUStackedExperts(nn.Module):
             g, u = dispatch.packed_linear(x, self.expert("gate", e)), dispatch.packed_linear(x, self.expert("up", e))
         return dispatch.packed_linear(self.act(g) * u, self.expert("down", e))
 
-    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each chosen expert once over the tokens that chose it (one host sync: the ids)."""
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            y = self._mlp(x[rows], e) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-        return out
 
 
 class _Pinned:
