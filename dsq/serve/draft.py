@@ -202,6 +202,7 @@ def spec_room(eng, r) -> int:
 
 
 def greedy(r) -> bool:
+    """Sampling that speculation keeps exact: the argmax, no repeat penalty."""
     sp = r.sampling
     return sp.temperature == 0 and sp.repeat_penalty == 1.0
 
@@ -236,7 +237,8 @@ def verify(eng, drafts: dict) -> None:
         for i, r in enumerate(rows):
             draft = drafts[r]
             c["spec_draft_tokens"] += n
-            eng.drafter.counters["draft_rows"] += 1
+            if eng.drafter is not None:
+                eng.drafter.counters["draft_rows"] += 1
             for j in range(n + 1):
                 r.computed += 1
                 eng._take(r, logits[i, j:j + 1])

@@ -41,6 +41,7 @@ import torch
 
 from dsq.runtime.generate import StopMatcher
 from dsq.runtime.sampling import Sampler, SamplingParams
+from dsq.serve.draft import greedy, spec_room, verify
 from dsq.serve.paged import PagedKV
 
 _RECENT = 64  # tokens the repeat penalty looks back over (as dsq run)
@@ -272,8 +273,8 @@ class Engine:
         drafts = {r: self._draft(r) for r in rows} if self.spec_tokens and len(rows) <= self.spec_max_rows else {}
         drafts = {r: d for r, d in drafts.items() if d}
         self.decode_plain([r for r in rows if r not in drafts])
-        for r, draft in drafts.items():
-            self._verify(r, draft)
+        for r, draft in drafts.items():  # a pass each (SPEC_MAX_ROWS)
+            verify(self, {r: draft})
 
     def decode_plain(self, rows: list[Request]) -> None:
         """One decode step of each row's last token, batched, without speculation."""
@@ -287,12 +288,10 @@ class Engine:
     def _draft(self, r: Request) -> list[int]:
         """Prompt lookup: the tokens that followed the latest earlier occurrence of r's last n
         tokens (longest n first), for a greedy request, as many as its blocks can take."""
-        sp = r.sampling
-        if sp.temperature != 0 or sp.repeat_penalty != 1.0:
+        if not greedy(r):
             return []
         t, bs = r.tokens, self.block_size
-        room = min(self.spec_tokens, r.max_tokens - r.generated - 1, self.n_ctx - len(t) - 1,
-                   len(r.blocks) * bs - r.computed - 1 + bs * self.pool.available())
+        room = spec_room(self, r)
         if room <= 0:
             return []
         for n in range(min(self.spec_ngram, len(t) - 1), 0, -1):
@@ -304,18 +303,6 @@ class Engine:
                         r.blocks.append(self.pool.allocate())
                     return draft
         return []
-
-    def _verify(self, r: Request, draft: list[int]) -> None:
-        """Run r's last token and its draft in one pass; keep the draft while it is what the
-        model picks, then the model's own token."""
-        logits = self.kv.forward([[r.tokens[-1]] + draft], [r.computed], [r.blocks], every_position=True)[0]
-        self.counters["spec_draft_tokens"] += len(draft)
-        for j in range(len(draft) + 1):
-            r.computed += 1
-            self._take(r, logits[j:j + 1])
-            if r.finished or j == len(draft) or r.tokens[-1] != draft[j]:
-                break
-            self.counters["spec_accepted_tokens"] += 1
 
     def _preempt(self, exclude: Request) -> bool:
         """Free the newest running request's blocks (it is prefilled again later); False when
