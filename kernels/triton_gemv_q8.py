@@ -354,7 +354,8 @@ _Q8M_CONFIGS = ([triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
                    for bn, bk, w, pe in [(1, 1024, 1, 0), (2, 1024, 1, 0), (4, 1024, 1, 0), (1, 2048, 1, 32)]])
 _gemm_q8_tuned = autotune(_Q8M_CONFIGS, _Q8_KEYS)(even_kn(_gemv_q8))  # the same kernel with MR rows of x
 # the one-row candidates that keep one program a row tile (no PERSIST: the grid's second axis is the pairs)
-_Q8E_CONFIGS = [c for c in _Q8_CONFIGS if not c.kwargs.get("PERSIST")]
+_Q8E_CONFIGS = [triton.Config({k: v for k, v in c.kwargs.items() if k != "PERSIST"}, num_warps=c.num_warps)
+                for c in _Q8_CONFIGS if not c.kwargs.get("PERSIST")]
 _gemv_q8_experts_tuned = autotune(_Q8E_CONFIGS, [k for k in _Q8_KEYS if k != "MR"])(even_kn(_gemv_q8_experts))
 
 

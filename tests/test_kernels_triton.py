@@ -449,3 +449,24 @@ def test_autotune_choices_name_each_key(monkeypatch):
     picks = triton_common.autotune_choices()["gemv_q8"]
     (key, cfg), = picks.items()
     assert key.startswith("N=28672, K=8192, MR=1, CODES=0, HI_BITS=0, SUB=128") and "PERSIST: 32" in cfg
+
+
+def test_autotuned_configs_name_only_their_kernels_parameters():
+    """Every autotuned kernel's candidate configs pass only arguments its kernel takes: a config
+    key the kernel lacks fails at the first autotuned launch on a GPU (a KeyError inside Triton),
+    which the interpreter's fixed-config path never reaches."""
+    import inspect
+
+    from dsq.kernels import triton_gemm, triton_gemv, triton_gemv_q8, triton_mma
+
+    tuned = [triton_gemm._gemm_tuned, triton_gemv._gemv_tuned, triton_gemv._gemv_experts_tuned,
+             triton_gemv_q8._gemv_q8_tuned, triton_gemv_q8._gemm_q8_tuned, triton_gemv_q8._gemv_q8_experts_tuned,
+             triton_mma._mma_t_tuned, triton_mma._mma_s_tuned]
+    for t in tuned:
+        fn = t
+        while hasattr(fn, "fn"):  # through the heuristics and the JIT (or interpreter) wrapper
+            fn = fn.fn
+        params = set(inspect.signature(fn).parameters)
+        assert t.configs
+        for c in t.configs:
+            assert set(c.kwargs) <= params, (fn.__name__, sorted(set(c.kwargs) - params))
