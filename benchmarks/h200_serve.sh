@@ -11,7 +11,11 @@
 #                                          # made here as the same random shape cut to DRAFT_LAYERS (2) layers,
 #                                          # which shares the 8B file's vocabulary; DRAFT=$GGUF: the model as its own draft
 #   bash benchmarks/h200_serve.sh llama    # llama-server -ngl 99 --parallel 32 (continuous batching), built
-#                                          # from the vendored sources when .llbin/ carries no llama-server
+#                                          # from the vendored sources when .llbin/ carries no llama-server.
+#                                          # .llbin/server.tar.xz saves that build: llama-server built here
+#                                          # without CUDA (cmake -DGGML_CUDA=OFF -DLLAMA_BUILD_SERVER=ON, target
+#                                          # llama-server, in llama-cpp-python's vendor/llama.cpp), its binary,
+#                                          # libllama-server-impl.so and libmtmd.so*, on the carried CUDA libraries
 #
 # DeepSeek (MLA + MoE): SHAPE=deepseek-v2-lite GGUF=/tmp/v2lite.gguf EXPERTS=cpu|gpu bash benchmarks/h200_serve.sh dsq
 # (and the same SHAPE/GGUF for llama).
@@ -76,7 +80,11 @@ if [ "$PART" = llama ]; then
     if ls "$ROOT"/.llbin/llbin.tar.xz.* >/dev/null 2>&1; then
       mkdir -p "$LL/build/bin" && cat "$ROOT"/.llbin/llbin.tar.xz.* | xz -d | tar x -C "$LL/build/bin"
     fi
+    # llama-server alone (with libllama-server-impl and libmtmd), built on a CPU-only machine from the same
+    # sources: it runs on the CUDA libraries above (same version, same ABI) through LD_LIBRARY_PATH
+    [ -f "$ROOT"/.llbin/server.tar.xz ] && xz -dc "$ROOT"/.llbin/server.tar.xz | tar x -C "$LL/build/bin"
   fi
+  export LD_LIBRARY_PATH=$LL/build/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   if [ ! -x "$LL/build/bin/llama-server" ]; then
     mkdir -p /tmp/ll && { [ -d "$LL" ] || tar xzf "$ROOT"/.llsrc/llama-src.tar.gz -C /tmp/ll; }
     (cd "$LL" && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF \
