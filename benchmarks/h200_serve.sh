@@ -53,8 +53,8 @@ wait_up() {  # $1: pid; the server's /health within 300 s
   return 1
 }
 
-load() {  # $1: tag. Concurrency 1 on 8 requests, then 8 and 32 on 64 (P99 of 64 is their 2nd worst)
-  timeout 200 python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 1 --requests 8 \
+load() {  # $1: tag. Concurrency 1 on 8 requests (C1=0: not), then LEVELS (8 and 32) on 64 (P99 of 64 is their 2nd worst)
+  [ "${C1:-1}" = 0 ] || timeout 200 python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 1 --requests 8 \
     --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --gpu-cost-per-hour 3 --json "$OUT/serve_$1_c1.json" \
     --plot "$OUT/serve_$1_c1.png" --force 2>&1 | grep -v -i warn | tail -8
   timeout 300 python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency "${LEVELS:-8,32}" \

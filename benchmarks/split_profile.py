@@ -144,6 +144,51 @@ def _kernel_times(m, prompt: list[int], steps: int = 4) -> dict:
     return {"ms_per_step": out, "gemv_gb_s": gb, "step_ms": round(1e3 / st.decode_tok_s, 2)}
 
 
+def _split_parts(m, prompt: list[int], steps: int = 12) -> dict:
+    """Median ms per decode token of the split step's parts, as it runs (the one-call CPU layers
+    included): the CPU layers (forward_layers), the GPU part (the graph's replay, synced), the
+    whole step (_decode, synced), and the token (GenStats) less the step: sampling, detokenizing,
+    the generation loop."""
+    import torch
+
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.sampling import SamplingParams
+
+    s = m._split
+    if s is None:
+        return {}
+    acc: dict[str, list[float]] = {"cpu_layers": [], "gpu_part": [], "step": []}
+
+    def timed(name, fn, sync=False):
+        def run(*args, **kw):
+            t = time.perf_counter()
+            out = fn(*args, **kw)
+            if sync:
+                torch.cuda.synchronize()
+            acc[name].append(1e3 * (time.perf_counter() - t))
+            return out
+        return run
+
+    class Replay:
+        replay = staticmethod(timed("gpu_part", s.graph.replay, sync=True))
+
+    graph, fl = s.graph, m.model.forward_layers
+    s.graph, m.model.forward_layers = Replay(), timed("cpu_layers", fl)
+    m._decode = timed("step", type(m)._decode.__get__(m), sync=True)
+    try:
+        m.reset()
+        st = GenStats()
+        for _ in m.stream(prompt, SamplingParams(temperature=0), steps + 1, st, ignore_eos=True):
+            pass
+    finally:
+        s.graph = graph
+        del m.model.forward_layers, m._decode
+    out = {k: round(statistics.median(v[1:] if k == "cpu_layers" else v), 3) for k, v in acc.items() if v}
+    out["token"] = round(1e3 / st.decode_tok_s, 3)
+    out["outside_step"] = round(out["token"] - out.get("step", 0.0), 3)
+    return out
+
+
 def _vram(m) -> dict:
     """GPU memory after loading, in GiB: weights and buffers on the GPU, the KV cache, what torch's
     allocator holds and reserves, and the device-wide figure (NVML, what dsq bench reports)."""
@@ -161,6 +206,7 @@ def _vram(m) -> dict:
     return {"weights_gib": round(params / gib, 3), "kv_gib": round(kv / gib, 3),
             "allocated_gib": round(torch.cuda.memory_allocated() / gib, 3),
             "reserved_gib": round(torch.cuda.memory_reserved() / gib, 3),
+            "max_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 3),
             "device_used_gib": round(used / gib, 3) if used is not None else None}
 
 
@@ -193,6 +239,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gen-tokens", type=int, default=16)
     ap.add_argument("--profile", action="store_true", help="print the torch profiler's top ops per split")
     ap.add_argument("--kernels", action="store_true", help="time each C kernel call of a few decode steps")
+    ap.add_argument("--parts", action="store_true", help="time a split step's parts: CPU layers, GPU part, the rest")
     ap.add_argument("--bandwidth", default="", help="comma list of thread counts: CPU read bandwidth at each")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -225,6 +272,12 @@ def main(argv=None) -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "layer_ms"}), flush=True)
         if a.profile:
             print(_profile(m, prompt), flush=True)
+        if a.parts and m._split is not None:
+            try:
+                row["parts_ms"] = _split_parts(m, prompt)
+            except Exception as e:  # noqa: BLE001 - a probe: the other figures still print
+                row["parts_ms"] = {"error": f"{type(e).__name__}: {e}"}
+            print(json.dumps({"gpu_layers": g, "parts_ms": row["parts_ms"]}), flush=True)
         if a.kernels:
             row["kernels"] = _kernel_times(m, prompt)
             print(json.dumps(row["kernels"], indent=1), flush=True)

@@ -113,7 +113,7 @@ def test_stacked_experts_equal_routed_experts(kind, qtype, q8, tiny_gguf, monkey
 # -- CUDA (skipped without a GPU) --------------------------------------------------------------------
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", KINDS)
-def test_cuda_stacked_experts_graph_decode_equals_eager(kind, tiny_gguf):
+def test_cuda_stacked_experts_graph_decode_equals_eager(kind, tiny_gguf, monkeypatch):
     """All on the GPU with --experts gpu: every MoE layer's experts stacked, the model graph-safe
     and its decode step captured as one CUDA graph (a batch's too), whose logits step by step are
     the eager step's; prompts of up to GRAPH_ROWS tokens (the pairs path) and longer ones (the
@@ -124,6 +124,7 @@ def test_cuda_stacked_experts_graph_decode_equals_eager(kind, tiny_gguf):
     from dsq.runtime.sampling import SamplingParams
     from tiny import kld_top1
 
+    monkeypatch.setattr(GPUStackedExperts, "GRAPH_ROWS", 16)  # the 30-token prompt below takes the grouped loop
     path = tiny_gguf(kind, "Q4_K_M")
     graph = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="gpu")
     eager = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="gpu", cuda_graph=False)

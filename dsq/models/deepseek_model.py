@@ -24,6 +24,7 @@ sync, so the step is one CUDA graph).
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 import torch
@@ -266,9 +267,13 @@ class GPUStackedExperts(nn.Module):
     its tokens, as RoutedExperts does (pairs would read an expert's weights once per token that
     chose it)."""
 
-    # tokens up to which a call takes the pairs path; above, the grouped loop (one host sync). A
-    # captured batch decode step has one token a sequence, so batches up to this size capture.
-    GRAPH_ROWS = 16
+    # tokens up to which a call takes the pairs path; above, the grouped loop (one host sync, then
+    # ~4 launches per chosen expert). Pairs read an expert's weights once per token that chose it,
+    # but a V2-Lite prompt of 64 tokens through the grouped loop prefilled at 64 tok/s against
+    # llama.cpp's 2400 (docs/benchmarks.md#deepseek): prompt chunks up to this size take pairs.
+    # A captured batch decode step has one token a sequence, so batches up to this size capture.
+    # DSQ_MOE_PAIRS_ROWS=N moves it.
+    GRAPH_ROWS = int(os.environ.get("DSQ_MOE_PAIRS_ROWS", "") or 128)
     _PARTS = ("lo", "sc", "hi", "d", "zp", "mn", "dmin")
 
     def __init__(self, gate_up: packed.Packed | None, gate: packed.Packed | None, up: packed.Packed | None,
