@@ -148,3 +148,19 @@ def test_command_line_errors_are_one_line(files, tmp_path, capsys):
     from dsq.formats.gguf_file import GGUFFile
 
     assert GGUFFile(tmp_path / "t.gguf").n_layers == 1
+
+
+def test_every_token_decodes_to_text_that_text_never_tokenizes_into(files):
+    """The vocabulary's padding words render as text in both engines, so whatever a random model
+    generates streams as text (dsq bench --serve times its first text), and tokenizing those very
+    words never yields them, so real text tokenizes as with the base pieces alone."""
+    from dsq.runtime.llama_cpp_backend import LlamaCppModel
+    from dsq.runtime.native import NativeModel
+
+    V = rg.SHAPES["tiny"]["vocab_size"]
+    pad = list(range(V - 40, V))
+    words = "".join(f" w{i}" for i in pad)
+    for eng in (NativeModel(files["Q4_0"], "gguf", n_ctx=64, dtype="fp32"), LlamaCppModel(files["Q4_0"], n_ctx=64)):
+        assert eng.detokenize(pad).strip() == words.strip()
+        ids = eng.tokenize(words, add_bos=False)
+        assert ids and not set(ids) & set(pad)

@@ -11,8 +11,9 @@ For side-by-side speed runs of the native runtime and llama.cpp on one file
 blocks are random bytes with their scales set so weights stay in a trained model's range
 (|w| <~ 0.02), so neither engine meets NaNs, and no float model is ever built (an 8B file takes
 seconds and ~1 GB of memory). The vocabulary is a small SentencePiece one (bytes, printable
-characters, and "▁"+character pieces) padded with unused tokens to the shape's size, so real
-text tokenizes and both engines agree on it.
+characters, and "▁"+character pieces) padded to the shape's size with "▁w<index>" words that no
+text tokenizes into, so real text tokenizes, both engines agree on it, and whatever a random model
+generates decodes to text (a server's stream has something to send).
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
 
 def synthetic_vocab(n: int):
     """A SentencePiece vocabulary of n tokens: <unk> <s> </s>, the 256 byte tokens, printable
-    ASCII and "▁"+character pieces (scored so longer pieces win), the rest unused."""
-    from dsq.formats.tokenizer_gguf import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, Vocab
+    ASCII and "▁"+character pieces (scored so longer pieces win), the rest "▁w<index>" words that
+    tokenizing text never produces but that decode to text."""
+    from dsq.formats.tokenizer_gguf import BYTE, CONTROL, NORMAL, UNKNOWN, Vocab
 
     tokens, types, scores = ["<unk>", "<s>", "</s>"], [UNKNOWN, CONTROL, CONTROL], [0.0, 0.0, 0.0]
     tokens += [f"<0x{i:02X}>" for i in range(256)]
@@ -88,9 +90,10 @@ def synthetic_vocab(n: int):
         scores.append(-float(len(tokens)) if len(piece) == 1 else 1.0 - len(tokens) / 1e4)
     if n < len(tokens):
         raise ValueError(f"a vocabulary needs at least {len(tokens)} tokens, not {n}")
-    while len(tokens) < n:
-        tokens.append(f"<unused{len(tokens)}>")
-        types.append(UNUSED)
+    while len(tokens) < n:  # words no merge of the pieces above can form ("▁w" + 3+ digits), so
+        # a random model's output renders as text (a server's stream, a load generator's TTFT)
+        tokens.append(f"\u2581w{len(tokens)}")
+        types.append(NORMAL)
         scores.append(-1e9)
     return Vocab(model="llama", tokens=tokens, token_types=types, scores=scores,
                  special={"unk": 0, "bos": 1, "eos": 2}, add_bos=True, add_space_prefix=True)
