@@ -89,11 +89,15 @@ def builtin():
     return load(None, backend="native", ctx=512, cuda_graph=False)
 
 
-def _run_engine(nm, prompts, max_tokens, ignore_eos: bool = False, **kw):
+def _run_engine(nm, prompts, max_tokens, ignore_eos: bool = False, warm: bool = False, **kw):
     from dsq.runtime.sampling import SamplingParams
     from dsq.serve.engine import Engine, Request
 
     eng = Engine(nm, **kw)
+    if warm:
+        total = eng.pool.available()
+        eng.warmed = eng.warm_up()
+        assert eng.pool.available() == total and not eng.pool.hash_of  # every block back, nothing cached
     done, texts, usages = threading.Event(), {}, {}
     reqs = []
     for i, p in enumerate(prompts):
@@ -138,6 +142,19 @@ def test_engine_batches_preempts_and_matches_generate(builtin):
     assert ample == ref
     assert all(u["completion_tokens"] > 0 and u["prompt_tokens"] == len(i) for u, i in zip(usages.values(), ids))
     assert eng.metrics()["kv_blocks_held"] == 0
+
+
+def test_warm_up_runs_each_row_bucket_and_changes_no_reply(builtin):
+    """dsq serve on a GPU warms up before the first request (each batch size bucket and a few
+    prompt chunk lengths autotune there): the warm-up gives every block back and the replies stay
+    dsq run's."""
+    from dsq.runtime.engine import encode_prompt, generate
+
+    ref = [generate(builtin, p, max_tokens=12, temperature=0).text for p in PROMPTS]
+    ids = [encode_prompt(builtin, p) for p in PROMPTS]
+    texts, _, eng, _ = _run_engine(builtin, ids, 12, warm=True, kv_tokens=4096, max_seqs=5, prefill_chunk=100)
+    assert eng.warmed == {"decode": [1, 2, 4, 5], "prefill": [16, 64, 100]}
+    assert texts == ref
 
 
 def test_engine_prefix_cache_hits_on_a_shared_system_prompt(builtin):

@@ -125,6 +125,37 @@ class Engine:
                        vocab=vocab, prefill_chunk=self.prefill_chunk, kv_dtype=kv_dtype)
 
     # -- outside the loop (any thread) ----------------------------------------------------
+    def warm_up(self) -> dict:
+        """Run the decode step once at each batch size of the kernels' row buckets (1, 2, 4, ...
+        up to max_seqs) and prompt chunks of a few lengths up to prefill_chunk, on blocks taken
+        from the pool and given back, before the first request. On a GPU each new row count
+        autotunes its Triton kernels, compiling every candidate on a cold cache: inside the
+        first requests that took minutes, so every request timed out or waited (docs/benchmarks.md
+        #dsq-serve). Returns the batch sizes and chunk lengths run. Call before start()."""
+        sizes = sorted({1 << i for i in range(self.max_seqs.bit_length()) if 1 << i < self.max_seqs} | {self.max_seqs})
+        sizes = [b for b in sizes if b <= self.pool.available()]
+        top = min(self.prefill_chunk, self.n_ctx - 1)
+        chunks = sorted({t for t in (16, 64, 256) if t < top} | {top})
+        chunks = [t for t in chunks if -(-t // self.block_size) <= self.pool.available()]
+        V = self.model.args.vocab_size
+        tok = lambda i: (i * 7919 + 1) % V  # noqa: E731 - any valid ids: the blocks are thrown away
+        with torch.inference_mode():
+            for b in sizes:  # one token a sequence at position 0, a block each
+                blocks = [self.pool.allocate() for _ in range(b)]
+                try:
+                    self.kv.forward([[tok(i)] for i in range(b)], [0] * b, [[blk] for blk in blocks])
+                finally:
+                    self.pool.release(blocks)
+            for t in chunks:
+                blocks = [self.pool.allocate() for _ in range(-(-t // self.block_size))]
+                try:
+                    self.kv.forward([[tok(i) for i in range(t)]], [0], [blocks])
+                finally:
+                    self.pool.release(blocks)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return {"decode": sizes, "prefill": chunks}
+
     def start(self) -> None:
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="dsq-engine", daemon=True)

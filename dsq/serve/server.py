@@ -135,6 +135,11 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
     # uvicorn re-raises the signal that stopped it once it has shut down: a handler of ours takes
     # it, so SIGTERM ends the process with status 0 after the drain
     signal.signal(signal.SIGTERM, lambda *_: None)
+    if engine.device.type == "cuda":  # (on the CPU nothing compiles: no warm-up)
+        sys.stderr.write(f"dsq serve: warming up the GPU kernels (batches up to {engine.max_seqs}, prompt chunks "
+                         f"up to {engine.prefill_chunk} tokens)...\n")
+        sys.stderr.flush()
+        engine.warm_up()
     engine.start()
     m = engine.metrics()
     sys.stderr.write(f"dsq serve: {api.model_id} on http://{host}:{port}/v1 (native engine, KV cache of "
