@@ -195,6 +195,34 @@ def test_sampler():
     assert int(pen(pos, torch.tensor([[0]]))) == 2
 
 
+@pytest.mark.parametrize("top_k,top_p,min_p", [(40, 0.9, 0.0), (0, 0.8, 0.0), (30, 1.0, 0.05), (0, 1.0, 0.0)])
+def test_sampler_draws_from_the_filtered_distribution(top_k, top_p, min_p):
+    """The sampler filters only the top-k prefix and maps its draw back: the frequencies of many
+    draws match the distribution written out over the whole vocabulary (llama.cpp's order: top-k,
+    top-p, min-p, temperature), within sampling noise."""
+    from dsq.runtime.sampling import Sampler, SamplingParams
+
+    torch.manual_seed(0)
+    V, T, n = 1000, 0.7, 40000
+    row = torch.randn(V) * 2
+    want = row.clone()
+    if top_k:
+        want[want < want.topk(top_k).values[-1]] = float("-inf")
+    order = want.argsort(descending=True)
+    p = want[order].softmax(-1)
+    drop = torch.zeros(V, dtype=torch.bool)
+    drop[order] = p.cumsum(-1) - p > top_p
+    want[drop] = float("-inf")
+    if min_p:
+        q = want.softmax(-1)
+        want[q < min_p * q.max()] = float("-inf")
+    want = (want / T).softmax(-1)
+    s = Sampler(SamplingParams(temperature=T, top_k=top_k, top_p=top_p, min_p=min_p, seed=2))
+    got = torch.bincount(s(row.expand(n, V).contiguous()), minlength=V).double() / n
+    assert got[want == 0].sum() == 0  # nothing filtered out is ever drawn
+    assert 0.5 * (got - want.double()).abs().sum() < 0.03  # total variation
+
+
 # -- the built-in model ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def builtin_native(builtin_gguf):
