@@ -38,12 +38,12 @@ def _check_shapes(model: nn.Module, sd: dict[str, torch.Tensor], where: str, sho
                                f"{tuple(expected[n].shape)}", "the file is damaged or does not match its config")
 
 
-def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None) -> None:
+def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None, each=None) -> None:
     """Layers on their devices (GpuLayers.devices: llama.cpp's last N layers). The native runtime
     puts the output head on the GPU whenever any layer is there, and keeps the token embedding on
     the CPU in a split (one row a token): the head is read every token, so it costs the most where
     memory is slowest (docs/benchmarks.md#split-between-gpu-and-cpu). CPU layers of a split model
-    compute in float32, the C kernels' dtype."""
+    compute in float32, the C kernels' dtype. `each(layer)` runs on each layer once it is in place."""
     per, head = gpu_layers.devices(model.args.num_hidden_layers, gpu)
     split = gpu is not None and gpu in per and torch.device("cpu") in per
     if gpu is not None and gpu in per:
@@ -52,6 +52,8 @@ def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None) 
         layer.to(dev)
         if split and dev.type == "cpu":
             _float32_params(layer)
+        if each is not None:
+            each(layer)
     model.model.embed_tokens.to(torch.device("cpu") if split else per[0] if per else head)
     if split and hasattr(model.model.embed_tokens, "out_dtype"):  # GGUF rows straight to float32
         model.model.embed_tokens.out_dtype = torch.float32
@@ -118,8 +120,13 @@ def _place_experts_and_layers(model: nn.Module, experts: str, gpu_layers, gpu) -
 
     if experts == "cpu":
         experts_to_cpu(model)
-    _place(model, gpu_layers, gpu)
-    prepare_kernels(model)
+
+    def convert(layer):  # a layer's file blocks on the GPU only until its kernels' layout is made
+        prepare_kernels(layer)
+        _release_cached_memory(gpu)
+
+    _place(model, gpu_layers, gpu, convert)
+    prepare_kernels(model)  # the head, norm and embedding
     if experts != "cpu":
         experts_to_gpu(model)
     _release_cached_memory(gpu)
