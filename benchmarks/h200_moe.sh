@@ -27,9 +27,9 @@ lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)" | tr -s ' '
 
 llama_bins || exit 1  # llama-bench, and the library dsq's GGUF tokenizer loads
 if [ "$PART" = tests ]; then
-  timeout 400 python3 -m pytest -q -rs tests/test_deepseek_experts_cpu.py tests/test_deepseek.py -k "cuda or stand_in" \
+  timeout 400 python3 -m pytest -q --timeout 150 --tb=short -rfEs -p no:cacheprovider tests/test_deepseek_experts_cpu.py tests/test_deepseek.py -k "cuda or stand_in" \
     2>&1 | tail -15
-  timeout 300 python3 -m pytest -q -rs tests/test_deepseek_experts_gpu.py tests/test_kernels_triton_experts.py \
+  timeout 300 python3 -m pytest -q --timeout 150 --tb=short -rfEs -p no:cacheprovider tests/test_deepseek_experts_gpu.py tests/test_kernels_triton_experts.py \
     2>&1 | tail -15
   exit 0
 fi

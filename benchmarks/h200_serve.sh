@@ -35,8 +35,8 @@ GEN=${GEN:-128}
 setup_python
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$PART" = tests ]; then
-  timeout 400 python3 -m pytest -q tests/test_attn_triton.py -k "paged or serve" 2>&1 | tail -8
-  timeout 400 python3 -m pytest -q -rs tests/test_serve_deepseek.py -k gpu 2>&1 | tail -8
+  timeout 400 python3 -m pytest -q --timeout 150 --tb=short -rfE -p no:cacheprovider tests/test_attn_triton.py -k "paged or serve" 2>&1 | tail -8
+  timeout 400 python3 -m pytest -q --timeout 150 --tb=short -rfEs -p no:cacheprovider tests/test_serve_deepseek.py -k gpu 2>&1 | tail -8
   exit 0
 fi
 [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape "${SHAPE:-llama3-8b}" --mix Q4_K_M | tail -1
