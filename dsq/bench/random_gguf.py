@@ -73,11 +73,11 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
     return b.reshape(rows, -1)
 
 
-def synthetic_vocab(n: int):
+def synthetic_vocab(n: int, pad: str = "words"):
     """A SentencePiece vocabulary of n tokens: <unk> <s> </s>, the 256 byte tokens, printable
     ASCII and "▁"+character pieces (scored so longer pieces win), the rest "▁w<index>" words that
     tokenizing text never produces but that decode to text."""
-    from dsq.formats.tokenizer_gguf import BYTE, CONTROL, NORMAL, UNKNOWN, Vocab
+    from dsq.formats.tokenizer_gguf import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, Vocab
 
     tokens, types, scores = ["<unk>", "<s>", "</s>"], [UNKNOWN, CONTROL, CONTROL], [0.0, 0.0, 0.0]
     tokens += [f"<0x{i:02X}>" for i in range(256)]
@@ -91,9 +91,11 @@ def synthetic_vocab(n: int):
     if n < len(tokens):
         raise ValueError(f"a vocabulary needs at least {len(tokens)} tokens, not {n}")
     while len(tokens) < n:  # words no merge of the pieces above can form ("▁w" + 3+ digits), so
-        # a random model's output renders as text (a server's stream, a load generator's TTFT)
-        tokens.append(f"\u2581w{len(tokens)}")
-        types.append(NORMAL)
+        # a random model's output renders as text (a server's stream, a load generator's TTFT);
+        # pad="unused": unused tokens, as the fuzzer's frozen seed files were made
+        words = pad == "words"
+        tokens.append(f"\u2581w{len(tokens)}" if words else f"<unused{len(tokens)}>")
+        types.append(NORMAL if words else UNUSED)
         scores.append(-1e9)
     return Vocab(model="llama", tokens=tokens, token_types=types, scores=scores,
                  special={"unk": 0, "bos": 1, "eos": 2}, add_bos=True, add_space_prefix=True)
@@ -173,9 +175,9 @@ def _f32_values(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> 
 
 def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_K_M", seed: int = 0,
                       force: bool = False, progress: Callable[[str, int, int], None] | None = None,
-                      layers: int | None = None) -> Path:
+                      layers: int | None = None, vocab_pad: str = "words") -> Path:
     """Write a random GGUF of `shape` (a `random_models.SHAPES` name; `layers` overrides its depth) in
-    `mix` to `out` (temp file + rename)."""
+    `mix` to `out` (temp file + rename); `vocab_pad`: synthetic_vocab's padding."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from dsq.convert.hf_to_gguf import write_hparams
@@ -214,7 +216,7 @@ def write_random_gguf(out: str | Path, shape: str = "llama3-8b", mix: str = "Q4_
         w.add_name(f"random {shape} {mix}")
         w.add_file_type(FTYPES[mix])
         write_hparams(w, arch, cfg, cfg["vocab_size"])
-        write_vocab_gguf(w, synthetic_vocab(cfg["vocab_size"]))
+        write_vocab_gguf(w, synthetic_vocab(cfg["vocab_size"], vocab_pad))
         for name, shp, t in plan:
             if t == "F32":
                 w.add_tensor_info(name, shp, np.dtype(np.float32), 4 * int(np.prod(shp)),
