@@ -90,10 +90,13 @@ def synthetic_vocab(n: int, pad: str = "words"):
         scores.append(-float(len(tokens)) if len(piece) == 1 else 1.0 - len(tokens) / 1e4)
     if n < len(tokens):
         raise ValueError(f"a vocabulary needs at least {len(tokens)} tokens, not {n}")
-    while len(tokens) < n:  # words no merge of the pieces above can form ("▁w" + 3+ digits), so
-        # a random model's output renders as text (a server's stream, a load generator's TTFT);
-        # pad="unused": unused tokens, as the fuzzer's frozen seed files were made
-        words = pad == "words"
+    if pad not in ("words", "unused"):
+        raise ValueError(f"pad is 'words' or 'unused', not {pad!r}")
+    # words no merge of the pieces above can form ("▁w" + 3+ digits), so a random model's output
+    # renders as text (a server's stream, a load generator's TTFT); pad="unused": unused tokens, as
+    # the fuzzer's frozen seed files were made
+    words = pad == "words"
+    while len(tokens) < n:
         tokens.append(f"\u2581w{len(tokens)}" if words else f"<unused{len(tokens)}>")
         types.append(NORMAL if words else UNUSED)
         scores.append(-1e9)

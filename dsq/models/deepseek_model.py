@@ -270,7 +270,8 @@ class GPUStackedExperts(nn.Module):
     # tokens up to which a call takes the pairs path; above, the grouped loop (one host sync, then
     # ~4 launches per chosen expert). Pairs read an expert's weights once per token that chose it,
     # but a V2-Lite prompt of 64 tokens through the grouped loop prefilled at 64 tok/s against
-    # llama.cpp's 2400 (docs/benchmarks.md#deepseek): prompt chunks up to this size take pairs.
+    # llama.cpp's 2400 (docs/benchmarks.md#deepseek): prompt chunks up to this size take pairs
+    # (128 itself not yet timed against the loop).
     # A captured batch decode step has one token a sequence, so batches up to this size capture.
     # DSQ_MOE_PAIRS_ROWS=N moves it.
     GRAPH_ROWS = int(os.environ.get("DSQ_MOE_PAIRS_ROWS", "") or 128)
@@ -329,7 +330,6 @@ class GPUStackedExperts(nn.Module):
         else:
             g, u = dispatch.packed_linear(x, self.expert("gate", e)), dispatch.packed_linear(x, self.expert("up", e))
         return dispatch.packed_linear(self.act(g) * u, self.expert("down", e))
-
 
 
 class _Pinned:

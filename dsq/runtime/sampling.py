@@ -75,6 +75,7 @@ class Sampler:
         pick = torch.multinomial(probs, 1, generator=self.gen)
         return (pick if idx is None else idx.gather(1, pick)).squeeze(-1)
 
+
 def argmax(logits, chunk: int = 512):
     """logits.argmax(-1) for (B, V), the same index (the first maximum), ~10x faster for a large
     vocabulary on the CPU: torch's argmax is not vectorized, amax is. The first chunk holding the
