@@ -33,6 +33,7 @@ PROMPT=${PROMPT:-512}   # prompts of 16..PROMPT words of held-out text
 GEN=${GEN:-128}
 
 setup_python
+llama_bins || exit 1  # llama.cpp's libraries: the GGUF tokenizer of dsq serve, and llama-server's
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$PART" = tests ]; then
   timeout 400 python3 -m pytest -q --timeout 150 --tb=short -rfE -p no:cacheprovider tests/test_attn_triton.py -k "paged or serve" 2>&1 | tail -8

@@ -109,9 +109,12 @@ def test_model_decode_steps_use_it_and_match_sdpa(monkeypatch):
 @pytest.mark.parametrize("B,H,HK,BLK,D,lens", [(2, 8, 2, 16, 32, (70, 5)), (3, 4, 4, 8, 64, (33, 1, 17)),
                                                (1, 6, 1, 32, 16, (200,))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attn_decode_equals_the_gathered_reference(B, H, HK, BLK, D, lens, dtype):
+@pytest.mark.parametrize("with_lens", [False, True])
+def test_paged_attn_decode_equals_the_gathered_reference(B, H, HK, BLK, D, lens, dtype, with_lens):
     """dsq serve's paged cache: each sequence's blocks scattered over a pool in no order, sequences
-    of different lengths (the mask ends each), a sliding-window hole in one."""
+    of different lengths (the mask ends each), a sliding-window hole in one. with_lens: each row's
+    length given too, and the mask left True past it (as no caller passes it), so only skipping
+    those slots gives the reference."""
     g = torch.Generator().manual_seed(1)
     n = max(-(-s // BLK) for s in lens)
     NB = B * n + 3
@@ -128,8 +131,14 @@ def test_paged_attn_decode_equals_the_gathered_reference(B, H, HK, BLK, D, lens,
     k = k_pool[table].permute(0, 2, 1, 3, 4).reshape(B, HK, n * BLK, D)[:, :, :S]
     v = v_pool[table].permute(0, 2, 1, 3, 4).reshape(B, HK, n * BLK, D)[:, :, :S]
     want = ta.attn_decode_ref(q, k, v, mask, D ** -0.5)
+    kw = {}
+    if with_lens:
+        kw["lens"] = torch.tensor(lens, device=DEV)
+        mask = mask.clone()
+        for b, n_b in enumerate(lens):
+            mask[b, ..., n_b:] = True
     got = ta.paged_attn_decode(q.to(DEV), k_pool.to(DEV), v_pool.to(DEV), table.to(DEV).int(), mask.to(DEV),
-                               D ** -0.5, nsplit=2, block=16)
+                               D ** -0.5, nsplit=2, block=16, **kw)
     assert got.shape == (B, 1, H * D) and got.dtype == dtype
     err = float((got.double().cpu() - want).norm() / want.norm())
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
@@ -143,7 +152,9 @@ def test_serve_decode_step_through_the_paged_kernel(tmp_path, monkeypatch):
     from dsq.runtime.native import NativeModel
     from dsq.serve.paged import PagedKV
 
-    nm = NativeModel(build_tiny_model("gemma3", tmp_path / "g"), "hf", n_ctx=128, cuda_graph=False)
+    # on a GPU the model goes there (the kernel reads device memory), in float32 as on the CPU
+    nm = NativeModel(build_tiny_model("gemma3", tmp_path / "g"), "hf", n_ctx=128, cuda_graph=False,
+                     gpu_layers="all" if CUDA else 0, dtype="float32")
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, nm.model.args.vocab_size, (n,), generator=g).tolist() for n in (40, 9, 23)]
     calls = []

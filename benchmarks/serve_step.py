@@ -1,0 +1,122 @@
+"""Where dsq serve's step time goes: the engine's step at B running requests (each decoding at a
+context of --ctx tokens), against the paged forward pass alone (PagedKV.forward) at the same B,
+eager and (on a GPU) replayed as a CUDA graph (PagedKV.capture), then torch.profiler's top ops of
+a few engine steps at one B (of the last kind).
+
+    python -m benchmarks.serve_step MODEL.gguf --rows 1,8,32,64 --ctx 512 --profile 32 [--json out.json]
+
+The engine's step is what a served token waits for (sampling, detokenizing and stop strings of
+every row included); the forward pass is the model alone. Their difference is the engine's own
+cost. The requests are greedy, as the load generator's are (--temperature T: sampled, top-k 40, top-p 0.95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, dev, n: int) -> float:
+    """Median ms of n calls, a device sync around each."""
+    ms = []
+    for _ in range(n):
+        _sync(dev)
+        t = time.perf_counter()
+        fn()
+        _sync(dev)
+        ms.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ms)
+
+
+def _engine(nm, rows: int, ctx: int, gen: int, temperature: float):
+    """An engine with `rows` requests admitted and prefilled, each about to decode."""
+    from dsq.runtime.sampling import SamplingParams
+    from dsq.serve.engine import Engine, Request
+
+    eng = Engine(nm, kv_tokens=rows * (ctx + gen + 64), max_seqs=rows, prefix_cache=False, prefill_chunk=ctx + 1)
+    V = nm.model.args.vocab_size
+    for i in range(rows):
+        prompt = [(i * 7919 + j * 104729 + 1) % V for j in range(ctx)]
+        eng.submit(Request(prompt, SamplingParams(temperature=temperature, seed=i), gen, lambda e: None, ignore_eos=True))
+    eng.waiting.extend(eng.inbox)
+    eng.inbox.clear()
+    while any(r.computed < r.target for r in eng.running) or eng.waiting:
+        eng.step()
+    return eng
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--rows", default="1,8,32,64")
+    ap.add_argument("--ctx", type=int, default=512, help="prompt tokens each request holds when timing starts")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--profile", type=int, default=0, help="B to profile (0: none)")
+    ap.add_argument("--gpu-layers", default="all")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    import torch
+
+    from dsq.runtime.engine import load
+
+    torch.set_grad_enabled(False)
+    nm = load(a.model, backend="native", ctx=4096, gpu_layers=a.gpu_layers, threads=a.threads, cuda_graph=False)
+    nm.cache = None
+    dev = nm.head_device
+    out = {"model": a.model, "ctx": a.ctx, "rows": []}
+    graphs = dev.type == "cuda"
+    print("| rows | step | engine step ms | forward ms | engine's own ms | tok/s (engine) |")
+    print("|---|---|---|---|---|---|")
+    for b in [int(x) for x in a.rows.split(",")]:
+        # the first rows decode while the last prefill: enough tokens for both kinds of step
+        eng = _engine(nm, b, a.ctx, gen=b + 8 * a.steps + 32, temperature=a.temperature)
+        for kind in ("eager", "graph") if graphs else ("eager",):
+            if kind == "graph":
+                eng.kv.capture([b])  # PagedKV.capture, as dsq serve's warm-up does for each bucket
+            for _ in range(3):
+                eng.step()
+            step_ms = _timed(eng.step, dev, a.steps)
+            rs = eng.running
+            fwd = lambda: eng.kv.forward([[r.tokens[-1]] for r in rs], [r.computed for r in rs],  # noqa: E731
+                                         [r.blocks for r in rs])  # rewrites the last token's slot: same shapes
+            fwd()
+            fwd_ms = _timed(fwd, dev, a.steps)
+            rec = {"rows": b, "step": kind, "step_ms": round(step_ms, 2), "forward_ms": round(fwd_ms, 2),
+                   "tok_s": round(b / step_ms * 1e3, 1)}
+            out["rows"].append(rec)
+            print(f"| {b} | {kind} | {step_ms:.2f} | {fwd_ms:.2f} | {step_ms - fwd_ms:.2f} | {rec['tok_s']} |")
+        if b == a.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                for _ in range(4):
+                    eng.step()
+                _sync(dev)
+            ka = prof.key_averages()
+            for key in ("self_cuda_time_total", "self_cpu_time_total") if dev.type == "cuda" else ("self_cpu_time_total",):
+                print(f"\n-- 4 engine steps at {b} rows, by {key}")
+                print(ka.table(sort_by=key, row_limit=22, max_name_column_width=60))
+        eng.kv = eng.pool = None
+        del eng
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
