@@ -25,16 +25,18 @@ from dsq.kernels.triton_common import INTERPRET, sm_count
 
 
 @triton.jit
-def _attn_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, acc_ptr, ml_ptr, S, HK, scale,
+def _attn_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, acc_ptr, ml_ptr, S, HK, scale,
                s_qb, s_qh, s_kn, s_kh, s_ks, s_vn, s_vh, s_vs, s_tb, s_mb, BLK,
                SPLIT, REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, F32: tl.constexpr,
-               PAGED: tl.constexpr):
+               PAGED: tl.constexpr, LENS: tl.constexpr):
     """Program (b * HK + hk, split): query heads hk * REP .. + REP of sequence b against cache slots
     split * SPLIT .. + SPLIT, in tiles of BS slots. Writes acc = sum_s p_s v_s (RP, D), and the
     running max m and sum l of p (RP,) per head, with p_s = exp(q k_s scale - m).
 
     Slot s of sequence b is row s of cache b (s_kn: the batch stride), or with PAGED row s % BLK of
-    block t[b, s // BLK] (s_kn: the block stride)."""
+    block t[b, s // BLK] (s_kn: the block stride). With LENS, slots from l[b] on are not visited
+    (the mask is False there): a cache sized for the longest context costs a shorter sequence
+    nothing past its length."""
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     b = bh // HK
@@ -47,9 +49,14 @@ def _attn_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, acc_ptr, ml_ptr, S, HK, scale,
     l_i = tl.zeros((RP,), tl.float32)
     acc = tl.zeros((RP, D), tl.float32)
     s0 = sp * SPLIT
-    for t in range(0, SPLIT, BS):
+    hi = SPLIT
+    end = S
+    if LENS:
+        end = tl.minimum(S, tl.load(l_ptr + b).to(tl.int32))
+        hi = tl.minimum(SPLIT, end - s0)
+    for t in range(0, hi, BS):
         offs = s0 + t + tl.arange(0, BS)
-        ok = tl.load(m_ptr + b * s_mb + offs, mask=offs < S, other=0) != 0  # masked or past S: not loaded
+        ok = tl.load(m_ptr + b * s_mb + offs, mask=offs < end, other=0) != 0  # masked or past the end: not loaded
         if PAGED:
             blk = tl.load(t_ptr + b * s_tb + offs // BLK, mask=ok, other=0).to(tl.int64)
             row = offs % BLK
@@ -102,7 +109,7 @@ def _attn_combine(acc_ptr, ml_ptr, o_ptr, H, s_ob, s_oh, NSPLIT, REP: tl.constex
     tl.store(o_ptr + b * s_ob + h * s_oh + d, o.to(o_ptr.dtype.element_ty))
 
 
-def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool) -> torch.Tensor:
+def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool, lens=None) -> torch.Tensor:
     """Both public entries: the partial results over `nsplit` slices of the cache (default: about
     two programs per SM), then their combination."""
     B, H, _, D = q.shape
@@ -119,10 +126,10 @@ def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool) -> torch.Te
     ml = torch.empty(B * HK * nsplit * rep, 2, dtype=torch.float32, device=q.device)
     f32 = q.dtype == torch.float32 or INTERPRET
     t, s_tb, blk = (table, table.stride(0), k.shape[2]) if paged else (mask, 0, 1)
-    _attn_part[(B * HK, nsplit)](q, k, v, t, mask, acc, ml, S, HK, scale, q.stride(0), q.stride(1),
+    _attn_part[(B * HK, nsplit)](q, k, v, t, mask, mask if lens is None else lens, acc, ml, S, HK, scale, q.stride(0), q.stride(1),
                                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                                  s_tb, mask.stride(0), blk, split, REP=rep, RP=rp, D=D, BS=block, F32=f32,
-                                 PAGED=paged, num_warps=4 if D <= 128 else 8)  # D 256 on 4 warps: 255 registers
+                                 PAGED=paged, LENS=lens is not None, num_warps=4 if D <= 128 else 8)  # D 256 on 4 warps: 255 registers
     o = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device)
     _attn_combine[(B * H,)](acc, ml, o, H, o.stride(0), o.stride(2), nsplit, REP=rep, D=D,
                             NSP=triton.next_power_of_2(nsplit), num_warps=1)
@@ -130,14 +137,18 @@ def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool) -> torch.Te
 
 
 def paged_attn_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                      mask: torch.Tensor, scale: float, nsplit: int | None = None, block: int = 64) -> torch.Tensor:
+                      mask: torch.Tensor, scale: float, nsplit: int | None = None, block: int = 64,
+                      lens: torch.Tensor | None = None) -> torch.Tensor:
     """attn_decode over a paged cache: q (B, H, 1, D); k_pool / v_pool (NB, Hk, BLK, D), the last
     dimension contiguous; table (B, n) block ids (int32 or int64), row b's slot s in block
-    table[b, s // BLK]; mask (B, 1, 1, S) bool with S <= n * BLK -> (B, 1, H * D) in q's dtype."""
+    table[b, s // BLK]; mask (B, 1, 1, S) bool with S <= n * BLK -> (B, 1, H * D) in q's dtype.
+    lens (B,) integers, optional: row b's mask is False from lens[b] on, and those slots are
+    skipped (a captured step's S is the longest context)."""
     B, H = q.shape[:2]
     assert table.shape[0] == B and mask.shape[-1] <= table.shape[1] * k_pool.shape[2] and mask.stride(-1) == 1
     assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1 and H % k_pool.shape[1] == 0
-    return _decode(q, k_pool, v_pool, table, mask, scale, nsplit, block, paged=True)
+    assert lens is None or (lens.shape == (B,) and lens.is_contiguous())
+    return _decode(q, k_pool, v_pool, table, mask, scale, nsplit, block, paged=True, lens=lens)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:

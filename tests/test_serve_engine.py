@@ -153,8 +153,68 @@ def test_warm_up_runs_each_row_bucket_and_changes_no_reply(builtin):
     ref = [generate(builtin, p, max_tokens=12, temperature=0).text for p in PROMPTS]
     ids = [encode_prompt(builtin, p) for p in PROMPTS]
     texts, _, eng, _ = _run_engine(builtin, ids, 12, warm=True, kv_tokens=4096, max_seqs=5, prefill_chunk=100)
-    assert eng.warmed == {"decode": [1, 2, 4, 5], "prefill": [16, 64, 100]}
+    assert eng.warmed == {"decode": [1, 2, 4, 5], "prefill": [16, 64, 100], "graphs": []}  # CPU: none captured
     assert texts == ref
+
+
+@pytest.mark.parametrize("stand_in", [True, pytest.param(False, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a real CUDA graph needs a GPU (run on the device)"))])
+def test_captured_decode_step_equals_the_eager_step(tmp_path, monkeypatch, stand_in):
+    """PagedKV.capture: decode steps of 3, then 2, then 1 sequences replay the graphs of 4, 2 and 2
+    rows (the smallest of >= B rows), with their inputs refilled each step and the padding rows
+    writing into a block of their own. Their logits equal the eager step's, and every sequence's
+    blocks hold the same keys/values after. On the CPU (stand_in) a stand-in 'graph' reruns the
+    captured function over its static inputs, which checks that protocol; on a GPU the real capture
+    (float32, the Triton paged attention in both)."""
+    from tests.tiny import build_tiny_model
+
+    from dsq.runtime import native
+    from dsq.runtime.native import NativeModel
+
+    if stand_in:
+        class Replay:
+            def __init__(self, run, out):
+                self.run, self.out = run, out
+
+            def replay(self):
+                self.out.copy_(self.run())
+
+        def graphed(run, pool=None):
+            out = run()
+            return Replay(run, out), out
+
+        monkeypatch.setattr(native, "_graphed", graphed)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    nm = NativeModel(build_tiny_model("gemma3", tmp_path / "g"), "hf", n_ctx=128, cuda_graph=False,
+                     gpu_layers=0 if stand_in else "all", dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, nm.model.args.vocab_size, (n,), generator=g).tolist() for n in (40, 9, 23)]
+    tables = [list(range(1 + i * 12, 13 + i * 12)) for i in range(3)]
+    out, kvs = {}, {}
+    for graphs in (False, True):
+        kv = kvs[graphs] = PagedKV(nm.model, 40, 4, 128)
+        if graphs:
+            kv.scratch = 0  # the padding rows' block: no table holds it
+            assert kv.capture([4, 2]) == [2, 4]
+        for s, t in zip(seqs, tables):
+            kv.forward([s[:-3]], [0], [t])
+        steps, calls = [], []
+        for b in kv.graphs:
+            real = kv.graphs[b].graph.replay
+            monkeypatch.setattr(kv.graphs[b].graph, "replay", lambda r=real, b=b: calls.append(b) or r())
+        for j, rows in enumerate((3, 2, 1)):
+            calls.clear()
+            steps.append(kv.forward([[s[-3 + j]] for s in seqs[:rows]], [len(s) - 3 + j for s in seqs[:rows]],
+                                    tables[:rows]).clone())
+            assert calls == ([4 if rows == 3 else 2] if graphs else [])  # 3 rows: the graph of 4
+        out[graphs] = steps
+    for a, b in zip(out[False], out[True]):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    used = [b for t in tables for b in t]
+    for layer in range(nm.model.args.num_hidden_layers):
+        for pool in ("k", "v"):
+            ea, ga = getattr(kvs[False], pool)[layer][used], getattr(kvs[True], pool)[layer][used]
+            assert torch.allclose(ea, ga, atol=1e-5)  # a step of 4 rows rounds as one of 3 does, to ~2e-6
 
 
 def test_engine_prefix_cache_hits_on_a_shared_system_prompt(builtin):

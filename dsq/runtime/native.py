@@ -51,9 +51,10 @@ def _tokenizer(path: Path, kind: str, config: dict):
     return HFTokenizer(path, config)
 
 
-def _graphed(run) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def _graphed(run, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """`run()` (over static input tensors) captured as a CUDA graph, after two warm-up runs on a
-    side stream; (graph, its output tensor)."""
+    side stream, its memory from `pool` (a graph_pool_handle several graphs share) if given;
+    (graph, its output tensor)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s), torch.inference_mode():
@@ -61,7 +62,7 @@ def _graphed(run) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
             run()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.inference_mode():
+    with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
         out = run()
     return graph, out
 

@@ -30,6 +30,7 @@ back through the request's `emit`, called on the engine's thread.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 import traceback
@@ -40,7 +41,7 @@ from typing import Callable
 import torch
 
 from dsq.runtime.generate import StopMatcher
-from dsq.runtime.sampling import Sampler, SamplingParams
+from dsq.runtime.sampling import Sampler, SamplingParams, argmax
 from dsq.serve.draft import greedy, spec_room, verify
 from dsq.serve.paged import PagedKV
 
@@ -152,9 +153,20 @@ class Engine:
                     self.kv.forward([[tok(i) for i in range(t)]], [0], [blocks])
                 finally:
                     self.pool.release(blocks)
+        graphs = []
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return {"decode": sizes, "prefill": chunks}
+            if self.graphable():
+                graphs = self.kv.capture(sizes)
+        return {"decode": sizes, "prefill": chunks, "graphs": graphs}
+
+    def graphable(self) -> bool:
+        """Whether the decode step can be captured (PagedKV.capture): every layer and the head on
+        one GPU, a step the same kernels whatever the tokens (model.graph_safe), routed experts
+        not in RAM; DSQ_SERVE_GRAPHS=0 keeps it eager."""
+        devs = {str(d) for d in self.model.layer_devices()} | {str(self.device)}
+        return (os.environ.get("DSQ_SERVE_GRAPHS", "1") != "0" and self.device.type == "cuda" and len(devs) == 1
+                and self.model.graph_safe and getattr(self.nm, "experts", None) != "cpu")
 
     def start(self) -> None:
         self.stopping = False
@@ -312,9 +324,9 @@ class Engine:
         if rows:
             logits = self.kv.forward([[r.tokens[-1]] for r in rows], [r.computed for r in rows],
                                      [r.blocks for r in rows])
-            for i, r in enumerate(rows):
+            for r, t in zip(rows, self._sample(rows, logits)):
                 r.computed += 1
-                self._take(r, logits[i:i + 1])
+                self._accept(r, t)
 
     def _draft(self, r: Request) -> list[int]:
         """Prompt lookup: the tokens that followed the latest earlier occurrence of r's last n
@@ -349,12 +361,30 @@ class Engine:
                 return True
         return False
 
+    def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[int]:
+        """Row i's next token from logits[i] (B, V): the greedy rows' argmax in one call and one
+        host sync for them all (a call and a sync a row cost ~0.6 ms a row on a GPU,
+        docs/benchmarks.md#dsq-serve), the other rows through their own samplers."""
+        picks: list[int | None] = [None] * len(rows)
+        plain = [i for i, r in enumerate(rows) if greedy(r)]
+        if plain:
+            sel = logits if len(plain) == len(rows) else logits[plain]
+            for i, t in zip(plain, argmax(sel).tolist()):
+                picks[i] = t
+        for i, r in enumerate(rows):
+            if picks[i] is None:
+                recent = None
+                if r.sampling.repeat_penalty != 1.0:
+                    recent = torch.tensor([r.tokens[-_RECENT:]], device=logits.device)
+                picks[i] = int(r.sampler(logits[i:i + 1], recent)[0])
+        return picks
+
     def _take(self, r: Request, logits: torch.Tensor) -> None:
         """Sample r's next token from its logits (1, V) and hand its text on."""
-        recent = None
-        if r.sampling.repeat_penalty != 1.0:
-            recent = torch.tensor([r.tokens[-_RECENT:]], device=logits.device)
-        t = int(r.sampler(logits, recent)[0])
+        self._accept(r, self._sample([r], logits)[0])
+
+    def _accept(self, r: Request, t: int) -> None:
+        """r's next token t: appended, its text handed on, r finished at a stop or its limit."""
         if not r.ignore_eos and self.tok.is_eog(t):
             return self._finish(r, "stop")
         r.tokens.append(t)

@@ -26,6 +26,7 @@ table per sequence, full blocks shared between sequences by hash of their token 
 from __future__ import annotations
 
 import os
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -127,8 +128,9 @@ def supported(model) -> bool:
 class _StepCache:
     """What one step's layers see as their cache (`update`), over the pool's blocks."""
 
-    def __init__(self, kv: "PagedKV", write_at: torch.Tensor, gather: torch.Tensor, kv_len: int):
-        self.kv, self.write_at, self.gather, self.kv_len = kv, write_at, gather, kv_len
+    def __init__(self, kv: "PagedKV", write_at: torch.Tensor, gather: torch.Tensor, kv_len: int,
+                 lens: torch.Tensor):
+        self.kv, self.write_at, self.gather, self.kv_len, self.lens = kv, write_at, gather, kv_len, lens
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                softcap: float | None):
@@ -145,7 +147,7 @@ class _StepCache:
         blk, off = self.write_at // bs, self.write_at % bs
         kp[blk, :, off] = k.permute(0, 2, 1, 3).reshape(B * T, Hk, D)
         vp[blk, :, off] = v.permute(0, 2, 1, 3).reshape(B * T, Hk, D)
-        return triton_attn.paged_attn_decode(q.transpose(1, 2), kp, vp, self.gather, mask, scale)
+        return triton_attn.paged_attn_decode(q.transpose(1, 2), kp, vp, self.gather, mask, scale, lens=self.lens)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots):
         """k, v (B, Hk, T, D): written at the step's flat slots; returns (B, Hk, S, D) gathered
@@ -197,6 +199,8 @@ class PagedKV:
         # the Triton paged decode attention on a GPU (DSQ_PAGED_ATTN=0: gather the blocks, the model's attention)
         self.paged_kernel = (dev.type == "cuda" and self.dtype != FP8 and os.environ.get("DSQ_PAGED_ATTN", "1") != "0"
                              and dispatch.use_triton(dev))
+        self.graphs: dict[int, _PagedGraph] = {}  # captured decode steps by rows (capture)
+        self.scratch: int | None = None  # the block padding rows of a captured step write into
         self.rope = {"full": rope_tables(a.rope, a.rope_dim, max_len, dev)}
         if a.rope_local is not None:
             self.rope["local"] = rope_tables(a.rope_local, a.rope_dim, max_len, dev)
@@ -216,17 +220,30 @@ class PagedKV:
                 every_position: bool = False) -> torch.Tensor:
         """Run rows of new tokens (all rows the same length T), row i's first at position
         starts[i], its keys/values into the blocks of tables[i] (which must cover them); returns
-        the last position's logits (B, V), or every position's (B, T, V)."""
-        m, a, bs, dev = self.model, self.args, self.block_size, self.device
+        the last position's logits (B, V), or every position's (B, T, V). A decode step (T = 1)
+        replays a captured graph where `capture` made one for B rows (its logits are valid until
+        the next step)."""
         B, T = len(ids), len(ids[0])
+        if T == 1 and not every_position and self.graphs:
+            g = next((self.graphs[n] for n in sorted(self.graphs) if n >= B), None)
+            if g is not None:
+                return g(ids, starts, tables)
+        dev = self.device
+        S = max(starts) + T
+        n = -(-S // self.block_size)
         x_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(starts, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)  # (B, T)
-        lens = [s + T for s in starts]
-        S = max(lens)
-        n = -(-S // bs)
         gather = torch.tensor([t[:n] + [t[0]] * (n - len(t[:n])) for t in tables], dtype=torch.long, device=dev)
-        tab = torch.tensor([t[:n] + [0] * (n - len(t[:n])) for t in tables], dtype=torch.long, device=dev)
-        write_at = (tab.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
+        return self._run(x_ids, pos, gather, S, every_position)
+
+    def _run(self, x_ids: torch.Tensor, pos: torch.Tensor, gather: torch.Tensor, S: int,
+             every_position: bool = False) -> torch.Tensor:
+        """forward's device part (no host sync: what `capture` records): tokens x_ids (B, T) at
+        positions pos (B, T), row b's blocks gather[b] (each covering its positions; after those,
+        any block, masked), over cache lengths up to S."""
+        m, a, bs, dev = self.model, self.args, self.block_size, self.device
+        B, T = x_ids.shape
+        write_at = (gather.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
         s = torch.arange(S, device=dev)
         causal = s[None, None, :] <= pos[:, :, None]  # (B, T, S)
         masks = {False: causal[:, None]}
@@ -236,7 +253,7 @@ class PagedKV:
         for kind, (cos, sin) in self.rope.items():
             flat = pos.reshape(-1)
             ropes[kind] = (cos.index_select(0, flat).view(B, T, 1, -1), sin.index_select(0, flat).view(B, T, 1, -1))
-        step = _StepCache(self, write_at, gather, S)
+        step = _StepCache(self, write_at, gather, S, pos[:, -1] + 1)
         x = m.embed(x_ids)
         for i, layer in enumerate(m.model.layers):
             sliding = a.is_sliding(i)
@@ -245,3 +262,51 @@ class PagedKV:
         if every_position:
             return m.head(x)
         return m.head(x, last_only=True)[:, -1]
+
+    def capture(self, sizes: list[int]) -> list[int]:
+        """The decode step (one token a row) captured as a CUDA graph for each batch size in
+        `sizes`, largest first, sharing one memory pool; a step of B rows then replays the
+        smallest graph of >= B rows, the extra rows writing into a block of their own. Eager, a
+        step launches ~2,600 kernels for an 8B model at ~20 us of host time each: 55 ms whatever
+        B, against ~15 ms of GPU time at 32 rows (docs/benchmarks.md#dsq-serve). Returns the
+        sizes captured (a size whose capture fails is left out, with a warning, and runs
+        eagerly)."""
+        if self.scratch is None:
+            self.scratch = self.pool.allocate()  # held for good: the padding rows' writes land here
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(set(sizes), reverse=True):
+            try:
+                self.graphs[b] = _PagedGraph(self, b, pool)
+            except Exception as e:  # noqa: BLE001 - the eager step still serves this size
+                torch.cuda.synchronize()
+                warnings.warn(f"capturing the serve decode step of {b} rows failed, it runs eagerly: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
+        return sorted(self.graphs)
+
+
+class _PagedGraph:
+    """PagedKV._run of `rows` one-token rows over the longest cache (max_len), as a CUDA graph
+    over static inputs: one (rows, 2 + blocks) tensor of each row's token, position and block
+    table, copied from pinned memory before each replay. Rows past B point at the scratch block."""
+
+    def __init__(self, kv: PagedKV, rows: int, pool):
+        from dsq.runtime.native import _graphed
+
+        self.kv, self.rows = kv, rows
+        self.n = n = -(-kv.max_len // kv.block_size)
+        self.pad = [0, 0] + [kv.scratch] * n
+        self.host = torch.tensor([self.pad] * rows, dtype=torch.long)
+        if kv.device.type == "cuda":
+            self.host = self.host.pin_memory()
+        self.buf = self.host.to(kv.device, copy=True)
+        ids, pos, table = self.buf[:, :1], self.buf[:, 1:2], self.buf[:, 2:]
+        self.graph, self.out = _graphed(lambda: kv._run(ids.contiguous(), pos.contiguous(), table.contiguous(),
+                                                        n * kv.block_size), pool=pool)
+
+    def __call__(self, ids: list[list[int]], starts: list[int], tables: list[list[int]]) -> torch.Tensor:
+        n, B = self.n, len(ids)
+        rows = [[t, p] + tb[:n] + [tb[0]] * (n - len(tb[:n])) for (t,), p, tb in zip(ids, starts, tables)]
+        self.host.copy_(torch.tensor(rows + [self.pad] * (self.rows - B), dtype=torch.long))
+        self.buf.copy_(self.host)
+        self.graph.replay()
+        return self.out[:B]

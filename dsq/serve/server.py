@@ -139,7 +139,10 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
         sys.stderr.write(f"dsq serve: warming up the GPU kernels (batches up to {engine.max_seqs}, prompt chunks "
                          f"up to {engine.prefill_chunk} tokens)...\n")
         sys.stderr.flush()
-        engine.warm_up()
+        done = engine.warm_up()
+        if done["graphs"]:
+            sys.stderr.write(f"dsq serve: decode steps of {', '.join(map(str, done['graphs']))} rows captured as "
+                             f"CUDA graphs\n")
     engine.start()
     m = engine.metrics()
     sys.stderr.write(f"dsq serve: {api.model_id} on http://{host}:{port}/v1 (native engine, KV cache of "
