@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--profile", type=int, default=0, help="B to profile (0: none)")
+    ap.add_argument("--prefill", type=int, default=0, help="also time and profile a prompt chunk this long")
     ap.add_argument("--gpu-layers", default="all")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
@@ -79,7 +80,7 @@ def main() -> None:
     graphs = dev.type == "cuda"
     print("| rows | step | engine step ms | forward ms | engine's own ms | tok/s (engine) |")
     print("|---|---|---|---|---|---|")
-    for b in [int(x) for x in a.rows.split(",")]:
+    for b in [int(x) for x in a.rows.split(",") if x]:
         # the first rows decode while the last prefill: enough tokens for both kinds of step
         eng = _engine(nm, b, a.ctx, gen=b + 8 * a.steps + 32, temperature=a.temperature)
         for kind in ("eager", "graph") if graphs else ("eager",):
@@ -113,6 +114,24 @@ def main() -> None:
         del eng
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    if a.prefill:  # one prompt chunk of --prefill tokens (B = 1, as the engine prefills), timed and profiled
+        from dsq.serve.paged import PagedKV
+
+        kv = PagedKV(nm.model, -(-a.prefill // 16) + 2, 16, a.prefill + 16)
+        V = nm.model.args.vocab_size
+        ids = [[(j * 104729 + 1) % V for j in range(a.prefill)]]
+        run = lambda: kv.forward(ids, [0], [list(range(-(-a.prefill // 16)))])  # noqa: E731
+        run()
+        ms = _timed(run, dev, 3)
+        out["prefill"] = {"tokens": a.prefill, "ms": round(ms, 1), "tok_s": round(a.prefill / ms * 1e3)}
+        print(f"\nprefill of {a.prefill} tokens (B = 1): {ms:.1f} ms, {a.prefill / ms * 1e3:.0f} tok/s")
+        if dev.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run()
+                _sync(dev)
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=50))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

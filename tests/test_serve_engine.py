@@ -89,11 +89,13 @@ def builtin():
     return load(None, backend="native", ctx=512, cuda_graph=False)
 
 
-def _run_engine(nm, prompts, max_tokens, ignore_eos: bool = False, warm: bool = False, **kw):
+def _run_engine(nm, prompts, max_tokens, ignore_eos: bool = False, warm: bool = False, capture=None, **kw):
     from dsq.runtime.sampling import SamplingParams
     from dsq.serve.engine import Engine, Request
 
     eng = Engine(nm, **kw)
+    if capture:
+        eng.kv.capture(capture)
     if warm:
         total = eng.pool.available()
         eng.warmed = eng.warm_up()
@@ -153,8 +155,80 @@ def test_warm_up_runs_each_row_bucket_and_changes_no_reply(builtin):
     ref = [generate(builtin, p, max_tokens=12, temperature=0).text for p in PROMPTS]
     ids = [encode_prompt(builtin, p) for p in PROMPTS]
     texts, _, eng, _ = _run_engine(builtin, ids, 12, warm=True, kv_tokens=4096, max_seqs=5, prefill_chunk=100)
-    assert eng.warmed == {"decode": [1, 2, 4, 5], "prefill": [16, 64, 100], "graphs": []}  # CPU: none captured
+    assert eng.warmed == {"decode": [1, 2, 4, 5], "prefill": [2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100],
+                          "graphs": []}  # CPU: none captured
     assert texts == ref
+
+
+def stand_in_graphs(monkeypatch):
+    """PagedKV.capture without a GPU: each 'graph' reruns the captured function over its static
+    inputs when replayed."""
+    from dsq.runtime import native
+
+    class Replay:
+        def __init__(self, run, out):
+            self.run, self.out = run, out
+
+        def replay(self):
+            self.out.copy_(self.run())
+
+    def graphed(run, pool=None):
+        out = run()
+        return Replay(run, out), out
+
+    monkeypatch.setattr(native, "_graphed", graphed)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+
+def test_prompt_tokens_as_rows_of_one_step_equal_a_prefill(tmp_path):
+    """Engine.decode_plain's packing: a sequence's next tokens as rows of one step (each at its own
+    position, beside another sequence's decode row) give the logits and keys/values a prompt chunk
+    of those tokens gives: every row's keys/values are written before any row attends."""
+    from tests.tiny import build_tiny_model
+
+    from dsq.runtime.native import NativeModel
+
+    nm = NativeModel(build_tiny_model("gemma3", tmp_path / "g"), "hf", n_ctx=128, cuda_graph=False, dtype="float32")
+    g = torch.Generator().manual_seed(4)
+    a, b = (torch.randint(0, nm.model.args.vocab_size, (n,), generator=g).tolist() for n in (30, 12))
+    ta, tb = list(range(0, 10)), list(range(10, 20))
+    out, kvs = {}, {}
+    for rows in (False, True):
+        kv = kvs[rows] = PagedKV(nm.model, 24, 4, 128)
+        kv.forward([a[:25]], [0], [ta])
+        kv.forward([b[:-1]], [0], [tb])
+        if rows:  # b's decode row, then a's last five tokens a row each
+            got = kv.forward([[b[-1]]] + [[t] for t in a[25:]], [11] + list(range(25, 30)), [tb] + [ta] * 5)
+            out[rows] = got[[0, 5]]
+        else:
+            out[rows] = torch.cat([kv.forward([[b[-1]]], [11], [tb]), kv.forward([a[25:]], [25], [ta])])
+    assert torch.allclose(out[True], out[False], atol=1e-5, rtol=1e-5)
+    for layer in range(nm.model.args.num_hidden_layers):
+        assert torch.allclose(kvs[True].k[layer][:20], kvs[False].k[layer][:20], atol=1e-5)
+        assert torch.allclose(kvs[True].v[layer][:20], kvs[False].v[layer][:20], atol=1e-5)
+
+
+def test_short_prompt_remainders_ride_in_the_captured_decode_step(builtin, monkeypatch):
+    """With captured decode steps (the CPU standing in for a GPU's graphs), what the prefix cache
+    leaves of a shared system prompt and short prompts run as rows of the decode step instead of a
+    prefill pass of their own (PACK_TOKENS): the replies stay dsq run's."""
+    from dsq.runtime.engine import encode_prompt, generate
+    from dsq.serve.engine import PACK_TOKENS
+
+    stand_in_graphs(monkeypatch)
+    system = "You are a careful assistant. Answer in one short sentence. " * 2
+    prompts = [system + q for q in ("What is rain?", "What is snow?")] + PROMPTS[1:3]
+    ref = [generate(builtin, p, max_tokens=8, temperature=0).text for p in prompts]
+    ids = [encode_prompt(builtin, p) for p in prompts]
+    assert any(len(i) <= PACK_TOKENS for i in ids)
+    # one at a time (the second request finds the first one's system prompt blocks), then together
+    for seqs in (1, 4):
+        texts, _, eng, _ = _run_engine(builtin, ids, 8, kv_tokens=2048, max_seqs=seqs, capture=[16])
+        m = eng.metrics()
+        assert m["packed_prompt_tokens"] > 0 and m["failed"] == 0
+        assert texts == ref
+        if seqs == 1:
+            assert m["prefix_cache_hit_tokens"] > 0
 
 
 @pytest.mark.parametrize("stand_in", [True, pytest.param(False, marks=pytest.mark.skipif(
@@ -168,23 +242,10 @@ def test_captured_decode_step_equals_the_eager_step(tmp_path, monkeypatch, stand
     (float32, the Triton paged attention in both)."""
     from tests.tiny import build_tiny_model
 
-    from dsq.runtime import native
     from dsq.runtime.native import NativeModel
 
     if stand_in:
-        class Replay:
-            def __init__(self, run, out):
-                self.run, self.out = run, out
-
-            def replay(self):
-                self.out.copy_(self.run())
-
-        def graphed(run, pool=None):
-            out = run()
-            return Replay(run, out), out
-
-        monkeypatch.setattr(native, "_graphed", graphed)
-        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+        stand_in_graphs(monkeypatch)
     nm = NativeModel(build_tiny_model("gemma3", tmp_path / "g"), "hf", n_ctx=128, cuda_graph=False,
                      gpu_layers=0 if stand_in else "all", dtype="float32")
     g = torch.Generator().manual_seed(0)

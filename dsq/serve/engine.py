@@ -6,7 +6,9 @@ Every step it
    prefix cache's share) and fewer than `max_seqs` run;
 3. runs up to `prefill_chunk` prompt tokens of admitted requests (chunked prefill: a long prompt
    enters over several steps, between the running requests' decode steps), each request alone
-   (B = 1, as `dsq run` prefills);
+   (B = 1, as `dsq run` prefills). With captured decode steps (a GPU), a remainder of up to
+   PACK_TOKENS tokens (a repeated prompt past the prefix cache's blocks, a short prompt) goes into
+   step 4 instead, a row a token;
 4. runs one decode step for every request past its prompt, together (B = rows), after giving
    each the block its next token needs; when the pool is empty the newest request is preempted
    (its blocks freed, its prompt and generated tokens recomputed when it is admitted again: its
@@ -50,6 +52,10 @@ _RECENT = 64  # tokens the repeat penalty looks back over (as dsq run)
 # pass of its own, which beats one row of the batched step only while the batch is small
 # (docs/benchmarks.md#dsq-serve)
 SPEC_MAX_ROWS = 2
+# prompt remainders up to this many tokens (what the prefix cache leaves of a repeated prompt: under
+# a block) run as rows of the captured decode step instead of an eager prefill pass, which costs an
+# 8B model ~70 ms of host time whatever its length (docs/benchmarks.md#dsq-serve)
+PACK_TOKENS = 16
 
 
 @dataclass
@@ -105,6 +111,7 @@ class Engine:
         self.pool = self.kv.pool
         self.device = nm.head_device
         self.drafter = self._drafter(draft, num_blocks, kv_dtype) if draft is not None else None
+        self.packed: list[Request] = []  # prompt remainders _prefill left to this step's decode
         self.inbox: deque[Request] = deque()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -113,7 +120,7 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "preempted": 0, "prompt_tokens": 0,
                          "generated_tokens": 0, "steps": 0, "failed": 0, "spec_draft_tokens": 0,
-                         "spec_accepted_tokens": 0}
+                         "spec_accepted_tokens": 0, "packed_prompt_tokens": 0}
 
     def _drafter(self, draft, num_blocks: int, kv_dtype):
         """The draft model's pool: as many blocks as the target's, in the draft's own dtype
@@ -128,15 +135,18 @@ class Engine:
     # -- outside the loop (any thread) ----------------------------------------------------
     def warm_up(self) -> dict:
         """Run the decode step once at each batch size of the kernels' row buckets (1, 2, 4, ...
-        up to max_seqs) and prompt chunks of a few lengths up to prefill_chunk, on blocks taken
-        from the pool and given back, before the first request. On a GPU each new row count
+        up to max_seqs) and prompt chunks of lengths 2^i and 2^i + 1 up to prefill_chunk, on blocks
+        taken from the pool and given back, before the first request; then, where it can
+        (graphable), capture the decode step of each batch size. On a GPU each new row bucket
         autotunes its Triton kernels, compiling every candidate on a cold cache: inside the
         first requests that took minutes, so every request timed out or waited (docs/benchmarks.md
-        #dsq-serve). Returns the batch sizes and chunk lengths run. Call before start()."""
+        #dsq-serve). Returns the batch sizes and chunk lengths run, and the sizes captured. Call
+        before start()."""
         sizes = sorted({1 << i for i in range(self.max_seqs.bit_length()) if 1 << i < self.max_seqs} | {self.max_seqs})
         sizes = [b for b in sizes if b <= self.pool.available()]
         top = min(self.prefill_chunk, self.n_ctx - 1)
-        chunks = sorted({t for t in (16, 64, 256) if t < top} | {top})
+        # a length at each end of every power-of-two bucket: the kernels' autotune keys bucket the rows so
+        chunks = sorted({t for i in range(1, top.bit_length()) for t in (1 << i, (1 << i) + 1) if t < top} | {top})
         chunks = [t for t in chunks if -(-t // self.block_size) <= self.pool.available()]
         V = self.model.args.vocab_size
         tok = lambda i: (i * 7919 + 1) % V  # noqa: E731 - any valid ids: the blocks are thrown away
@@ -280,11 +290,19 @@ class Engine:
 
     def _prefill(self) -> None:
         budget = self.prefill_chunk
+        # with captured decode steps, a prompt remainder of up to PACK_TOKENS tokens rides in this
+        # step's decode as rows of its own while the largest graph has rows to spare (_decode)
+        cap = max(self.kv.graphs) if self.kv.graphs and not self.spec_tokens else 0
+        rows = sum(1 for r in self.running if not r.finished and r.computed == len(r.tokens) - 1)
         for r in list(self.running):
-            if budget <= 0:
-                break
             n = r.target
             if r.computed >= n or r.finished:
+                continue
+            if n - r.computed <= PACK_TOKENS and rows + n - r.computed <= cap:
+                self.packed.append(r)
+                rows += n - r.computed
+                continue
+            if budget <= 0:
                 continue
             # chunk boundaries at multiples of prefill_chunk, as dsq run's prefill has them
             end = min(n, (r.computed // self.prefill_chunk + 1) * self.prefill_chunk, r.computed + budget)
@@ -298,7 +316,7 @@ class Engine:
 
     def _decode(self) -> None:
         rows = [r for r in self.running if not r.finished and r.computed == len(r.tokens) - 1]
-        if not rows:
+        if not rows and not self.packed:
             return
         bs = self.block_size
         for r in list(rows):
@@ -309,6 +327,9 @@ class Engine:
                     break
                 r.blocks.append(self.pool.allocate())
         rows = [r for r in rows if r in self.running and r.computed // bs < len(r.blocks)]
+        packed, self.packed = [r for r in self.packed if r in self.running and r.computed < r.target], []
+        if packed:  # (no speculation then: _prefill packs only without it)
+            return self.decode_plain(rows, packed)
         if self.drafter is not None and self.spec_tokens:
             from dsq.serve.draft import decode_with_draft
 
@@ -319,14 +340,34 @@ class Engine:
         for r, draft in drafts.items():  # a pass each (SPEC_MAX_ROWS)
             verify(self, {r: draft})
 
-    def decode_plain(self, rows: list[Request]) -> None:
-        """One decode step of each row's last token, batched, without speculation."""
-        if rows:
-            logits = self.kv.forward([[r.tokens[-1]] for r in rows], [r.computed for r in rows],
-                                     [r.blocks for r in rows])
-            for r, t in zip(rows, self._sample(rows, logits)):
-                r.computed += 1
-                self._accept(r, t)
+    def decode_plain(self, rows: list[Request], packed: list[Request] | None = None) -> None:
+        """One decode step of each row's last token, batched, without speculation; `packed`
+        requests' remaining prompt tokens ride along as a row each (a row attends over its
+        sequence up to its own position, and every row's keys/values are written before any row's
+        attention reads them: the causal prefill), their last rows' logits sampled."""
+        packed = packed or []
+        if not rows and not packed:
+            return
+        ids, starts, tables = [[r.tokens[-1]] for r in rows], [r.computed for r in rows], [r.blocks for r in rows]
+        last = list(range(len(rows)))
+        for r in packed:
+            for j in range(r.computed, r.target):
+                ids.append([r.tokens[j]])
+                starts.append(j)
+                tables.append(r.blocks)
+            last.append(len(ids) - 1)
+            self.counters["packed_prompt_tokens"] += r.target - r.computed
+        logits = self.kv.forward(ids, starts, tables)
+        if packed:
+            logits = logits[last]
+        for r in rows:
+            r.computed += 1
+        for r in packed:
+            r.computed = r.target
+            if self.prefix_cache:
+                self.pool.register(r.tokens[:r.target], r.blocks)
+        for r, t in zip(rows + packed, self._sample(rows + packed, logits)):
+            self._accept(r, t)
 
     def _draft(self, r: Request) -> list[int]:
         """Prompt lookup: the tokens that followed the latest earlier occurrence of r's last n
