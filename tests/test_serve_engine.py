@@ -89,13 +89,16 @@ def builtin():
     return load(None, backend="native", ctx=512, cuda_graph=False)
 
 
-def _run_engine(nm, prompts, max_tokens, ignore_eos: bool = False, warm: bool = False, capture=None, **kw):
+def _run_engine(nm, prompts, max_tokens, ignore_eos: bool = False, warm: bool = False, capture=None,
+                capture_chunks=None, **kw):
     from dsq.runtime.sampling import SamplingParams
     from dsq.serve.engine import Engine, Request
 
     eng = Engine(nm, **kw)
     if capture:
         eng.kv.capture(capture)
+    if capture_chunks:
+        eng.kv.capture_chunks(capture_chunks)
     if warm:
         total = eng.pool.available()
         eng.warmed = eng.warm_up()
@@ -156,7 +159,7 @@ def test_warm_up_runs_each_row_bucket_and_changes_no_reply(builtin):
     ids = [encode_prompt(builtin, p) for p in PROMPTS]
     texts, _, eng, _ = _run_engine(builtin, ids, 12, warm=True, kv_tokens=4096, max_seqs=5, prefill_chunk=100)
     assert eng.warmed == {"decode": [1, 2, 4, 5], "prefill": [2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100],
-                          "graphs": []}  # CPU: none captured
+                          "graphs": [], "chunk_graphs": []}  # CPU: none captured
     assert texts == ref
 
 
@@ -208,6 +211,43 @@ def test_prompt_tokens_as_rows_of_one_step_equal_a_prefill(tmp_path):
         assert torch.allclose(kvs[True].v[layer][:20], kvs[False].v[layer][:20], atol=1e-5)
 
 
+def test_captured_prompt_chunks_equal_the_eager_chunks(tmp_path, monkeypatch):
+    """PagedKV.capture_chunks, the CPU standing in for the GPU's graphs: chunks of 3 to 30 tokens
+    (padded to 8 or 32), starting mid-block, over spans of 16, 64 and the whole context, replay the
+    graph of the shortest length and span that hold them. Their logits equal the eager chunks', every
+    sequence's blocks hold the same keys/values, and the padding wrote only into the scratch block."""
+    from tests.tiny import build_tiny_model
+
+    from dsq.runtime.native import NativeModel
+    from dsq.serve import paged
+
+    stand_in_graphs(monkeypatch)
+    monkeypatch.setattr(paged, "CHUNK_SPANS", (16, 64))
+    nm = NativeModel(build_tiny_model("gemma3", tmp_path / "g"), "hf", n_ctx=128, cuda_graph=False, dtype="float32")
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, nm.model.args.vocab_size, (n,), generator=g).tolist() for n in (70, 13)]
+    tables = [list(range(1, 19)), list(range(19, 23))]
+    plan = [(0, 0, 30), (1, 0, 5), (0, 30, 33), (1, 5, 13), (0, 33, 62), (0, 62, 70)]  # (seq, start, end)
+    out, kvs, used = {}, {}, []
+    for graphs in (False, True):
+        kv = kvs[graphs] = PagedKV(nm.model, 24, 4, 128)
+        if graphs:
+            kv.scratch = 0
+            assert kv.capture_chunks([8, 32]) == [(8, 16), (8, 64), (8, 128), (32, 32), (32, 64), (32, 128)]
+            for k, cg in kv.chunk_graphs.items():
+                real = cg.graph.replay
+                monkeypatch.setattr(cg.graph, "replay", lambda r=real, k=k: used.append(k) or r())
+        out[graphs] = [kv.forward([seqs[i][a:b]], [a], [tables[i]]).clone() for i, a, b in plan]
+    assert used == [(32, 32), (8, 16), (8, 64), (8, 16), (32, 64), (8, 128)]
+    for x, y in zip(out[False], out[True]):
+        assert torch.allclose(x, y, atol=1e-5, rtol=1e-5)
+    for layer in range(nm.model.args.num_hidden_layers):
+        for pool in ("k", "v"):
+            e, c = getattr(kvs[False], pool)[layer], getattr(kvs[True], pool)[layer]
+            assert torch.allclose(e[1:], c[1:], atol=1e-5)  # block 0, the scratch, holds the padding
+            assert e[0].abs().sum() == 0 and c[0].abs().sum() > 0
+
+
 def test_short_prompt_remainders_ride_in_the_captured_decode_step(builtin, monkeypatch):
     """With captured decode steps (the CPU standing in for a GPU's graphs), what the prefix cache
     leaves of a shared system prompt and short prompts run as rows of the decode step instead of a
@@ -229,6 +269,28 @@ def test_short_prompt_remainders_ride_in_the_captured_decode_step(builtin, monke
         assert texts == ref
         if seqs == 1:
             assert m["prefix_cache_hit_tokens"] > 0
+
+
+def test_engine_with_captured_chunks_and_steps_replies_as_dsq_run(builtin, monkeypatch):
+    """The engine with its decode steps and prompt chunks captured (the CPU standing in for the
+    GPU's graphs): prompts of 4 to ~40 tokens in chunks of up to 32, two at a time, reply as
+    `dsq.generate` does, and every prompt chunk replayed a graph."""
+    from dsq.runtime.engine import encode_prompt, generate
+    from dsq.serve import paged
+
+    stand_in_graphs(monkeypatch)
+    monkeypatch.setattr(paged, "CHUNK_SPANS", (64,))
+    calls = []
+    real = paged._ChunkGraph.__call__
+    monkeypatch.setattr(paged._ChunkGraph, "__call__", lambda self, *a: calls.append(self.T) or real(self, *a))
+    prompts = PROMPTS + ["Explain, step by step and in plain words, how a bicycle's gears let a rider climb a "
+                         "steep hill without standing up on the pedals."]
+    ref = [generate(builtin, p, max_tokens=6, temperature=0).text for p in prompts]
+    ids = [encode_prompt(builtin, p) for p in prompts]
+    texts, _, eng, _ = _run_engine(builtin, ids, 6, kv_tokens=1024, max_seqs=2, prefill_chunk=32, n_ctx=256,
+                                   prefix_cache=False, capture=[2], capture_chunks=[8, 16, 32])
+    assert texts == ref
+    assert len(calls) >= len(prompts) and eng.metrics()["failed"] == 0
 
 
 @pytest.mark.parametrize("stand_in", [True, pytest.param(False, marks=pytest.mark.skipif(
@@ -276,6 +338,31 @@ def test_captured_decode_step_equals_the_eager_step(tmp_path, monkeypatch, stand
         for pool in ("k", "v"):
             ea, ga = getattr(kvs[False], pool)[layer][used], getattr(kvs[True], pool)[layer][used]
             assert torch.allclose(ea, ga, atol=1e-5)  # a step of 4 rows rounds as one of 3 does, to ~2e-6
+
+
+def test_batched_sampling_draws_what_each_rows_sampler_draws(builtin):
+    """Engine._sample filters the rows of one setting in one call and draws a row on its own
+    generator: over three steps, six rows (two settings, greedy, a repeat penalty) get the
+    tokens their samplers alone give from the same seeds."""
+    from dsq.runtime.sampling import Sampler, SamplingParams
+    from dsq.serve.engine import Engine, Request
+
+    eng = Engine(builtin, kv_tokens=256)
+    V = builtin.model.args.vocab_size
+    settings = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_k=0, top_p=0.9, seed=2),
+                SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=0),
+                SamplingParams(temperature=0.7, repeat_penalty=1.3, seed=5), SamplingParams(temperature=0.8, seed=6)]
+    rows = []
+    for sp in settings:
+        r = Request([1, 2, 3], sp, 4, lambda e: None)
+        r.tokens, r.sampler = [1, 2, 3], Sampler(sp)
+        rows.append(r)
+    alone = [Sampler(sp) for sp in settings]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        logits = torch.randn(len(rows), V, generator=g) * 3
+        want = [int(s(logits[i:i + 1], torch.tensor([[1, 2, 3]]))[0]) for i, s in enumerate(alone)]
+        assert eng._sample(rows, logits) == want
 
 
 def test_engine_prefix_cache_hits_on_a_shared_system_prompt(builtin):

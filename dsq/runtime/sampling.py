@@ -55,25 +55,39 @@ class Sampler:
             logits = logits.scatter(1, r, sel)
         if p.temperature == 0:
             return argmax(logits)
-        # top-k and top-p keep a prefix of the logits sorted high to low: work on that prefix (k
-        # values) and map the draw back through its indices, rather than masking, sorting and
-        # drawing over the whole vocabulary (~10 ms a token on the CPU at 262k tokens; the same
-        # distribution, docs/benchmarks.md#cpu-decode)
-        idx = None
-        if 0 < p.top_k < logits.shape[-1]:
-            logits, idx = logits.topk(p.top_k, dim=-1)  # sorted
-        if p.top_p < 1.0:
-            if idx is None:
-                logits, idx = logits.sort(dim=-1, descending=True)
-            probs = logits.softmax(-1)
-            drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
-            logits = logits.masked_fill(drop, float("-inf"))
-        if p.min_p > 0:
-            probs = logits.softmax(-1)
-            logits = logits.masked_fill(probs < p.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
-        probs = (logits / p.temperature).softmax(-1)
+        return self.draw(*filtered(p, logits)).squeeze(-1)
+
+    def draw(self, probs, idx):
+        """Tokens drawn from filtered()'s (probs, idx) (B, k), one a row, on this sampler's
+        generator: (B, 1) ids, left on the device."""
+        import torch
+
         pick = torch.multinomial(probs, 1, generator=self.gen)
-        return (pick if idx is None else idx.gather(1, pick)).squeeze(-1)
+        return pick if idx is None else idx.gather(1, pick)
+
+
+def filtered(p: SamplingParams, logits):
+    """top-k, top-p, min-p and temperature over logits (B, V) float, every row alike: the
+    probabilities to draw from (B, k) and their token ids (B, k), or (B, V) and None without top-k
+    or top-p. Sampler.__call__'s filter apart from its draw, so that rows of one setting filter in
+    one call (dsq serve's batched step)."""
+    # top-k and top-p keep a prefix of the logits sorted high to low: work on that prefix (k values)
+    # and map the draw back through its indices, rather than masking, sorting and drawing over the
+    # whole vocabulary (~10 ms a token on the CPU at 262k tokens; the same distribution,
+    # docs/benchmarks.md#cpu-decode)
+    idx = None
+    if 0 < p.top_k < logits.shape[-1]:
+        logits, idx = logits.topk(p.top_k, dim=-1)  # sorted
+    if p.top_p < 1.0:
+        if idx is None:
+            logits, idx = logits.sort(dim=-1, descending=True)
+        probs = logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(drop, float("-inf"))
+    if p.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+    return (logits / p.temperature).softmax(-1), idx
 
 
 def argmax(logits, chunk: int = 512):

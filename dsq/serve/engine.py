@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 
 from dsq.runtime.generate import StopMatcher
-from dsq.runtime.sampling import Sampler, SamplingParams, argmax
+from dsq.runtime.sampling import Sampler, SamplingParams, argmax, filtered
 from dsq.serve.draft import greedy, spec_room, verify
 from dsq.serve.paged import PagedKV
 
@@ -137,7 +137,8 @@ class Engine:
         """Run the decode step once at each batch size of the kernels' row buckets (1, 2, 4, ...
         up to max_seqs) and prompt chunks of lengths 2^i and 2^i + 1 up to prefill_chunk, on blocks
         taken from the pool and given back, before the first request; then, where it can
-        (graphable), capture the decode step of each batch size. On a GPU each new row bucket
+        (graphable), capture the decode step of each batch size and, for a model without routed
+        experts, prompt chunks of 16, 32, ... tokens up to prefill_chunk. On a GPU each new row bucket
         autotunes its Triton kernels, compiling every candidate on a cold cache: inside the
         first requests that took minutes, so every request timed out or waited (docs/benchmarks.md
         #dsq-serve). Returns the batch sizes and chunk lengths run, and the sizes captured. Call
@@ -163,12 +164,16 @@ class Engine:
                     self.kv.forward([[tok(i) for i in range(t)]], [0], [blocks])
                 finally:
                     self.pool.release(blocks)
-        graphs = []
+        graphs, chunk_graphs = [], []
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             if self.graphable():
                 graphs = self.kv.capture(sizes)
-        return {"decode": sizes, "prefill": chunks, "graphs": graphs}
+                # MoE prompt chunks past GRAPH_ROWS tokens sync with the host (the grouped expert loop)
+                if not any(hasattr(layer.mlp, "experts") for layer in self.model.model.layers):
+                    lengths = sorted({1 << i for i in range(4, top.bit_length()) if 1 << i < top} | {top})
+                    chunk_graphs = self.kv.capture_chunks(lengths)
+        return {"decode": sizes, "prefill": chunks, "graphs": graphs, "chunk_graphs": chunk_graphs}
 
     def graphable(self) -> bool:
         """Whether the decode step can be captured (PagedKV.capture): every layer and the head on
@@ -403,21 +408,35 @@ class Engine:
         return False
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[int]:
-        """Row i's next token from logits[i] (B, V): the greedy rows' argmax in one call and one
-        host sync for them all (a call and a sync a row cost ~0.6 ms a row on a GPU,
-        docs/benchmarks.md#dsq-serve), the other rows through their own samplers."""
-        picks: list[int | None] = [None] * len(rows)
-        plain = [i for i, r in enumerate(rows) if greedy(r)]
-        if plain:
-            sel = logits if len(plain) == len(rows) else logits[plain]
-            for i, t in zip(plain, argmax(sel).tolist()):
-                picks[i] = t
+        """Row i's next token from logits[i] (B, V), with one host sync for the step: the greedy
+        rows' argmax in one call, the rows of each sampling setting filtered in one call, then a
+        draw a row on its own generator (a sampler call and a sync a row cost ~0.6 ms a row on a
+        GPU, docs/benchmarks.md#dsq-serve); rows with a repeat penalty through their samplers."""
+        order: list[int] = []
+        parts: list[torch.Tensor] = []
+        groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(rows):
-            if picks[i] is None:
-                recent = None
-                if r.sampling.repeat_penalty != 1.0:
-                    recent = torch.tensor([r.tokens[-_RECENT:]], device=logits.device)
-                picks[i] = int(r.sampler(logits[i:i + 1], recent)[0])
+            sp = r.sampling
+            if sp.repeat_penalty == 1.0:
+                key = () if sp.temperature == 0 else (sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+                groups.setdefault(key, []).append(i)
+        for key, idx in groups.items():
+            sel = logits if len(idx) == len(rows) else logits[idx]
+            if not key:
+                parts.append(argmax(sel))
+            else:
+                probs, ids = filtered(rows[idx[0]].sampling, sel.float())
+                parts += [rows[i].sampler.draw(probs[j:j + 1], None if ids is None else ids[j:j + 1]).view(1)
+                          for j, i in enumerate(idx)]
+            order += idx
+        for i, r in enumerate(rows):
+            if r.sampling.repeat_penalty != 1.0:
+                recent = torch.tensor([r.tokens[-_RECENT:]], device=logits.device)
+                parts.append(r.sampler(logits[i:i + 1], recent).view(1))
+                order.append(i)
+        picks = [0] * len(rows)
+        for i, t in zip(order, torch.cat(parts).tolist() if parts else []):
+            picks[i] = t
         return picks
 
     def _take(self, r: Request, logits: torch.Tensor) -> None:

@@ -36,6 +36,10 @@ from dsq.models.base import KVCache, Transformer, rope_tables
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
+# cache spans a captured prompt chunk attends over (and the longest context): a chunk attends over a
+# span padded up to one of these, each doubling the last, so a short prompt never pays for the
+# longest context's attention, at one graph a span (docs/benchmarks.md#dsq-serve)
+CHUNK_SPANS = (512, 1024, 2048)
 
 
 class BlockPool:
@@ -200,7 +204,9 @@ class PagedKV:
         self.paged_kernel = (dev.type == "cuda" and self.dtype != FP8 and os.environ.get("DSQ_PAGED_ATTN", "1") != "0"
                              and dispatch.use_triton(dev))
         self.graphs: dict[int, _PagedGraph] = {}  # captured decode steps by rows (capture)
+        self.chunk_graphs: dict[tuple[int, int], _ChunkGraph] = {}  # captured prompt chunks by (length, span)
         self.scratch: int | None = None  # the block padding rows of a captured step write into
+        self.graph_pool = None
         self.rope = {"full": rope_tables(a.rope, a.rope_dim, max_len, dev)}
         if a.rope_local is not None:
             self.rope["local"] = rope_tables(a.rope_local, a.rope_dim, max_len, dev)
@@ -221,13 +227,18 @@ class PagedKV:
         """Run rows of new tokens (all rows the same length T), row i's first at position
         starts[i], its keys/values into the blocks of tables[i] (which must cover them); returns
         the last position's logits (B, V), or every position's (B, T, V). A decode step (T = 1)
-        replays a captured graph where `capture` made one for B rows (its logits are valid until
-        the next step)."""
+        replays a captured graph where `capture` made one for B rows, a prompt chunk (B = 1) one
+        where `capture_chunks` made one as long (their logits are valid until the next step)."""
         B, T = len(ids), len(ids[0])
         if T == 1 and not every_position and self.graphs:
             g = next((self.graphs[n] for n in sorted(self.graphs) if n >= B), None)
             if g is not None:
                 return g(ids, starts, tables)
+        if B == 1 and T > 1 and not every_position and self.chunk_graphs:
+            g = next((self.chunk_graphs[k] for k in sorted(self.chunk_graphs) if k[0] >= T and k[1] >= starts[0] + T),
+                     None)
+            if g is not None:
+                return g(ids[0], starts[0], tables[0])
         dev = self.device
         S = max(starts) + T
         n = -(-S // self.block_size)
@@ -237,13 +248,17 @@ class PagedKV:
         return self._run(x_ids, pos, gather, S, every_position)
 
     def _run(self, x_ids: torch.Tensor, pos: torch.Tensor, gather: torch.Tensor, S: int,
-             every_position: bool = False) -> torch.Tensor:
+             every_position: bool = False, write_at: torch.Tensor | None = None,
+             last: torch.Tensor | None = None) -> torch.Tensor:
         """forward's device part (no host sync: what `capture` records): tokens x_ids (B, T) at
         positions pos (B, T), row b's blocks gather[b] (each covering its positions; after those,
-        any block, masked), over cache lengths up to S."""
+        any block, masked), over cache lengths up to S. write_at (B * T,): the pool slots their
+        keys/values go to, if not their blocks' (a captured chunk's padding); last (1,): the
+        position whose logits come back, if not the last."""
         m, a, bs, dev = self.model, self.args, self.block_size, self.device
         B, T = x_ids.shape
-        write_at = (gather.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
+        if write_at is None:
+            write_at = (gather.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
         s = torch.arange(S, device=dev)
         causal = s[None, None, :] <= pos[:, :, None]  # (B, T, S)
         masks = {False: causal[:, None]}
@@ -253,7 +268,7 @@ class PagedKV:
         for kind, (cos, sin) in self.rope.items():
             flat = pos.reshape(-1)
             ropes[kind] = (cos.index_select(0, flat).view(B, T, 1, -1), sin.index_select(0, flat).view(B, T, 1, -1))
-        step = _StepCache(self, write_at, gather, S, pos[:, -1] + 1)
+        step = _StepCache(self, write_at, gather, S, pos.amax(1) + 1)
         x = m.embed(x_ids)
         for i, layer in enumerate(m.model.layers):
             sliding = a.is_sliding(i)
@@ -261,7 +276,39 @@ class PagedKV:
             x = layer(x.to(layer.input_layernorm.weight.dtype), cos, sin, masks[bool(sliding)], step, None, None)
         if every_position:
             return m.head(x)
+        if last is not None:
+            x = x.index_select(1, last)
         return m.head(x, last_only=True)[:, -1]
+
+    def _graph_pool(self):
+        """One memory pool for every captured graph (they replay one at a time)."""
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        return self.graph_pool
+
+    def capture_chunks(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """A prompt chunk (one sequence) captured as a CUDA graph for each length in `lengths` and
+        each cache span of CHUNK_SPANS at least as long (and the longest context); a chunk then
+        replays the graph of the shortest length and span that hold it, its padding tokens at
+        position 0 writing into the scratch block. An eager chunk of any length costs an 8B
+        model ~47 ms of host time over its ~24 ms on the GPU at 512 tokens
+        (docs/benchmarks.md#dsq-serve). Returns the (length, span) pairs captured; one whose
+        capture fails is left out, with a warning (those chunks run eagerly)."""
+        if self.scratch is None:
+            self.scratch = self.pool.allocate()
+        bs = self.block_size
+        full = -(-self.max_len // bs) * bs
+        pool = self._graph_pool()
+        for t in sorted(set(lengths), reverse=True):
+            for span in sorted({min(full, -(-max(c, t) // bs) * bs) for c in CHUNK_SPANS} | {full}, reverse=True):
+                try:
+                    self.chunk_graphs[(t, span)] = _ChunkGraph(self, t, span, pool)
+                except Exception as e:  # noqa: BLE001 - the eager pass still runs these chunks
+                    torch.cuda.synchronize()
+                    warnings.warn(f"capturing the serve prompt chunk of {t} tokens over {span} failed, it runs "
+                                  f"eagerly: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                                  stacklevel=2)
+        return sorted(self.chunk_graphs)
 
     def capture(self, sizes: list[int]) -> list[int]:
         """The decode step (one token a row) captured as a CUDA graph for each batch size in
@@ -273,7 +320,7 @@ class PagedKV:
         eagerly)."""
         if self.scratch is None:
             self.scratch = self.pool.allocate()  # held for good: the padding rows' writes land here
-        pool = torch.cuda.graph_pool_handle()
+        pool = self._graph_pool()
         for b in sorted(set(sizes), reverse=True):
             try:
                 self.graphs[b] = _PagedGraph(self, b, pool)
@@ -310,3 +357,35 @@ class _PagedGraph:
         self.buf.copy_(self.host)
         self.graph.replay()
         return self.out[:B]
+
+
+class _ChunkGraph:
+    """PagedKV._run of one sequence's prompt chunk of up to `T` tokens over cache lengths up to
+    `S`, as a CUDA graph over one static tensor: the tokens, their positions, their pool slots,
+    the index of the chunk's last token and the block table. Tokens past the chunk's end are
+    padding: position 0, their keys/values into the scratch block (no table holds it)."""
+
+    def __init__(self, kv: PagedKV, T: int, S: int, pool):
+        from dsq.runtime.native import _graphed
+
+        bs = kv.block_size
+        self.kv, self.T, self.S, self.n = kv, T, S, S // bs
+        self.pad_slots = [kv.scratch * bs + j % bs for j in range(T)]
+        host = torch.tensor([0] * (2 * T) + self.pad_slots + [0] + [kv.scratch] * self.n, dtype=torch.long)
+        self.host = host.pin_memory() if kv.device.type == "cuda" else host
+        self.buf = self.host.to(kv.device, copy=True)
+        ids, pos, slots = (self.buf[i * T:(i + 1) * T].view(1, T) for i in range(3))
+        last, table = self.buf[3 * T:3 * T + 1], self.buf[3 * T + 1:].view(1, self.n)
+        self.graph, self.out = _graphed(lambda: kv._run(ids, pos, table, S, write_at=slots.view(-1), last=last),
+                                        pool=pool)
+
+    def __call__(self, ids: list[int], start: int, table: list[int]) -> torch.Tensor:
+        T, n, bs, L = self.T, self.n, self.kv.block_size, len(ids)
+        pos = list(range(start, start + L))
+        slots = [table[p // bs] * bs + p % bs for p in pos]
+        tab = table[:n] + [table[0]] * (n - len(table[:n]))
+        row = ids + [0] * (T - L) + pos + [0] * (T - L) + slots + self.pad_slots[L:] + [L - 1] + tab
+        self.host.copy_(torch.tensor(row, dtype=torch.long))
+        self.buf.copy_(self.host)
+        self.graph.replay()
+        return self.out

@@ -141,8 +141,10 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
         sys.stderr.flush()
         done = engine.warm_up()
         if done["graphs"]:
-            sys.stderr.write(f"dsq serve: decode steps of {', '.join(map(str, done['graphs']))} rows captured as "
-                             f"CUDA graphs\n")
+            lengths = sorted({t for t, _ in done["chunk_graphs"]})
+            chunks = f", prompt chunks of {', '.join(map(str, lengths))} tokens" if lengths else ""
+            sys.stderr.write(f"dsq serve: decode steps of {', '.join(map(str, done['graphs']))} rows{chunks} captured "
+                             f"as CUDA graphs\n")
     engine.start()
     m = engine.metrics()
     sys.stderr.write(f"dsq serve: {api.model_id} on http://{host}:{port}/v1 (native engine, KV cache of "
