@@ -3,9 +3,14 @@
 # the same `dsq bench --serve` load on a random 8B-shaped Q4_K_M GGUF (ignore_eos, so every reply is --gen-tokens
 # long), cost per 1M output tokens at $3/GPU-hour.
 #
-#   bash benchmarks/h200_serve.sh tests    # the Triton paged attention and serve's paged step on the GPU (llama's,
-#                                          # and DeepSeek's latent cache with the experts on the GPU and in RAM)
-#   bash benchmarks/h200_serve.sh dsq      # dsq serve --gpu-layers all (the eager torch step, paged KV in bf16,
+#   bash benchmarks/h200_serve.sh tests    # the Triton paged attention, serve's paged step and its captured graphs on
+#                                          # the GPU (llama's, and DeepSeek's latent cache with the experts on the GPU
+#                                          # and in RAM)
+#   bash benchmarks/h200_serve.sh step     # where a step goes: benchmarks/serve_step.py (the engine's step eager and
+#                                          # captured at 1, 8 and 32 rows; a 512-token prompt chunk, eager then
+#                                          # captured) beside llama-bench pp512
+#   bash benchmarks/h200_serve.sh dsq      # dsq serve --gpu-layers all (decode steps and prompt chunks captured as
+#                                          # CUDA graphs at warm-up, DSQ_SERVE_GRAPHS=0: eager; paged KV in bf16,
 #                                          # decode attention in the Triton paged kernel)
 #   DRAFT=/tmp/r8b-2l.gguf bash benchmarks/h200_serve.sh dsq   # with a draft model (--draft; SPEC tokens, default 4):
 #                                          # made here as the same random shape cut to DRAFT_LAYERS (2) layers,
@@ -36,11 +41,18 @@ setup_python
 llama_bins || exit 1  # llama.cpp's libraries: the GGUF tokenizer of dsq serve, and llama-server's
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$PART" = tests ]; then
-  timeout 400 python3 -m pytest -q --timeout 150 --tb=short -rfE -p no:cacheprovider tests/test_attn_triton.py -k "paged or serve" 2>&1 | tail -8
+  timeout 400 python3 -m pytest -q --timeout 150 --tb=short -rfE -p no:cacheprovider tests/test_attn_triton.py \
+    tests/test_serve_engine.py -k "paged or serve or captured" 2>&1 | tail -8
   timeout 400 python3 -m pytest -q --timeout 150 --tb=short -rfEs -p no:cacheprovider tests/test_serve_deepseek.py -k gpu 2>&1 | tail -8
   exit 0
 fi
 [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape "${SHAPE:-llama3-8b}" --mix Q4_K_M | tail -1
+if [ "$PART" = step ]; then
+  timeout 60 "$LL/build/bin/llama-bench" -m "$GGUF" -ngl 99 -fa 1 -p 512 -n 0 -r 2 -o md 2>&1 | grep -E "^\|"
+  timeout 400 python3 -m benchmarks.serve_step "$GGUF" --rows "${ROWS:-1,8,32}" --ctx 256 --steps 8 --prefill 512 \
+    --json "$OUT/serve_step.json" 2>&1 | grep -v -i warn | tail -30
+  exit 0
+fi
 if [ -n "${DRAFT:-}" ] && [ ! -f "$DRAFT" ]; then
   python3 -m dsq.bench.random_gguf "$DRAFT" --shape "${SHAPE:-llama3-8b}" --mix Q4_K_M --layers "${DRAFT_LAYERS:-2}" | tail -1
 fi

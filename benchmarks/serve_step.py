@@ -115,6 +115,7 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if a.prefill:  # one prompt chunk of --prefill tokens (B = 1, as the engine prefills), timed and profiled
+        print()
         from dsq.serve.paged import PagedKV
 
         kv = PagedKV(nm.model, -(-a.prefill // 16) + 2, 16, a.prefill + 16)
@@ -122,10 +123,18 @@ def main() -> None:
         ids = [[(j * 104729 + 1) % V for j in range(a.prefill)]]
         run = lambda: kv.forward(ids, [0], [list(range(-(-a.prefill // 16)))])  # noqa: E731
         run()
-        ms = _timed(run, dev, 3)
-        out["prefill"] = {"tokens": a.prefill, "ms": round(ms, 1), "tok_s": round(a.prefill / ms * 1e3)}
-        print(f"\nprefill of {a.prefill} tokens (B = 1): {ms:.1f} ms, {a.prefill / ms * 1e3:.0f} tok/s")
+        out["prefill"] = []
+        for kind in ("eager", "graph") if graphs else ("eager",):
+            if kind == "graph":
+                kv.scratch = kv.pool.num_blocks - 1  # a block the chunk's table does not hold
+                kv.capture_chunks([a.prefill])
+                run()
+            ms = _timed(run, dev, 3)
+            out["prefill"].append({"step": kind, "tokens": a.prefill, "ms": round(ms, 1),
+                                   "tok_s": round(a.prefill / ms * 1e3)})
+            print(f"prefill of {a.prefill} tokens (B = 1), {kind}: {ms:.1f} ms, {a.prefill / ms * 1e3:.0f} tok/s")
         if dev.type == "cuda":
+            kv.chunk_graphs.clear()  # the profile is of the eager pass
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
