@@ -22,6 +22,7 @@
 #                                          # llama-server, in llama-cpp-python's vendor/llama.cpp), its binary,
 #                                          # libllama-server-impl.so and libmtmd.so*, on the carried CUDA libraries
 #
+# Each level draws prompts of its own; SAME_PROMPTS=1 sends every level the same ones (the 2026-12-02 figures).
 # DeepSeek (MLA + MoE): SHAPE=deepseek-v2-lite GGUF=/tmp/v2lite.gguf EXPERTS=cpu|gpu bash benchmarks/h200_serve.sh dsq
 # (and the same SHAPE/GGUF for llama).
 #
@@ -68,7 +69,7 @@ wait_up() {  # $1: pid; the server's /health within 300 s
 
 load() {  # $1: tag. Concurrency 1 on 8 requests (C1=0: not), then LEVELS (8 and 32) on 64 (P99 of 64 is their 2nd worst)
   [ "${C1:-1}" = 0 ] || timeout 200 python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 1 --requests 8 \
-    --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --gpu-cost-per-hour 3 --json "$OUT/serve_$1_c1.json" \
+    --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --gpu-cost-per-hour 3 ${SAME_PROMPTS:+--same-prompts} --json "$OUT/serve_$1_c1.json" \
     --plot "$OUT/serve_$1_c1.png" --force 2>&1 | grep -v -i warn | tail -8
   timeout 300 python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency "${LEVELS:-8,32}" \
     --requests "${REQUESTS:-64}" --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --gpu-cost-per-hour 3 \

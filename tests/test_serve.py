@@ -306,6 +306,22 @@ def test_a_port_in_use_is_one_line(runner):
     assert r.exit_code == 1 and len(lines) == 1 and "cannot listen" in lines[0], r.output
 
 
+def test_load_levels_draw_their_own_prompts_unless_asked(monkeypatch):
+    """dsq bench --serve: each concurrency level sends prompts of its own (a prefix cache would
+    otherwise serve a later level from an earlier one's), the same ones with --same-prompts."""
+    from dsq.bench import serve_load
+
+    sent = []
+    monkeypatch.setattr(serve_load, "Target", lambda *a: type("T", (), {"model": "m"})())
+    monkeypatch.setattr(serve_load, "run_level", lambda t, c, texts, *a: sent.append(texts) or (
+        serve_load.Level(c, len(texts), 0, 1.0, 0, 0, 0, 0, 0, 0, None), []))
+    for same in (False, True):
+        sent.clear()
+        r = serve_load.run_load("http://x", [1, 8, 32], 6, prompt_words=(16, 64), same_prompts=same)
+        assert len(sent) == 3 and all(len(t) == 6 for t in sent) and r["same_prompts"] is same
+        assert (sent[0] == sent[1] == sent[2]) is same and (len({t for ts in sent for t in ts}) == 18) is not same
+
+
 def test_bench_serve_load_generator(server, runner, tmp_path):
     from dsq.cli import app
 

@@ -200,22 +200,25 @@ def _server_delta(before: dict | None, after: dict | None) -> dict | None:
 
 def run_load(url: str, concurrency: list[int], requests: int, max_tokens: int = 128, prompt_words: tuple[int, int]
              = (16, 512), model: str | None = None, cost_per_hour: float | None = None, timeout: float = 600,
-             seed: int = 0, on_status=None) -> dict:
+             seed: int = 0, on_status=None, same_prompts: bool = False) -> dict:
     """Every concurrency level against the server at `url`; a dict for JSON: the settings, a
-    Level per concurrency, and the failed requests' errors (a few)."""
+    Level per concurrency, and the failed requests' errors (a few). Each level draws prompts of
+    its own (seed + its index), so a server's prefix cache finds none of an earlier level's; with
+    `same_prompts` every level sends the same ones."""
     if requests < 1 or any(c < 1 for c in concurrency) or max_tokens < 1:
         raise DsqError("--requests, --concurrency and --gen-tokens must be at least 1")
     target = Target(url, model, timeout)
-    texts = prompts(requests, *prompt_words, seed=seed)
     levels, errors = [], []
-    for c in concurrency:
+    for i, c in enumerate(concurrency):
         if on_status:
             on_status(f"concurrency {c}: {requests} requests")
+        texts = prompts(requests, *prompt_words, seed=seed if same_prompts else seed + i)
         level, samples = run_level(target, c, texts, max_tokens, cost_per_hour)
         levels.append(asdict(level))
         errors += [s.error for s in samples if not s.ok][:5]
     return {"url": url, "model": target.model, "requests": requests, "max_tokens": max_tokens,
-            "prompt_words": list(prompt_words), "gpu_cost_per_hour": cost_per_hour, "levels": levels,
+            "prompt_words": list(prompt_words), "same_prompts": same_prompts, "gpu_cost_per_hour": cost_per_hour,
+            "levels": levels,
             "errors": errors}
 
 

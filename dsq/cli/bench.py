@@ -57,6 +57,9 @@ def bench(
         "output tokens.")] = None,
     serve_model: Annotated[Optional[str], typer.Option(
         "--serve-model", help="With --serve: the model name to send (default: the first of /v1/models).")] = None,
+    same_prompts: Annotated[bool, typer.Option(
+        "--same-prompts/--fresh-prompts", help="With --serve: send every level the same prompts (the server's "
+        "prefix cache then finds the earlier levels'); by default each level draws its own.")] = False,
 ) -> None:
     """Benchmark speed and memory: tokens/s, TTFT, TPOT, peak RSS/VRAM, --gpu-layers sweeps.
 
@@ -75,7 +78,7 @@ def bench(
         _check_output(path, force)
     if serve:
         return _serve_bench(serve, _batches(concurrency, "--concurrency"), requests, gen_tokens, prompt_tokens,
-                            serve_model, gpu_cost_per_hour, json_path, plot_path, con)
+                            serve_model, gpu_cost_per_hour, json_path, plot_path, con, same_prompts)
     ref = resolve_model(model, con)
     backends = _backends(ref, backend)
     sweep = _sweep(ref, gpu_layers, ctx, backends, con)
@@ -107,7 +110,8 @@ def _batches(batch: str, flag: str = "--batch") -> tuple[int, ...]:
     return out
 
 
-def _serve_bench(url, levels, requests, gen_tokens, prompt_tokens, model, cost, json_path, plot_path, con) -> None:
+def _serve_bench(url, levels, requests, gen_tokens, prompt_tokens, model, cost, json_path, plot_path, con,
+                 same_prompts: bool = False) -> None:
     """--serve: the load generator's levels as a table, JSON and a plot."""
     import json
 
@@ -119,7 +123,7 @@ def _serve_bench(url, levels, requests, gen_tokens, prompt_tokens, model, cost, 
     with status("load test", con) as st:
         result = run_load(url, list(levels), requests, max_tokens=gen_tokens,
                           prompt_words=(min(16, prompt_tokens), prompt_tokens), model=model, cost_per_hour=cost,
-                          on_status=lambda s: st.update(s))
+                          on_status=lambda s: st.update(s), same_prompts=same_prompts)
     t = Table(title=f"{result['model']} at {url}: {requests} requests a level, {gen_tokens} tokens each")
     cols = ["concurrency", "QPS", "output tok/s", "TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms",
             "failures"] + (["$ / 1M output"] if cost is not None else [])
