@@ -72,7 +72,7 @@ load() {  # $1: tag. Concurrency 1 on 8 requests (C1=0: not), then LEVELS (8 and
     --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --gpu-cost-per-hour 3 ${SAME_PROMPTS:+--same-prompts} --json "$OUT/serve_$1_c1.json" \
     --plot "$OUT/serve_$1_c1.png" --force 2>&1 | grep -v -i warn | tail -8
   timeout 300 python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency "${LEVELS:-8,32}" \
-    --requests "${REQUESTS:-64}" --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --gpu-cost-per-hour 3 \
+    --requests "${REQUESTS:-64}" --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --gpu-cost-per-hour 3 ${SAME_PROMPTS:+--same-prompts} \
     --json "$OUT/serve_$1_c.json" --plot "$OUT/serve_$1_c.png" --force 2>&1 | grep -v -i warn | tail -8
 }
 
