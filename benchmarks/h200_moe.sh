@@ -8,6 +8,9 @@
 #                                        # ratios and rooflines (benchmarks/moe_table.py). ~4-5 min
 #   bash benchmarks/h200_moe.sh tests    # the CUDA tests of the experts in RAM and stacked on the GPU, the
 #                                        # grouped expert GEMV on the GPU (and test_deepseek's). ~2 min
+#   bash benchmarks/h200_moe.sh vram     # the V2-Lite GGUF loaded all on the GPU: torch's allocated and reserved
+#                                        # peaks against the device's (benchmarks/load_vram.py), then the same with
+#                                        # expandable segments. ~2 min
 #   bash benchmarks/h200_moe.sh v3slice  # random V3-width slice (1 dense + 1 MoE layer of 256 experts,
 #                                        # ~7 GB): per-layer and per-part times with the experts in RAM
 #                                        # and on the GPU, and the full 61-layer projection
@@ -16,7 +19,7 @@
 # Setup as benchmarks/h200_split.sh (sourced for its functions): the C kernels built in place, the
 # carried wheels (.whl/) and llama.cpp binaries (.llbin/, else built from .llsrc/). Results under $OUT.
 set -uo pipefail
-PART=${1:?tests, v2lite or v3slice}
+PART=${1:?tests, v2lite, vram or v3slice}
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
 source benchmarks/h200_setup.sh  # setup_python, llama_bins
 setup_python
@@ -58,6 +61,15 @@ if [ "$PART" = v2lite ]; then
   exit 0
 fi
 
+if [ "$PART" = vram ]; then  # where all-GPU V2-Lite's VRAM goes at load: allocated, reserved, device; fragmentation?
+  GGUF=${GGUF:-/tmp/v2lite.Q4_K_M.gguf}
+  [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape deepseek-v2-lite --mix Q4_K_M 2>/dev/null | tail -1
+  timeout 200 python3 -m benchmarks.load_vram "$GGUF" --experts gpu --json "$D/vram.json" 2>&1 | grep -v -i warn
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 python3 -m benchmarks.load_vram "$GGUF" --experts gpu \
+    --json "$D/vram_expandable.json" 2>&1 | grep -v -i warn
+  exit 0
+fi
+
 if [ "$PART" = v3slice ]; then
   GGUF=${GGUF:-/tmp/v3slice.Q4_K_M.gguf}
   t=$(date +%s)
@@ -68,4 +80,4 @@ if [ "$PART" = v3slice ]; then
     --steps 16 --json "$D/v3slice_layers.json" 2>&1 | grep -v -i warn | tail -40
   exit 0
 fi
-echo "unknown part $PART (tests, v2lite or v3slice)"; exit 1
+echo "unknown part $PART (tests, v2lite, vram or v3slice)"; exit 1
