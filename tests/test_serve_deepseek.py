@@ -59,16 +59,20 @@ def hf_model(tiny_dir):
     return get
 
 
-def _check_paged_forward(model, absorb, tol):
+def _check_paged_forward(model, absorb, tol, captured: bool = False):
     """Three sequences prefilled in two chunks each, then decoded together at their own positions,
     their latent rows in blocks scattered over the pool: every position's logits are the full
-    forward's (padded rows of the shorter sequences masked)."""
+    forward's (padded rows of the shorter sequences masked). captured: the decode steps and chunks
+    replay captured graphs (a graph of 4 rows, chunks of 8 and 32 tokens over the whole context)."""
     a = model.args
     kv = PagedKV(model, 64, 4, CTX)
     assert kv.k[0].shape == (64, 1, 4, a.kv_lora_rank + a.qk_rope_head_dim) and kv.v[0].numel() == 0
     g = torch.Generator().manual_seed(1)
     order = list(range(64))
     random.Random(1).shuffle(order)
+    if captured:
+        kv.scratch = order.pop()
+        assert kv.capture([4]) == [4] and [t for t, _ in kv.capture_chunks([8, 32])] == [8, 32]
     seqs = []
     for n in (3, 17, 45):
         ids = torch.randint(0, a.vocab_size, (n + 6,), generator=g).tolist()
@@ -98,6 +102,17 @@ def _check_paged_forward(model, absorb, tol):
 @pytest.mark.parametrize("absorb", [None, True, False])
 def test_paged_latent_forward_matches_the_full_sequence(kind, absorb, hf_model):
     _check_paged_forward(hf_model(kind).model, absorb, 1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_captured_latent_steps_match_the_full_sequence(kind, hf_model, monkeypatch):
+    """dsq serve's captured decode steps and prompt chunks (the CPU standing in for the GPU's
+    graphs) over the latent cache: the longest context's span, padding rows and tokens in the
+    scratch block, and still the full forward's logits."""
+    from tests.tiny import stand_in_graphs
+
+    stand_in_graphs(monkeypatch)
+    _check_paged_forward(hf_model(kind).model, None, 1e-4, captured=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dsq.serve.paged import BlockPool, PagedKV
+from tests.tiny import stand_in_graphs
 
 
 
@@ -161,26 +162,6 @@ def test_warm_up_runs_each_row_bucket_and_changes_no_reply(builtin):
     assert eng.warmed == {"decode": [1, 2, 4, 5], "prefill": [2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100],
                           "graphs": [], "chunk_graphs": []}  # CPU: none captured
     assert texts == ref
-
-
-def stand_in_graphs(monkeypatch):
-    """PagedKV.capture without a GPU: each 'graph' reruns the captured function over its static
-    inputs when replayed."""
-    from dsq.runtime import native
-
-    class Replay:
-        def __init__(self, run, out):
-            self.run, self.out = run, out
-
-        def replay(self):
-            self.out.copy_(self.run())
-
-    def graphed(run, pool=None):
-        out = run()
-        return Replay(run, out), out
-
-    monkeypatch.setattr(native, "_graphed", graphed)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
 
 
 def test_prompt_tokens_as_rows_of_one_step_equal_a_prefill(tmp_path):

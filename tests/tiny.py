@@ -164,3 +164,25 @@ def kld_top1(ref, test) -> tuple[float, float, float]:
     kld = float((np.exp(lr) * (lr - lt)).sum(-1).mean())
     top1 = float((ref.argmax(-1) == test.argmax(-1)).mean())
     return kld, top1, float(np.abs(ref - test).max())
+
+
+def stand_in_graphs(monkeypatch):
+    """dsq serve's captured steps (PagedKV.capture, capture_chunks) without a GPU: each 'graph'
+    reruns the captured function over its static inputs when replayed."""
+    import torch
+
+    from dsq.runtime import native
+
+    class Replay:
+        def __init__(self, run, out):
+            self.run, self.out = run, out
+
+        def replay(self):
+            self.out.copy_(self.run())
+
+    def graphed(run, pool=None):
+        out = run()
+        return Replay(run, out), out
+
+    monkeypatch.setattr(native, "_graphed", graphed)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
