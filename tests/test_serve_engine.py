@@ -129,14 +129,21 @@ PROMPTS = ["The history of the Roman Empire", "Why is the sky blue?", "def fibon
            "Once upon a time, in a land far away"]
 
 
-def test_engine_batches_preempts_and_matches_generate(builtin):
+@pytest.mark.parametrize("captured", [False, True])
+def test_engine_batches_preempts_and_matches_generate(builtin, captured, monkeypatch):
+    """captured: decode steps of 2 and 4 rows and prompt chunks of 8-32 tokens replay captured graphs
+    (the CPU standing in for the GPU's), their scratch block one of the small pool's."""
     from dsq.runtime.engine import encode_prompt, generate
 
     ref = [generate(builtin, p, max_tokens=20, temperature=0).text for p in PROMPTS]
     ids = [encode_prompt(builtin, p) for p in PROMPTS]
+    kw = {}
+    if captured:
+        stand_in_graphs(monkeypatch)
+        kw = {"capture": [2, 4], "capture_chunks": [8, 16, 32]}
     # a pool of 11 blocks of 4 tokens cannot hold four sequences of ~28 tokens: requests wait and are preempted
     texts, usages, eng, reqs = _run_engine(builtin, ids, 20, kv_tokens=44, block_size=4, max_seqs=4, prefix_cache=False,
-                                     n_ctx=40)
+                                           n_ctx=40, **kw)
     assert eng.counters["preempted"] > 0
     # a preempted request is recomputed by a prefill, whose rounding differs from the decode steps'
     # (greedy may then part ways at a near-tie): the others must match exactly

@@ -209,9 +209,10 @@ class Engine:
 
     def metrics(self) -> dict:
         p = self.pool
-        held = sum(1 for r in p.ref if r > 0)
+        own = int(self.kv.scratch is not None)  # the captured steps' padding block: never a sequence's
+        held = sum(1 for r in p.ref if r > 0) - own
         return {**self.counters, "running": len(self.running), "waiting": len(self.waiting) + len(self.inbox),
-                "kv_blocks_total": p.num_blocks, "kv_blocks_held": held, "kv_blocks_cached": len(p.evictable),
+                "kv_blocks_total": p.num_blocks - own, "kv_blocks_held": held, "kv_blocks_cached": len(p.evictable),
                 "kv_block_size": self.block_size, "kv_dtype": str(self.kv.dtype).removeprefix("torch."),
                 "kv_bytes": p.num_blocks * PagedKV.bytes_per_block(self.model, self.block_size, self.kv.dtype),
                 "prefix_cache_lookup_tokens": p.lookups,
