@@ -126,10 +126,12 @@ def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool, lens=None) 
     ml = torch.empty(B * HK * nsplit * rep, 2, dtype=torch.float32, device=q.device)
     f32 = q.dtype == torch.float32 or INTERPRET
     t, s_tb, blk = (table, table.stride(0), k.shape[2]) if paged else (mask, 0, 1)
-    _attn_part[(B * HK, nsplit)](q, k, v, t, mask, mask if lens is None else lens, acc, ml, S, HK, scale, q.stride(0), q.stride(1),
+    ln = mask if lens is None else lens  # (a pointer the kernel does not read without LENS)
+    _attn_part[(B * HK, nsplit)](q, k, v, t, mask, ln, acc, ml, S, HK, scale, q.stride(0), q.stride(1),
                                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                                  s_tb, mask.stride(0), blk, split, REP=rep, RP=rp, D=D, BS=block, F32=f32,
-                                 PAGED=paged, LENS=lens is not None, num_warps=4 if D <= 128 else 8)  # D 256 on 4 warps: 255 registers
+                                 PAGED=paged, LENS=lens is not None,
+                                 num_warps=4 if D <= 128 else 8)  # D 256 on 4 warps: 255 registers
     o = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device)
     _attn_combine[(B * H,)](acc, ml, o, H, o.stride(0), o.stride(2), nsplit, REP=rep, D=D,
                             NSP=triton.next_power_of_2(nsplit), num_warps=1)

@@ -53,8 +53,9 @@ _RECENT = 64  # tokens the repeat penalty looks back over (as dsq run)
 # (docs/benchmarks.md#dsq-serve)
 SPEC_MAX_ROWS = 2
 # prompt remainders up to this many tokens (what the prefix cache leaves of a repeated prompt: under
-# a block) run as rows of the captured decode step instead of an eager prefill pass, which costs an
-# 8B model ~70 ms of host time whatever its length (docs/benchmarks.md#dsq-serve)
+# a block) run as rows of the captured decode step instead of a prefill pass of their own, whose
+# host time (~47 ms of the 71 ms an 8B model's 512-token chunk took eagerly) hardly depends on its
+# length (docs/benchmarks.md#dsq-serve); one block, not tuned
 PACK_TOKENS = 16
 
 
@@ -89,6 +90,11 @@ class Request:
     detok: object = None
     stopper: StopMatcher | None = None
     t_submit: float = 0.0
+
+
+def _decoding(r: Request) -> bool:
+    """r's prompt is in and its last sampled token waits for the next decode step."""
+    return not r.finished and r.computed == len(r.tokens) - 1
 
 
 class Engine:
@@ -299,7 +305,7 @@ class Engine:
         # with captured decode steps, a prompt remainder of up to PACK_TOKENS tokens rides in this
         # step's decode as rows of its own while the largest graph has rows to spare (_decode)
         cap = max(self.kv.graphs) if self.kv.graphs and not self.spec_tokens else 0
-        rows = sum(1 for r in self.running if not r.finished and r.computed == len(r.tokens) - 1)
+        rows = sum(1 for r in self.running if _decoding(r))
         for r in list(self.running):
             n = r.target
             if r.computed >= n or r.finished:
@@ -321,7 +327,7 @@ class Engine:
                 self._take(r, logits[0:1])
 
     def _decode(self) -> None:
-        rows = [r for r in self.running if not r.finished and r.computed == len(r.tokens) - 1]
+        rows = [r for r in self.running if _decoding(r)]
         if not rows and not self.packed:
             return
         bs = self.block_size
@@ -411,8 +417,8 @@ class Engine:
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> list[int]:
         """Row i's next token from logits[i] (B, V), with one host sync for the step: the greedy
         rows' argmax in one call, the rows of each sampling setting filtered in one call, then a
-        draw a row on its own generator (a sampler call and a sync a row cost ~0.6 ms a row on a
-        GPU, docs/benchmarks.md#dsq-serve); rows with a repeat penalty through their samplers."""
+        draw a row on its own generator (the engine's own time beside the forward pass, mostly a
+        sampler call and a sync a row, was ~0.6 ms a row on a GPU: docs/benchmarks.md#dsq-serve); rows with a repeat penalty through their samplers."""
         order: list[int] = []
         parts: list[torch.Tensor] = []
         groups: dict[tuple, list[int]] = {}

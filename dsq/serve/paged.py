@@ -38,7 +38,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
 # cache spans a captured prompt chunk attends over (and the longest context): a chunk attends over a
 # span padded up to one of these, each doubling the last, so a short prompt never pays for the
-# longest context's attention, at one graph a span (docs/benchmarks.md#dsq-serve)
+# longest context's attention, at one graph a span; chosen, not yet timed (docs/benchmarks.md#dsq-serve)
 CHUNK_SPANS = (512, 1024, 2048)
 
 
@@ -118,6 +118,12 @@ class BlockPool:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
+
+
+def _padded(table: list[int], n: int) -> list[int]:
+    """A sequence's block table cut or padded to n blocks (the padding repeats its first block: any
+    block serves, the mask hides it)."""
+    return table[:n] + [table[0]] * (n - len(table[:n]))
 
 
 def supported(model) -> bool:
@@ -244,7 +250,7 @@ class PagedKV:
         n = -(-S // self.block_size)
         x_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(starts, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)  # (B, T)
-        gather = torch.tensor([t[:n] + [t[0]] * (n - len(t[:n])) for t in tables], dtype=torch.long, device=dev)
+        gather = torch.tensor([_padded(t, n) for t in tables], dtype=torch.long, device=dev)
         return self._run(x_ids, pos, gather, S, every_position)
 
     def _run(self, x_ids: torch.Tensor, pos: torch.Tensor, gather: torch.Tensor, S: int,
@@ -280,12 +286,6 @@ class PagedKV:
             x = x.index_select(1, last)
         return m.head(x, last_only=True)[:, -1]
 
-    def _graph_pool(self):
-        """One memory pool for every captured graph (they replay one at a time)."""
-        if self.graph_pool is None:
-            self.graph_pool = torch.cuda.graph_pool_handle()
-        return self.graph_pool
-
     def capture_chunks(self, lengths: list[int]) -> list[tuple[int, int]]:
         """A prompt chunk (one sequence) captured as a CUDA graph for each length in `lengths` and
         each cache span of CHUNK_SPANS at least as long (and the longest context); a chunk then
@@ -294,72 +294,82 @@ class PagedKV:
         model ~47 ms of host time over its ~24 ms on the GPU at 512 tokens
         (docs/benchmarks.md#dsq-serve). Returns the (length, span) pairs captured; one whose
         capture fails is left out, with a warning (those chunks run eagerly)."""
-        if self.scratch is None:
-            self.scratch = self.pool.allocate()
         bs = self.block_size
         full = -(-self.max_len // bs) * bs
-        pool = self._graph_pool()
-        for t in sorted(set(lengths), reverse=True):
-            for span in sorted({min(full, -(-max(c, t) // bs) * bs) for c in CHUNK_SPANS} | {full}, reverse=True):
-                try:
-                    self.chunk_graphs[(t, span)] = _ChunkGraph(self, t, span, pool)
-                except Exception as e:  # noqa: BLE001 - the eager pass still runs these chunks
-                    torch.cuda.synchronize()
-                    warnings.warn(f"capturing the serve prompt chunk of {t} tokens over {span} failed, it runs "
-                                  f"eagerly: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                                  stacklevel=2)
+        keys = [(t, span) for t in sorted(set(lengths), reverse=True)
+                for span in sorted({min(full, -(-max(c, t) // bs) * bs) for c in CHUNK_SPANS} | {full}, reverse=True)]
+        self._capture_each(self.chunk_graphs, keys, lambda k, pool: _ChunkGraph(self, *k, pool),
+                           lambda k: f"prompt chunk of {k[0]} tokens over {k[1]}")
         return sorted(self.chunk_graphs)
+
+    def _capture_each(self, into: dict, keys: list, make, what) -> None:
+        """into[k] = make(k, pool) for each key, largest first, over one memory pool and the
+        scratch block (allocated on first use and held for good: padding writes land there); a
+        key whose capture fails is left out, with a warning naming what(k) (it runs eagerly)."""
+        if self.scratch is None:
+            self.scratch = self.pool.allocate()
+        if self.graph_pool is None:  # one pool for every graph: they replay one at a time
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        for k in keys:
+            try:
+                into[k] = make(k, self.graph_pool)
+            except Exception as e:  # noqa: BLE001 - the eager pass still serves it
+                torch.cuda.synchronize()
+                warnings.warn(f"capturing the serve {what(k)} failed, it runs eagerly: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}", stacklevel=3)
 
     def capture(self, sizes: list[int]) -> list[int]:
         """The decode step (one token a row) captured as a CUDA graph for each batch size in
         `sizes`, largest first, sharing one memory pool; a step of B rows then replays the
         smallest graph of >= B rows, the extra rows writing into a block of their own. Eager, a
-        step launches ~2,600 kernels for an 8B model at ~20 us of host time each: 55 ms whatever
+        step launches ~3,000 kernels for an 8B model at ~20 us of host time each: 55 ms whatever
         B, against ~15 ms of GPU time at 32 rows (docs/benchmarks.md#dsq-serve). Returns the
         sizes captured (a size whose capture fails is left out, with a warning, and runs
         eagerly)."""
-        if self.scratch is None:
-            self.scratch = self.pool.allocate()  # held for good: the padding rows' writes land here
-        pool = self._graph_pool()
-        for b in sorted(set(sizes), reverse=True):
-            try:
-                self.graphs[b] = _PagedGraph(self, b, pool)
-            except Exception as e:  # noqa: BLE001 - the eager step still serves this size
-                torch.cuda.synchronize()
-                warnings.warn(f"capturing the serve decode step of {b} rows failed, it runs eagerly: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
+        self._capture_each(self.graphs, sorted(set(sizes), reverse=True), lambda b, pool: _PagedGraph(self, b, pool),
+                           lambda b: f"decode step of {b} rows")
         return sorted(self.graphs)
 
 
-class _PagedGraph:
+class _Static:
+    """A captured step's inputs: one long tensor in pinned host memory (where the device is a GPU)
+    and its twin on the device, which the graph reads; `replay` refills both, then replays."""
+
+    def __init__(self, kv: PagedKV, values: list):
+        host = torch.tensor(values, dtype=torch.long)
+        self.host = host.pin_memory() if kv.device.type == "cuda" else host
+        self.buf = self.host.to(kv.device, copy=True)
+
+    def replay(self, values: list) -> None:
+        self.host.copy_(torch.tensor(values, dtype=torch.long))
+        self.buf.copy_(self.host)
+        self.graph.replay()
+
+
+class _PagedGraph(_Static):
     """PagedKV._run of `rows` one-token rows over the longest cache (max_len), as a CUDA graph
     over static inputs: one (rows, 2 + blocks) tensor of each row's token, position and block
-    table, copied from pinned memory before each replay. Rows past B point at the scratch block."""
+    table. Rows past B point at the scratch block."""
 
     def __init__(self, kv: PagedKV, rows: int, pool):
         from dsq.runtime.native import _graphed
 
-        self.kv, self.rows = kv, rows
+        self.rows = rows
         self.n = n = -(-kv.max_len // kv.block_size)
         self.pad = [0, 0] + [kv.scratch] * n
-        self.host = torch.tensor([self.pad] * rows, dtype=torch.long)
-        if kv.device.type == "cuda":
-            self.host = self.host.pin_memory()
-        self.buf = self.host.to(kv.device, copy=True)
+        super().__init__(kv, [self.pad] * rows)
         ids, pos, table = self.buf[:, :1], self.buf[:, 1:2], self.buf[:, 2:]
         self.graph, self.out = _graphed(lambda: kv._run(ids.contiguous(), pos.contiguous(), table.contiguous(),
                                                         n * kv.block_size), pool=pool)
 
     def __call__(self, ids: list[list[int]], starts: list[int], tables: list[list[int]]) -> torch.Tensor:
-        n, B = self.n, len(ids)
-        rows = [[t, p] + tb[:n] + [tb[0]] * (n - len(tb[:n])) for (t,), p, tb in zip(ids, starts, tables)]
-        self.host.copy_(torch.tensor(rows + [self.pad] * (self.rows - B), dtype=torch.long))
-        self.buf.copy_(self.host)
-        self.graph.replay()
-        return self.out[:B].clone()  # the next replay rewrites out (a copy of (B, V): ~10 us on a GPU)
+        B = len(ids)
+        self.replay([[t, p] + _padded(tb, self.n) for (t,), p, tb in zip(ids, starts, tables)]
+                    + [self.pad] * (self.rows - B))
+        return self.out[:B].clone()  # the next replay (of any graph: one pool) rewrites out
 
 
-class _ChunkGraph:
+class _ChunkGraph(_Static):
     """PagedKV._run of one sequence's prompt chunk of up to `T` tokens over cache lengths up to
     `S`, as a CUDA graph over one static tensor: the tokens, their positions, their pool slots,
     the index of the chunk's last token and the block table. Tokens past the chunk's end are
@@ -368,24 +378,18 @@ class _ChunkGraph:
     def __init__(self, kv: PagedKV, T: int, S: int, pool):
         from dsq.runtime.native import _graphed
 
-        bs = kv.block_size
-        self.kv, self.T, self.S, self.n = kv, T, S, S // bs
-        self.pad_slots = [kv.scratch * bs + j % bs for j in range(T)]
-        host = torch.tensor([0] * (2 * T) + self.pad_slots + [0] + [kv.scratch] * self.n, dtype=torch.long)
-        self.host = host.pin_memory() if kv.device.type == "cuda" else host
-        self.buf = self.host.to(kv.device, copy=True)
+        self.bs, self.T, self.n = kv.block_size, T, S // kv.block_size
+        self.pad_slots = [kv.scratch * self.bs + j % self.bs for j in range(T)]
+        super().__init__(kv, [0] * (2 * T) + self.pad_slots + [0] + [kv.scratch] * self.n)
         ids, pos, slots = (self.buf[i * T:(i + 1) * T].view(1, T) for i in range(3))
         last, table = self.buf[3 * T:3 * T + 1], self.buf[3 * T + 1:].view(1, self.n)
         self.graph, self.out = _graphed(lambda: kv._run(ids, pos, table, S, write_at=slots.view(-1), last=last),
                                         pool=pool)
 
     def __call__(self, ids: list[int], start: int, table: list[int]) -> torch.Tensor:
-        T, n, bs, L = self.T, self.n, self.kv.block_size, len(ids)
+        T, bs, L = self.T, self.bs, len(ids)
         pos = list(range(start, start + L))
         slots = [table[p // bs] * bs + p % bs for p in pos]
-        tab = table[:n] + [table[0]] * (n - len(table[:n]))
-        row = ids + [0] * (T - L) + pos + [0] * (T - L) + slots + self.pad_slots[L:] + [L - 1] + tab
-        self.host.copy_(torch.tensor(row, dtype=torch.long))
-        self.buf.copy_(self.host)
-        self.graph.replay()
+        self.replay(ids + [0] * (T - L) + pos + [0] * (T - L) + slots + self.pad_slots[L:] + [L - 1]
+                    + _padded(table, self.n))
         return self.out.clone()
