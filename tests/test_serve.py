@@ -339,6 +339,9 @@ def test_bench_serve_load_generator(server, runner, tmp_path):
     assert png.stat().st_size > 0 and "output tok/s" in r.stdout
     s = res["levels"][0]["server"]  # dsq serve's counters over the level: 4 requests, 4 tokens each
     assert s["generated_tokens"] == 16 and s["steps"] > 0 and s["prefix_cache_lookup_tokens"] > 0
+    ms = s["step_ms"]  # where the engine's loop spent the level: parts of a step within the whole
+    assert ms["step"] > 0 and ms["prefill"] > 0 and ms["decode"] > 0 and ms["prefill"] + ms["decode"] <= ms["step"]
+    assert ms["sync"] + ms["emit"] <= ms["decode"] and 0 < s["busy"] <= 1.05 and "ms a step" in r.stderr
     bad = runner.invoke(app, ["bench", "--serve", "http://127.0.0.1:1", "--requests", "1"])
     lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
     assert bad.exit_code == 1 and len(lines) == 1 and "no OpenAI-compatible server" in lines[0], bad.output

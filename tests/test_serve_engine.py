@@ -4,6 +4,7 @@ full-sequence forward (tiny random Gemma 3: sliding and global layers), and the 
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -87,6 +88,8 @@ def test_paged_forward_matches_the_full_sequence(tmp_path):
 def builtin():
     from dsq.runtime.engine import load
 
+    if os.environ.get("DSQ_NO_BUILTIN") == "1":  # the device scripts: no PyPI there, so no built-in model
+        pytest.skip("DSQ_NO_BUILTIN=1: the built-in model is not installed on this machine")
     return load(None, backend="native", ctx=512, cuda_graph=False)
 
 

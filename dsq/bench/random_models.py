@@ -155,18 +155,105 @@ def write_random_hf(shape: str, out: Path, layers: int | None = None, seed: int 
     if shard:
         flush()
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    s = SHAPES[shape]
-    qwen = bool(s.get("attention_bias"))  # the qwen2 layout (every shape is llama or qwen2)
-    cfg = {"model_type": "qwen2" if qwen else "llama",
-           "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-           "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
-           "num_hidden_layers": args.num_hidden_layers, "num_attention_heads": args.num_attention_heads,
-           "num_key_value_heads": args.num_key_value_heads, "head_dim": args.head_dim, "vocab_size": args.vocab_size,
-           "rms_norm_eps": args.rms_norm_eps, "max_position_embeddings": args.max_position_embeddings,
-           "rope_scaling": {k: v for k, v in s["rope"].items() if k != "rope_theta"}, "rope_theta": s["rope"]["rope_theta"],
-           "tie_word_embeddings": args.tie_word_embeddings, "torch_dtype": "bfloat16"}
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(shape, args, "bfloat16"), indent=2))
     return out
+
+
+def hf_config(shape: str, args, dtype: str) -> dict:
+    """config.json of a SHAPES shape (llama, or qwen2 where it has q/k/v biases)."""
+    s = SHAPES[shape]
+    qwen = bool(s.get("attention_bias"))
+    return {"model_type": "qwen2" if qwen else "llama",
+            "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+            "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
+            "num_hidden_layers": args.num_hidden_layers, "num_attention_heads": args.num_attention_heads,
+            "num_key_value_heads": args.num_key_value_heads, "head_dim": args.head_dim, "vocab_size": args.vocab_size,
+            "rms_norm_eps": args.rms_norm_eps, "max_position_embeddings": args.max_position_embeddings,
+            "rope_scaling": {k: v for k, v in s["rope"].items() if k != "rope_theta"},
+            "rope_theta": s["rope"]["rope_theta"], "tie_word_embeddings": args.tie_word_embeddings,
+            "torch_dtype": dtype}
+
+
+def write_random_awq(shape: str, out: Path, layers: int | None = None, seed: int = 0, force: bool = False) -> Path:
+    """An AWQ (GEMM, 4-bit, g128) HF directory of `shape` at `out`, random codes and sane scales,
+    with the synthetic SentencePiece vocabulary of `dsq.bench.random_gguf` as its tokenizer.json, so
+    it is the random GGUF's twin: same shape, same vocabulary, prompts tokenize alike. Written to a
+    temp directory and renamed. Packed words are drawn whole (any int32 holds 8 valid codes), zero
+    points 7 and 8 by turns (the codes' mean, 7.5), scales ~2.7e-3: weights within +-0.03 around
+    0, a trained model's range."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from dsq.bench.random_gguf import synthetic_vocab
+    from dsq.formats.awq_gptq import awq_config
+    from dsq.formats.tokenizer_gguf import write_hf_tokenizer
+    from dsq.models.base import Transformer
+
+    if (out / "config.json").is_file() and not force:
+        return out
+    args = shape_args(shape, layers)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with torch.device("meta"):
+        model = Transformer(args)
+    g = torch.Generator().manual_seed(seed)
+    G = 128
+    shard: dict[str, torch.Tensor] = {}
+    index: dict[str, str] = {}
+
+    def flush() -> None:
+        name = f"model-{len(set(index.values())):05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        index.update({k: name for k in shard})
+        shard.clear()
+
+    for name, p in model.named_parameters():
+        if name == "lm_head.weight" and args.tie_word_embeddings:
+            continue
+        if ".layers." in name and name.endswith("proj.weight"):
+            N, K = p.shape
+            stem = name.removesuffix(".weight")
+            shard[stem + ".qweight"] = torch.randint(-2**31, 2**31, (K, N // 8), generator=g, dtype=torch.int32)
+            shard[stem + ".qzeros"] = torch.full((K // G, N // 8), 0x78787878, dtype=torch.int32)
+            shard[stem + ".scales"] = (0.02 / 7.5 * (0.5 + torch.rand(K // G, N, generator=g))).half()
+        else:
+            shard[name] = _fill(name, p.shape, g, "cpu").half()
+        if sum(x.numel() for x in shard.values()) > 1_000_000_000:
+            flush()
+    if shard:
+        flush()
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    cfg = hf_config(shape, args, "float16")
+    cfg["quantization_config"] = awq_config(G, None)
+    cfg.update(bos_token_id=1, eos_token_id=2)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_hf_tokenizer(synthetic_vocab(args.vocab_size), tmp, model_max_length=args.max_position_embeddings)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def main(argv=None) -> None:
+    """python -m dsq.bench.random_models OUT --shape llama3-8b: a random AWQ twin of the GGUF that
+    `python -m dsq.bench.random_gguf` writes of the same shape."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write a random-weight AWQ (4-bit, g128) HF directory of a shape.")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, help="override the shape's number of layers")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="replace an existing directory")
+    a = ap.parse_args(argv)
+    out = write_random_awq(a.shape, a.out, a.layers, a.seed, a.force)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"{out}: {size / 1e9:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()
 
 
 def random_packed(fmt: str, N: int, K: int, device: str = "cuda"):

@@ -177,18 +177,29 @@ def run_level(target: Target, concurrency: int, texts: list[str], max_tokens: in
     level = Level(concurrency, len(samples), len(samples) - len(ok), round(wall, 3), round(len(ok) / wall, 3),
                   round(tok_s, 2), round(percentile(ttft, 50), 2), round(percentile(ttft, 99), 2),
                   round(percentile(tpot, 50), 2), round(percentile(tpot, 99), 2),
-                  None if cost is None else round(cost, 4), _server_delta(before, after))
+                  None if cost is None else round(cost, 4), _server_delta(before, after, wall))
     return level, samples
 
 
-def _server_delta(before: dict | None, after: dict | None) -> dict | None:
+_TIMES = ("step", "prefill", "decode", "sync", "emit")
+
+
+def _server_delta(before: dict | None, after: dict | None, wall: float = 0.0) -> dict | None:
     """The level's share of a dsq server's counters: speculative acceptance, prefix-cache hits,
-    preemptions, steps."""
+    preemptions, steps, and where the engine's loop spent them: ms a step in prompt chunks, decode
+    steps, sampling (the wait for the GPU) and handing tokens on, and the share of the level's wall
+    time inside steps (`busy`; the rest the loop waited: for requests, or for the GIL)."""
     if not before or not after:
         return None
-    d = {k: after[k] - before[k] for k in ("spec_draft_tokens", "spec_accepted_tokens", "prefix_cache_lookup_tokens",
-                                            "prefix_cache_hit_tokens", "preempted", "steps", "generated_tokens")
+    keys = ("spec_draft_tokens", "spec_accepted_tokens", "prefix_cache_lookup_tokens", "prefix_cache_hit_tokens",
+            "preempted", "steps", "generated_tokens") + tuple(f"time_{k}_s" for k in _TIMES)
+    d = {k: after[k] - before[k] for k in keys
          if isinstance(after.get(k), (int, float)) and isinstance(before.get(k), (int, float))}
+    if d.get("steps") and "time_step_s" in d:
+        d["step_ms"] = {k: round(d.pop(f"time_{k}_s") * 1000 / d["steps"], 2) for k in _TIMES if f"time_{k}_s" in d}
+        if wall > 0:
+            d["busy"] = round(d["step_ms"]["step"] * d["steps"] / 1000 / wall, 3)
+    d = {k: v for k, v in d.items() if not k.startswith("time_")}
     if d.get("spec_draft_tokens"):
         d["spec_acceptance_rate"] = round(d["spec_accepted_tokens"] / d["spec_draft_tokens"], 4)
     if d.get("prefix_cache_lookup_tokens"):

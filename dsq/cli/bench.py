@@ -144,6 +144,12 @@ def _serve_bench(url, levels, requests, gen_tokens, prompt_tokens, model, cost, 
                       f"{s.get('prefix_cache_hit_rate', 0):.0%}, preempted {s.get('preempted', 0)}"
                       + (f", speculative acceptance {s['spec_acceptance_rate']:.0%}" if 'spec_acceptance_rate' in s
                          else "") + "[/dim]")
+            ms = s.get("step_ms")
+            if ms:
+                con.print(f"[dim]  ms a step: {ms['step']:.2f} (prompt chunks {ms.get('prefill', 0):.2f}, decode "
+                          f"{ms.get('decode', 0):.2f}, of which sampling and the wait for the GPU "
+                          f"{ms.get('sync', 0):.2f} and handing tokens on {ms.get('emit', 0):.2f}); the loop was "
+                          f"in steps {s.get('busy', 0):.0%} of the time[/dim]")
     for e in result["errors"][:3]:
         con.print(f"[red]failed: {e}[/red]")
     if json_path:

@@ -127,6 +127,9 @@ class Engine:
         self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "preempted": 0, "prompt_tokens": 0,
                          "generated_tokens": 0, "steps": 0, "failed": 0, "spec_draft_tokens": 0,
                          "spec_accepted_tokens": 0, "packed_prompt_tokens": 0}
+        # seconds of the loop's time: whole steps, their prompt chunks, decode steps, and inside those
+        # the sampling (which waits for the GPU's step) and handing tokens on (detokenize, stops, emit)
+        self.timing = dict.fromkeys(("step", "prefill", "decode", "sync", "emit"), 0.0)
 
     def _drafter(self, draft, num_blocks: int, kv_dtype):
         """The draft model's pool: as many blocks as the target's, in the draft's own dtype
@@ -226,6 +229,7 @@ class Engine:
                 "spec_acceptance_rate": round(self.counters["spec_accepted_tokens"]
                                               / max(1, self.counters["spec_draft_tokens"]), 4),
                 "spec_method": "off" if not self.spec_tokens else "draft" if self.drafter else "lookup",
+                **{f"time_{k}_s": round(v, 4) for k, v in self.timing.items()},
                 **(self.drafter.metrics() if self.drafter else {})}
 
     # -- the loop -------------------------------------------------------------------------
@@ -258,13 +262,21 @@ class Engine:
             self._fail(r, "the server is shutting down")
 
     def step(self) -> None:
+        clock, tm = time.perf_counter, self.timing
+        t0 = clock()
         self._drop_cancelled()
         self._admit()
+        t1 = clock()
         self._prefill()
+        t2 = clock()
         self._decode()
+        t3 = clock()
         if self.drafter is not None:  # preempted requests' draft blocks go back too
             self.drafter.sync(self.running)
         self.counters["steps"] += 1
+        tm["prefill"] += t2 - t1
+        tm["decode"] += t3 - t2
+        tm["step"] += clock() - t0
 
     def _drop_cancelled(self) -> None:
         for r in [r for r in self.running if r.cancelled]:
@@ -378,8 +390,13 @@ class Engine:
             r.computed = r.target
             if self.prefix_cache:
                 self.pool.register(r.tokens[:r.target], r.blocks)
-        for r, t in zip(rows + packed, self._sample(rows + packed, logits)):
+        t0 = time.perf_counter()
+        picks = self._sample(rows + packed, logits)
+        t1 = time.perf_counter()
+        for r, t in zip(rows + packed, picks):
             self._accept(r, t)
+        self.timing["sync"] += t1 - t0
+        self.timing["emit"] += time.perf_counter() - t1
 
     def _draft(self, r: Request) -> list[int]:
         """Prompt lookup: the tokens that followed the latest earlier occurrence of r's last n

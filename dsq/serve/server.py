@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 
 from dsq.errors import DsqError
 
 DRAFT_TOKENS = 4  # --spec-tokens with --draft when not given: as measured, not tuned (docs/benchmarks.md#dsq-serve)
+# the engine's thread gets the GIL back from the HTTP loop's within this once its GPU step is done
+# (Python's default, 5 ms, is a third of a 32-row decode step): docs/benchmarks.md#dsq-serve
+SWITCH_INTERVAL_S = 0.001
 
 
 def model_id(nm) -> str:
@@ -139,12 +143,16 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
         sys.stderr.write(f"dsq serve: warming up the GPU kernels (batches up to {engine.max_seqs}, prompt chunks "
                          f"up to {engine.prefill_chunk} tokens)...\n")
         sys.stderr.flush()
+        t0 = time.perf_counter()
         done = engine.warm_up()
+        took = f"warmed up in {time.perf_counter() - t0:.0f} s"
         if done["graphs"]:
             lengths = sorted({t for t, _ in done["chunk_graphs"]})
             chunks = f", prompt chunks of {', '.join(map(str, lengths))} tokens" if lengths else ""
-            sys.stderr.write(f"dsq serve: decode steps of {', '.join(map(str, done['graphs']))} rows{chunks} captured "
-                             f"as CUDA graphs\n")
+            took += (f"; decode steps of {', '.join(map(str, done['graphs']))} rows{chunks} captured "
+                     f"as CUDA graphs")
+        sys.stderr.write(f"dsq serve: {took}\n")
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     engine.start()
     m = engine.metrics()
     sys.stderr.write(f"dsq serve: {api.model_id} on http://{host}:{port}/v1 (native engine, KV cache of "
