@@ -337,12 +337,21 @@ class _Static:
 
     def __init__(self, kv: PagedKV, values: list):
         host = torch.tensor(values, dtype=torch.long)
-        self.host = host.pin_memory() if kv.device.type == "cuda" else host
+        self.cuda = kv.device.type == "cuda"
+        self.host = host.pin_memory() if self.cuda else host
         self.buf = self.host.to(kv.device, copy=True)
+        self.sent = None  # (a GPU) the event after the last copy out of `host`
 
     def replay(self, values: list) -> None:
+        """The copy to the device does not wait for the GPU's queue (a prompt chunk still running
+        when the decode step's inputs go out): only a refill of `host` waits for its last copy."""
+        if self.sent is not None:
+            self.sent.synchronize()
         self.host.copy_(torch.tensor(values, dtype=torch.long))
-        self.buf.copy_(self.host)
+        self.buf.copy_(self.host, non_blocking=self.cuda)
+        if self.cuda:
+            self.sent = torch.cuda.Event()
+            self.sent.record()
         self.graph.replay()
 
 
