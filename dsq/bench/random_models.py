@@ -6,6 +6,8 @@
   DeepSeek-V2-Lite's, a slice of DeepSeek-V3 at its real widths, and tiny ones for tests.
 - `random_transformer`: a torch model of a shape, built on a device (seconds for 8B on a GPU).
 - `write_random_hf`: the same as an HF safetensors directory (what the quantizers read).
+- `write_random_awq`: an AWQ directory of a shape with random codes, the twin of the random GGUF of
+  that shape (same vocabulary): `python -m dsq.bench.random_models OUT --shape llama3-8b`.
 - `random_packed`: one weight in the GPU kernels' packed layout, random codes and sane scales.
 
 Random GGUF files of a shape in a llama.cpp type mix: `dsq.bench.random_gguf`.
@@ -122,11 +124,34 @@ def random_transformer(shape: str, device: str = "cuda", dtype=torch.bfloat16, l
     return m.eval(), args
 
 
+class _Shards:
+    """Tensors into safetensors shards of ~1B values in `out`, then their index."""
+
+    def __init__(self, out: Path):
+        self.out, self.shard, self.index = out, {}, {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self.shard[name] = t
+        if sum(x.numel() for x in self.shard.values()) > 1_000_000_000:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.shard:
+            name = f"model-{len(set(self.index.values())):05d}.safetensors"
+            save_file(self.shard, str(self.out / name), metadata={"format": "pt"})
+            self.index.update({k: name for k in self.shard})
+            self.shard = {}
+
+    def close(self) -> None:
+        self.flush()
+        (self.out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": self.index}))
+
+
 def write_random_hf(shape: str, out: Path, layers: int | None = None, seed: int = 0) -> Path:
     """A bf16 HF directory of `shape` at `out` (kept if it already holds a config). Shards of ~1B
     weights; random numbers are drawn on a GPU when there is one (seconds for 8B)."""
-    from safetensors.torch import save_file
-
     from dsq.models.base import Transformer
 
     if (out / "config.json").is_file():
@@ -137,24 +162,12 @@ def write_random_hf(shape: str, out: Path, layers: int | None = None, seed: int 
         model = Transformer(args)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(seed)
-    shard: dict[str, torch.Tensor] = {}
-    index: dict[str, str] = {}
-
-    def flush() -> None:
-        name = f"model-{len(set(index.values())):05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-        index.update({k: name for k in shard})
-        shard.clear()
-
+    shards = _Shards(out)
     for name, p in model.named_parameters():
         if name == "lm_head.weight" and args.tie_word_embeddings:
             continue
-        shard[name] = _fill(name, p.shape, g, dev).to(torch.bfloat16).cpu()
-        if sum(x.numel() for x in shard.values()) > 1_000_000_000:
-            flush()
-    if shard:
-        flush()
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        shards.add(name, _fill(name, p.shape, g, dev).to(torch.bfloat16).cpu())
+    shards.close()
     (out / "config.json").write_text(json.dumps(hf_config(shape, args, "bfloat16"), indent=2))
     return out
 
@@ -183,8 +196,6 @@ def write_random_awq(shape: str, out: Path, layers: int | None = None, seed: int
     0, a trained model's range."""
     import shutil
 
-    from safetensors.torch import save_file
-
     from dsq.bench.random_gguf import synthetic_vocab
     from dsq.formats.awq_gptq import awq_config
     from dsq.formats.tokenizer_gguf import write_hf_tokenizer
@@ -200,31 +211,19 @@ def write_random_awq(shape: str, out: Path, layers: int | None = None, seed: int
         model = Transformer(args)
     g = torch.Generator().manual_seed(seed)
     G = 128
-    shard: dict[str, torch.Tensor] = {}
-    index: dict[str, str] = {}
-
-    def flush() -> None:
-        name = f"model-{len(set(index.values())):05d}.safetensors"
-        save_file(shard, str(tmp / name), metadata={"format": "pt"})
-        index.update({k: name for k in shard})
-        shard.clear()
-
+    shards = _Shards(tmp)
     for name, p in model.named_parameters():
         if name == "lm_head.weight" and args.tie_word_embeddings:
             continue
         if ".layers." in name and name.endswith("proj.weight"):
             N, K = p.shape
             stem = name.removesuffix(".weight")
-            shard[stem + ".qweight"] = torch.randint(-2**31, 2**31, (K, N // 8), generator=g, dtype=torch.int32)
-            shard[stem + ".qzeros"] = torch.full((K // G, N // 8), 0x78787878, dtype=torch.int32)
-            shard[stem + ".scales"] = (0.02 / 7.5 * (0.5 + torch.rand(K // G, N, generator=g))).half()
+            shards.add(stem + ".qweight", torch.randint(-2**31, 2**31, (K, N // 8), generator=g, dtype=torch.int32))
+            shards.add(stem + ".qzeros", torch.full((K // G, N // 8), 0x78787878, dtype=torch.int32))
+            shards.add(stem + ".scales", (0.02 / 7.5 * (0.5 + torch.rand(K // G, N, generator=g))).half())
         else:
-            shard[name] = _fill(name, p.shape, g, "cpu").half()
-        if sum(x.numel() for x in shard.values()) > 1_000_000_000:
-            flush()
-    if shard:
-        flush()
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+            shards.add(name, _fill(name, p.shape, g, "cpu").half())
+    shards.close()
     cfg = hf_config(shape, args, "float16")
     cfg["quantization_config"] = awq_config(G, None)
     cfg.update(bos_token_id=1, eos_token_id=2)

@@ -290,9 +290,8 @@ class PagedKV:
         """A prompt chunk (one sequence) captured as a CUDA graph for each length in `lengths` and
         each cache span of CHUNK_SPANS at least as long (and the longest context); a chunk then
         replays the graph of the shortest length and span that hold it, its padding tokens at
-        position 0 writing into the scratch block. An eager chunk of any length costs an 8B
-        model ~47 ms of host time over its ~24 ms on the GPU at 512 tokens
-        (docs/benchmarks.md#dsq-serve). Returns the (length, span) pairs captured; one whose
+        position 0 writing into the scratch block. An 8B model's 512-token chunk took 49 ms eager and
+        25 ms captured, its GPU time (docs/benchmarks.md#dsq-serve). Returns the (length, span) pairs captured; one whose
         capture fails is left out, with a warning (those chunks run eagerly)."""
         bs = self.block_size
         full = -(-self.max_len // bs) * bs
