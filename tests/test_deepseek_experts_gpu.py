@@ -110,6 +110,48 @@ def test_stacked_experts_equal_routed_experts(kind, qtype, q8, tiny_gguf, monkey
             assert not calls and (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
+@pytest.mark.skipif(CUDA, reason="the CPU stand-in for the loader's GPU path")
+def test_loading_stacks_each_layers_experts_as_soon_as_it_is_converted(tiny_gguf, monkeypatch):
+    """The loader stacks a layer's experts right after converting that layer, before the next one
+    (so the next layer's per-expert weights reuse the freed blocks instead of all layers' sitting
+    beside their stacks); the model loaded so equals the one with its experts one module each.
+    CPU tensors stand in for the GPU's (STACK_ON), the GPU's packed layout made as on a GPU."""
+    from dsq.models.deepseek_model import GPUStackedExperts, MoE
+    from dsq.runtime import experts as ex, native_loader
+
+    monkeypatch.setenv("DSQ_KERNELS", "reference")
+    path = tiny_gguf("deepseek_v2", "Q4_K_M")
+    want = torch.as_tensor(_cpu_model(path).logits(IDS[:12]))
+    events: list = []
+    convert, stack = native_loader.prepare_kernels, ex.stack_experts
+
+    def converting(module):
+        convert(module)
+        if isinstance(getattr(module, "mlp", None), MoE):  # a decoder layer with routed experts
+            _pack_experts(type("M", (), {"model": type("B", (), {"layers": [module]})})())
+        events.append(("convert", id(module)))
+
+    def stacking(layer, on=("cuda",)):
+        done = stack(layer, on)
+        events.append(("stack", id(layer)) if done else ("plain", id(layer)))
+        return done
+
+    monkeypatch.setattr(native_loader, "prepare_kernels", converting)
+    monkeypatch.setattr(ex, "stack_experts", stacking)
+    monkeypatch.setattr(native_loader, "STACK_ON", ("cpu",))
+    m = _cpu_model(path)
+    layers = list(m.model.model.layers)
+    moe = [id(layer) for layer in layers if isinstance(layer.mlp, MoE)]
+    assert moe and all(isinstance(m.model.model.layers[i].mlp.experts, GPUStackedExperts)
+                       for i, layer in enumerate(layers) if id(layer) in moe)
+    for lid in moe:  # its stack comes right after its own conversion
+        i = events.index(("convert", lid))
+        assert events[i + 1] == ("stack", lid), events
+    _interpreted(monkeypatch, [])
+    got = torch.as_tensor(m.logits(IDS[:12]))
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 # -- CUDA (skipped without a GPU) --------------------------------------------------------------------
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", KINDS)

@@ -125,35 +125,41 @@ def experts_to_cpu(model) -> int:
 def experts_to_gpu(model, on: tuple[str, ...] = ("cuda",)) -> int:
     """Replace every MoE layer's routed experts that run on a GPU through the Triton kernels (each
     projection a PackedLinear, prepare_kernels' output, of one format, no bias or act-order) by
-    GPUStackedExperts over their stacked planes. Call after prepare_kernels; each layer's
-    per-expert weights are freed as its stack is made. `on`: the device types whose experts are
-    stacked (the tests stack CPU tensors too). Returns how many layers changed."""
+    GPUStackedExperts over their stacked planes (stack_experts). `on`: the device types whose
+    experts are stacked (the tests stack CPU tensors too). Returns how many layers changed."""
+    return sum(stack_experts(layer, on) for layer in model.model.layers)
+
+
+def stack_experts(layer, on: tuple[str, ...] = ("cuda",)) -> bool:
+    """experts_to_gpu for one layer, after prepare_kernels(layer): its per-expert weights are freed
+    as its stack is made. The loader stacks each layer as soon as it is converted, so the next
+    layer's per-expert weights (the same sizes) can reuse the blocks this layer's free; with every
+    layer converted before any was stacked, V2-Lite held ~2x its file on the GPU
+    (docs/benchmarks.md#deepseek; the new order's figure is not measured yet). Returns whether it
+    changed."""
     import torch
 
     from dsq.models.deepseek_model import GPUStackedExperts, MoE, RoutedExperts
     from dsq.runtime.qmodules import PackedLinear
 
-    n = 0
-    for layer in model.model.layers:
-        moe = layer.mlp
-        if not isinstance(moe, MoE) or not isinstance(moe.experts, RoutedExperts):
-            continue
-        mods = {proj: [getattr(e, proj, None) for e in moe.experts] for proj in ("gate_proj", "up_proj", "down_proj")}
-        if not all(_stackable(ms, PackedLinear) and ms[0].lo.device.type in on for ms in mods.values()):
-            continue
-        E = len(moe.experts)
-        gate, up, down = ([m.packed for m in mods[proj]] for proj in ("gate_proj", "up_proj", "down_proj"))
-        act, source = moe.experts[0].act, mods["gate_proj"][0].source
-        if gate[0].fmt == up[0].fmt and gate[0].K == up[0].K and gate[0].fmt.sc_rows == 1:
-            gate_up, gate, up = _stack(gate, up), None, None  # per expert: its gate rows, then its up rows
-        else:
-            gate_up, gate, up = None, _stack(gate), _stack(up)
-        moe.experts = GPUStackedExperts(gate_up, gate, up, _stack(down), E, act, source)
-        del mods, gate, up, down, gate_up  # the per-expert weights go with the old module
-        n += 1
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return n
+    moe = layer.mlp
+    if not isinstance(moe, MoE) or not isinstance(moe.experts, RoutedExperts):
+        return False
+    mods = {proj: [getattr(e, proj, None) for e in moe.experts] for proj in ("gate_proj", "up_proj", "down_proj")}
+    if not all(_stackable(ms, PackedLinear) and ms[0].lo.device.type in on for ms in mods.values()):
+        return False
+    E = len(moe.experts)
+    gate, up, down = ([m.packed for m in mods[proj]] for proj in ("gate_proj", "up_proj", "down_proj"))
+    act, source = moe.experts[0].act, mods["gate_proj"][0].source
+    if gate[0].fmt == up[0].fmt and gate[0].K == up[0].K and gate[0].fmt.sc_rows == 1:
+        gate_up, gate, up = _stack(gate, up), None, None  # per expert: its gate rows, then its up rows
+    else:
+        gate_up, gate, up = None, _stack(gate), _stack(up)
+    moe.experts = GPUStackedExperts(gate_up, gate, up, _stack(down), E, act, source)
+    del mods, gate, up, down, gate_up  # the per-expert weights go with the old module
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return True
 
 
 def _stackable(mods: list, kind) -> bool:

@@ -66,6 +66,9 @@ def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None, 
     model.lm_head.to(head)
 
 
+STACK_ON = ("cuda",)  # the devices whose routed experts loading stacks (experts.stack_experts)
+
+
 def _release_cached_memory(gpu: torch.device | None) -> None:
     """Hand the GPU memory that loading freed (the file's blocks as the kernels' layouts replaced
     them) back to the driver: torch's allocator would otherwise keep it for itself, ~1 GiB for an
@@ -115,20 +118,23 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NO
 
 def _place_experts_and_layers(model: nn.Module, experts: str, gpu_layers, gpu) -> None:
     """Routed experts into RAM (--experts cpu), the layers onto the GPU, every quantized module into
-    its kernels' layout, then experts left on a GPU stacked for the grouped GEMV."""
-    from dsq.runtime.experts import experts_to_cpu, experts_to_gpu
+    its kernels' layout, each layer's experts on a GPU stacked for the grouped GEMV as soon as it is
+    converted (experts.stack_experts)."""
+    from dsq.runtime.experts import experts_to_cpu, experts_to_gpu, stack_experts
 
     if experts == "cpu":
         experts_to_cpu(model)
 
     def convert(layer):  # a layer's file blocks on the GPU only until its kernels' layout is made
         prepare_kernels(layer)
+        if experts != "cpu":
+            stack_experts(layer, STACK_ON)
         _release_cached_memory(gpu)
 
     _place(model, gpu_layers, gpu, convert)
     prepare_kernels(model)  # the head, norm and embedding
     if experts != "cpu":
-        experts_to_gpu(model)
+        experts_to_gpu(model, STACK_ON)
     _release_cached_memory(gpu)
 
 
