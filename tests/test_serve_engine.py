@@ -94,7 +94,7 @@ def builtin():
 
 
 def _run_engine(nm, prompts, max_tokens, ignore_eos: bool = False, warm: bool = False, capture=None,
-                capture_chunks=None, **kw):
+                capture_chunks=None, piece_costs=None, **kw):
     from dsq.runtime.sampling import SamplingParams
     from dsq.serve.engine import Engine, Request
 
@@ -103,6 +103,8 @@ def _run_engine(nm, prompts, max_tokens, ignore_eos: bool = False, warm: bool = 
         eng.kv.capture(capture)
     if capture_chunks:
         eng.kv.capture_chunks(capture_chunks)
+    if piece_costs:
+        eng.kv.plan_pieces(piece_costs)
     if warm:
         total = eng.pool.available()
         eng.warmed = eng.warm_up()
@@ -232,6 +234,12 @@ def test_captured_prompt_chunks_equal_the_eager_chunks(tmp_path, monkeypatch):
     assert used == [(32, 32), (8, 16), (8, 64), (8, 16), (32, 64), (8, 128)]
     for x, y in zip(out[False], out[True]):
         assert torch.allclose(x, y, atol=1e-5, rtol=1e-5)
+    before = [t.clone() for t in kvs[True].k]
+    del used[:]
+    cost = kvs[True].time_chunks(repeat=1)  # each length's shortest span, writing only into the scratch block
+    assert sorted(cost) == [8, 32] and all(c > 0 for c in cost.values()) and used == [(8, 16), (32, 32)]
+    assert len(kvs[True].first_piece) == 33
+    assert all(torch.equal(a[1:], b[1:]) for a, b in zip(before, kvs[True].k))
     for layer in range(nm.model.args.num_hidden_layers):
         for pool in ("k", "v"):
             e, c = getattr(kvs[False], pool)[layer], getattr(kvs[True], pool)[layer]
@@ -262,10 +270,13 @@ def test_short_prompt_remainders_ride_in_the_captured_decode_step(builtin, monke
             assert m["prefix_cache_hit_tokens"] > 0
 
 
-def test_engine_with_captured_chunks_and_steps_replies_as_dsq_run(builtin, monkeypatch):
+@pytest.mark.parametrize("pieces", [False, True])
+def test_engine_with_captured_chunks_and_steps_replies_as_dsq_run(builtin, monkeypatch, pieces):
     """The engine with its decode steps and prompt chunks captured (the CPU standing in for the
     GPU's graphs): prompts of 4 to ~40 tokens in chunks of up to 32, two at a time, reply as
-    `dsq.generate` does, and every prompt chunk replayed a graph."""
+    `dsq.generate` does, and every prompt chunk replayed a graph. With piece costs that make a
+    17-32-token chunk cheaper as 16 + the rest (plan_pieces), chunks split so and the replies
+    stay the same."""
     from dsq.runtime.engine import encode_prompt, generate
     from dsq.serve import paged
 
@@ -278,10 +289,30 @@ def test_engine_with_captured_chunks_and_steps_replies_as_dsq_run(builtin, monke
                          "steep hill without standing up on the pedals."]
     ref = [generate(builtin, p, max_tokens=6, temperature=0).text for p in prompts]
     ids = [encode_prompt(builtin, p) for p in prompts]
+    costs = {8: 1.0, 16: 1.1, 32: 3.0} if pieces else None
     texts, _, eng, _ = _run_engine(builtin, ids, 6, kv_tokens=1024, max_seqs=2, prefill_chunk=32, n_ctx=256,
-                                   prefix_cache=False, capture=[2], capture_chunks=[8, 16, 32])
+                                   prefix_cache=False, capture=[2], capture_chunks=[8, 16, 32], piece_costs=costs)
     assert texts == ref
     assert len(calls) >= len(prompts) and eng.metrics()["failed"] == 0
+    assert (32 in calls) != pieces  # split into 16 + 8 pieces, no 32-token graph ran
+
+
+def test_plan_pieces_takes_the_cheapest_first_piece():
+    """PagedKV.plan_pieces over replay costs by captured length: a chunk runs whole (padded to the
+    next captured length) unless pieces cost less in all."""
+    from types import SimpleNamespace
+
+    kv = SimpleNamespace()
+    cost = {16: 2.0, 32: 2.5, 64: 4.0, 128: 7.0, 256: 13.0, 512: 25.0}
+    PagedKV.plan_pieces(kv, cost)
+    first = kv.first_piece
+    assert len(first) == 513 and first[512] == 512 and first[256] == 256 and first[10] == 10
+    assert first[300] == 256  # 256 + 44 (13 + 4) against 512 (25)
+    assert first[500] == 500  # 256 + 244 would cost 26
+    assert first[40] == 40  # 64 (4) against 32 + 16 (4.5)
+    assert first[130] == 128  # 128 + 2 (7 + 2) against 256 (13)
+    kv.chunk_end = lambda a, b: PagedKV.chunk_end(kv, a, b)
+    assert kv.chunk_end(100, 400) == 356 and kv.chunk_end(0, 600) == 600 and kv.chunk_end(5, 5) == 5
 
 
 @pytest.mark.parametrize("stand_in", [True, pytest.param(False, marks=pytest.mark.skipif(

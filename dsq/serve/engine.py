@@ -8,7 +8,9 @@ Every step it
    enters over several steps, between the running requests' decode steps), each request alone
    (B = 1, as `dsq run` prefills). With captured decode steps (a GPU), a remainder of up to
    PACK_TOKENS tokens (a repeated prompt past the prefix cache's blocks, a short prompt) goes into
-   step 4 instead, a row a token;
+   step 4 instead, a row a token; with captured prompt chunks, a chunk runs as the pieces whose
+   replays the warm-up timed cheapest in all (PagedKV.plan_pieces: 300 tokens as 256 + 44 rather
+   than padded to 512);
 4. runs one decode step for every request past its prompt, together (B = rows), after giving
    each the block its next token needs; when the pool is empty the newest request is preempted
    (its blocks freed, its prompt and generated tokens recomputed when it is admitted again: its
@@ -147,7 +149,8 @@ class Engine:
         up to max_seqs) and prompt chunks of lengths 2^i and 2^i + 1 up to prefill_chunk, on blocks
         taken from the pool and given back, before the first request; then, where it can
         (graphable), capture the decode step of each batch size and, for a model without routed
-        experts, prompt chunks of 16, 32, ... tokens up to prefill_chunk. On a GPU each new row bucket
+        experts, prompt chunks of 16, 32, ... tokens up to prefill_chunk, each length's replay
+        timed to plan how chunks split (PagedKV.time_chunks). On a GPU each new row bucket
         autotunes its Triton kernels, compiling every candidate on a cold cache: inside the
         first requests that took minutes, so every request timed out or waited (docs/benchmarks.md
         #dsq-serve). Returns the batch sizes and chunk lengths run, and the sizes captured. Call
@@ -182,6 +185,8 @@ class Engine:
                 if not any(hasattr(layer.mlp, "experts") for layer in self.model.model.layers):
                     lengths = sorted({1 << i for i in range(4, top.bit_length()) if 1 << i < top} | {top})
                     chunk_graphs = self.kv.capture_chunks(lengths)
+                    if chunk_graphs:
+                        self.kv.time_chunks()
         return {"decode": sizes, "prefill": chunks, "graphs": graphs, "chunk_graphs": chunk_graphs}
 
     def graphable(self) -> bool:
@@ -320,23 +325,24 @@ class Engine:
         rows = sum(1 for r in self.running if _decoding(r))
         for r in list(self.running):
             n = r.target
-            if r.computed >= n or r.finished:
-                continue
-            if n - r.computed <= PACK_TOKENS and rows + n - r.computed <= cap:
-                self.packed.append(r)
-                rows += n - r.computed
-                continue
-            if budget <= 0:
-                continue
-            # chunk boundaries at multiples of prefill_chunk, as dsq run's prefill has them
-            end = min(n, (r.computed // self.prefill_chunk + 1) * self.prefill_chunk, r.computed + budget)
-            logits = self.kv.forward([r.tokens[r.computed:end]], [r.computed], [r.blocks])
-            budget -= end - r.computed
-            r.computed = end
-            if end == n:
-                if self.prefix_cache:
-                    self.pool.register(r.tokens[:n], r.blocks)
-                self._take(r, logits[0:1])
+            while r.computed < n and not r.finished:
+                if n - r.computed <= PACK_TOKENS and rows + n - r.computed <= cap:
+                    self.packed.append(r)
+                    rows += n - r.computed
+                    break
+                if budget <= 0:
+                    break
+                # chunk boundaries at multiples of prefill_chunk, as dsq run's prefill has them; with
+                # captured chunks, the cheapest first piece of that (PagedKV.plan_pieces)
+                end = min(n, (r.computed // self.prefill_chunk + 1) * self.prefill_chunk, r.computed + budget)
+                end = self.kv.chunk_end(r.computed, end)
+                logits = self.kv.forward([r.tokens[r.computed:end]], [r.computed], [r.blocks])
+                budget -= end - r.computed
+                r.computed = end
+                if end == n:
+                    if self.prefix_cache:
+                        self.pool.register(r.tokens[:n], r.blocks)
+                    self._take(r, logits[0:1])
 
     def _decode(self) -> None:
         rows = [r for r in self.running if _decoding(r)]

@@ -211,6 +211,7 @@ class PagedKV:
                              and dispatch.use_triton(dev))
         self.graphs: dict[int, _PagedGraph] = {}  # captured decode steps by rows (capture)
         self.chunk_graphs: dict[tuple[int, int], _ChunkGraph] = {}  # captured prompt chunks by (length, span)
+        self.first_piece: list[int] = []  # tokens -> the cheapest first piece of a chunk that long (plan_pieces)
         self.scratch: int | None = None  # the block padding rows of a captured step write into
         self.graph_pool = None
         self.rope = {"full": rope_tables(a.rope, a.rope_dim, max_len, dev)}
@@ -301,6 +302,44 @@ class PagedKV:
                            lambda k: f"prompt chunk of {k[0]} tokens over {k[1]}")
         return sorted(self.chunk_graphs)
 
+    def time_chunks(self, repeat: int = 3) -> dict[int, float]:
+        """Seconds a replay of each captured chunk length takes (its shortest span; the least of
+        `repeat`), on the device's clock; then plan_pieces over them. Returns the costs."""
+        cost: dict[int, float] = {}
+        for t in sorted({t for t, _ in self.chunk_graphs}):
+            g = self.chunk_graphs[min(k for k in self.chunk_graphs if k[0] == t)]
+            table = [self.scratch] * g.n
+            best = float("inf")
+            for _ in range(repeat):
+                best = min(best, _timed(lambda: g([0] * t, 0, table), self.device))
+            cost[t] = best
+        self.plan_pieces(cost)
+        return cost
+
+    def plan_pieces(self, cost: dict[int, float]) -> None:
+        """first_piece[L] for every chunk of L tokens up to the longest captured length: the first
+        piece of the cheapest way to run L tokens as captured chunks in turn, each piece padded up
+        to the next captured length (cost: seconds by captured length). A 300-token chunk padded
+        to a 512-token graph computes 212 tokens for nothing; as 256 + 44 it pays two replays
+        instead, whichever the measured costs say is less."""
+        lengths = sorted(cost)
+        top = lengths[-1]
+        best = [0.0] * (top + 1)
+        first = list(range(top + 1))  # default: the whole chunk, padded
+        for L in range(1, top + 1):
+            pad = next(c for c in lengths if c >= L)
+            best[L] = cost[pad]
+            for c in reversed(lengths):  # the longer first piece where two cost the same
+                if c < L and cost[c] + best[L - c] < best[L]:
+                    best[L], first[L] = cost[c] + best[L - c], c
+        self.first_piece = first
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prompt chunk over [start, end) should stop: at the end of its cheapest first
+        piece (plan_pieces), or at `end` when no plan covers it."""
+        L = end - start
+        return start + self.first_piece[L] if 0 < L < len(self.first_piece) else end
+
     def _capture_each(self, into: dict, keys: list, make, what) -> None:
         """into[k] = make(k, pool) for each key, largest first, over one memory pool and the
         scratch block (allocated on first use and held for good: padding writes land there); a
@@ -328,6 +367,22 @@ class PagedKV:
         self._capture_each(self.graphs, sorted(set(sizes), reverse=True), lambda b, pool: _PagedGraph(self, b, pool),
                            lambda b: f"decode step of {b} rows")
         return sorted(self.graphs)
+
+
+def _timed(run, device: torch.device) -> float:
+    """Seconds `run()` takes: on a GPU between two events around it, else by the wall clock."""
+    if device.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1000
+    import time
+
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
 
 
 class _Static:
