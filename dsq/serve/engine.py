@@ -163,6 +163,13 @@ class Engine:
         chunks = [t for t in chunks if -(-t // self.block_size) <= self.pool.available()]
         V = self.model.args.vocab_size
         tok = lambda i: (i * 7919 + 1) % V  # noqa: E731 - any valid ids: the blocks are thrown away
+        clock = [time.perf_counter()]
+
+        def lap() -> float:  # seconds since the last lap
+            clock.append(time.perf_counter())
+            return round(clock[-1] - clock[-2], 2)
+
+        seconds = {}
         with torch.inference_mode():
             for b in sizes:  # one token a sequence at position 0, a block each
                 blocks = [self.pool.allocate() for _ in range(b)]
@@ -179,15 +186,20 @@ class Engine:
         graphs, chunk_graphs = [], []
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+            seconds["kernels"] = lap()
             if self.graphable():
                 graphs = self.kv.capture(sizes)
+                seconds["decode graphs"] = lap()
                 # MoE prompt chunks past GRAPH_ROWS tokens sync with the host (the grouped expert loop)
                 if not any(hasattr(layer.mlp, "experts") for layer in self.model.model.layers):
                     lengths = sorted({1 << i for i in range(4, top.bit_length()) if 1 << i < top} | {top})
                     chunk_graphs = self.kv.capture_chunks(lengths)
+                    seconds["chunk graphs"] = lap()
                     if chunk_graphs:
                         self.kv.time_chunks()
-        return {"decode": sizes, "prefill": chunks, "graphs": graphs, "chunk_graphs": chunk_graphs}
+                        seconds["timing chunks"] = lap()
+        return {"decode": sizes, "prefill": chunks, "graphs": graphs, "chunk_graphs": chunk_graphs,
+                "seconds": seconds}
 
     def graphable(self) -> bool:
         """Whether the decode step can be captured (PagedKV.capture): every layer and the head on

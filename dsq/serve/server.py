@@ -145,7 +145,8 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
         sys.stderr.flush()
         t0 = time.perf_counter()
         done = engine.warm_up()
-        took = f"warmed up in {time.perf_counter() - t0:.0f} s"
+        parts = ", ".join(f"{k} {v:.0f} s" for k, v in done.get("seconds", {}).items())
+        took = f"warmed up in {time.perf_counter() - t0:.0f} s" + (f" ({parts})" if parts else "")
         if done["graphs"]:
             lengths = sorted({t for t, _ in done["chunk_graphs"]})
             chunks = f", prompt chunks of {', '.join(map(str, lengths))} tokens" if lengths else ""
