@@ -101,8 +101,8 @@ def test_stacked_experts_equal_routed_experts(kind, qtype, q8, tiny_gguf, monkey
             assert calls == [T * k, T * k]  # gate/up, down: every pair in one launch each
             assert got.dtype == x.dtype
             assert (got - want).abs().max() <= tol * want.abs().max(), (T, (got - want).abs().max())
-        with monkeypatch.context() as mp:  # past GRAPH_ROWS tokens: the grouped loop (prompt chunks)
-            mp.setattr(GPUStackedExperts, "GRAPH_ROWS", 2)
+        with monkeypatch.context() as mp:  # past PAIRS_ROWS tokens: the grouped loop (prompt chunks)
+            mp.setattr(GPUStackedExperts, "PAIRS_ROWS", 2)
             x = torch.randn(5, H)
             w, ids = moe.gate(x)
             del calls[:]
@@ -158,7 +158,7 @@ def test_loading_stacks_each_layers_experts_as_soon_as_it_is_converted(tiny_gguf
 def test_cuda_stacked_experts_graph_decode_equals_eager(kind, tiny_gguf, monkeypatch):
     """All on the GPU with --experts gpu: every MoE layer's experts stacked, the model graph-safe
     and its decode step captured as one CUDA graph (a batch's too), whose logits step by step are
-    the eager step's; prompts of up to GRAPH_ROWS tokens (the pairs path) and longer ones (the
+    the eager step's; prompts of up to PAIRS_ROWS tokens (the pairs path) and longer ones (the
     grouped loop) stay close to the CPU model's (bf16 and int8-rounded x in the GPU's dense
     kernels against float32: routing may move a few tokens)."""
     from dsq.models.deepseek_model import GPUStackedExperts, MoE
@@ -166,7 +166,7 @@ def test_cuda_stacked_experts_graph_decode_equals_eager(kind, tiny_gguf, monkeyp
     from dsq.runtime.sampling import SamplingParams
     from tiny import kld_top1
 
-    monkeypatch.setattr(GPUStackedExperts, "GRAPH_ROWS", 16)  # the 30-token prompt below takes the grouped loop
+    monkeypatch.setattr(GPUStackedExperts, "PAIRS_ROWS", 16)  # the 30-token prompt below takes the grouped loop
     path = tiny_gguf(kind, "Q4_K_M")
     graph = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="gpu")
     eager = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="gpu", cuda_graph=False)

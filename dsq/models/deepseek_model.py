@@ -260,7 +260,7 @@ class GPUStackedExperts(nn.Module):
     """The routed experts of one MoE layer with every expert's weights stacked in one packed weight
     per projection (kernels/packed.py; expert e's rows e*N..e*N+N-1): gate and up as one (per
     expert its gate rows, then its up rows) where they share a format, and down. A call of up to
-    GRAPH_ROWS tokens runs each (token, expert) pair through its expert with the ids read on the
+    PAIRS_ROWS tokens runs each (token, expert) pair through its expert with the ids read on the
     device (dispatch.packed_experts: two grouped GEMVs, the activation, the weighted sum per token),
     so it never syncs with the host and a decode step made of these can be captured as one CUDA
     graph (the model's graph_safe). Longer calls (prompt chunks) run each chosen expert once over
@@ -274,7 +274,7 @@ class GPUStackedExperts(nn.Module):
     # (128 itself not yet timed against the loop).
     # A captured batch decode step has one token a sequence, so batches up to this size capture.
     # DSQ_MOE_PAIRS_ROWS=N moves it.
-    GRAPH_ROWS = int(os.environ.get("DSQ_MOE_PAIRS_ROWS", "") or 128)
+    PAIRS_ROWS = int(os.environ.get("DSQ_MOE_PAIRS_ROWS", "") or 128)
     _PARTS = ("lo", "sc", "hi", "d", "zp", "mn", "dmin")
 
     def __init__(self, gate_up: packed.Packed | None, gate: packed.Packed | None, up: packed.Packed | None,
@@ -313,7 +313,7 @@ class GPUStackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (T, H), ids and weights (T, k) -> (T, H) in x's dtype."""
         T, k = ids.shape
-        if T > self.GRAPH_ROWS:
+        if T > self.PAIRS_ROWS:
             return _each_expert_once(x, ids, weights, self._mlp)
         E = self.n_expert
         if "gate_up" in self._fmts:

@@ -190,7 +190,7 @@ class Engine:
             if self.graphable():
                 graphs = self.kv.capture(sizes)
                 seconds["decode graphs"] = lap()
-                # MoE prompt chunks past GRAPH_ROWS tokens sync with the host (the grouped expert loop)
+                # MoE prompt chunks past PAIRS_ROWS tokens sync with the host (the grouped expert loop)
                 if not any(hasattr(layer.mlp, "experts") for layer in self.model.model.layers):
                     lengths = sorted({1 << i for i in range(4, top.bit_length()) if 1 << i < top} | {top})
                     chunk_graphs = self.kv.capture_chunks(lengths)
