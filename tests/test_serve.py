@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -17,7 +16,6 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -25,74 +23,12 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-ROOT = Path(__file__).resolve().parents[1]
-CTX = 512
+from serve_util import CTX, ROOT, _env, _free_port, _get, _start, _stop, int8_x_build  # noqa: E402, F401 - shared with the other serve tests
+
 PROMPTS = ["The history of the Roman Empire", "Why is the sky blue?", "def fibonacci(n):",
            "Once upon a time, in a land far away", "one two three four five six seven one two three four five"]
 N_TOKENS = 16
 
-
-
-def int8_x_build() -> bool:
-    """Whether the C kernels in use are the avx2 build, whose GGUF row dots round x to int8 per 32
-    values: a batch of B rows and B single rows then round differently, and greedy outputs can
-    split at near-ties. The equality tests here are about batching, so they keep x in float there
-    (DSQ_NO_VNNI=1), as tests/test_native.py's greedy test does."""
-    from dsq.kernels import cpu
-
-    return cpu.library()[1] == "avx2"
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    if int8_x_build():  # greedy equality across batch shapes is about batching, not x's rounding
-        env["DSQ_NO_VNNI"] = "1"
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
-
-
-def _start(*flags: str, ctx: int = CTX):
-    """`dsq serve` on a free port of 127.0.0.1 with `flags` (a model path among them, or the
-    built-in model), once /health answers."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dsq", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--ctx", str(ctx), "--max-seqs", "8", *flags], cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"dsq serve exited {proc.returncode}: {proc.stdout.read()}")
-        try:
-            if _get(base + "/health")["status"] == "ok":
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("dsq serve did not come up in 180 s")
-    return {"proc": proc, "base": base}
-
-
-def _stop(server) -> None:
-    proc = server["proc"]
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")

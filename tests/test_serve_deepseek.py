@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dsq.serve.paged import FP8, PagedKV
-from test_serve import _env, _get, _start, int8_x_build
+from serve_util import _env, _get, _start, int8_x_build
 from test_serve_engine import _run_engine
 
 ROOT = Path(__file__).resolve().parents[1]

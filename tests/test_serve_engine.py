@@ -12,18 +12,8 @@ import pytest
 import torch
 
 from dsq.serve.paged import BlockPool, PagedKV
+from serve_util import int8_x_build
 from tests.tiny import stand_in_graphs
-
-
-
-def int8_x_build() -> bool:
-    """Whether the C kernels in use are the avx2 build, whose GGUF row dots round x to int8 per 32
-    values: a batch of B rows and B single rows then round differently, and greedy outputs can
-    split at near-ties. The equality tests here are about batching, so they keep x in float there
-    (DSQ_NO_VNNI=1), as tests/test_native.py's greedy test does."""
-    from dsq.kernels import cpu
-
-    return cpu.library()[1] == "avx2"
 
 
 @pytest.fixture(autouse=True)
