@@ -116,6 +116,8 @@ def test_loading_stacks_each_layers_experts_as_soon_as_it_is_converted(tiny_gguf
     (so the next layer's per-expert weights reuse the freed blocks instead of all layers' sitting
     beside their stacks); the model loaded so equals the one with its experts one module each.
     CPU tensors stand in for the GPU's (STACK_ON), the GPU's packed layout made as on a GPU."""
+    from types import SimpleNamespace
+
     from dsq.models.deepseek_model import GPUStackedExperts, MoE
     from dsq.runtime import experts as ex, native_loader
 
@@ -128,7 +130,7 @@ def test_loading_stacks_each_layers_experts_as_soon_as_it_is_converted(tiny_gguf
     def converting(module):
         convert(module)
         if isinstance(getattr(module, "mlp", None), MoE):  # a decoder layer with routed experts
-            _pack_experts(type("M", (), {"model": type("B", (), {"layers": [module]})})())
+            _pack_experts(SimpleNamespace(model=SimpleNamespace(layers=[module])))
         events.append(("convert", id(module)))
 
     def stacking(layer, on=("cuda",)):

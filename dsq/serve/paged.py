@@ -394,17 +394,16 @@ class _Static:
         self.cuda = kv.device.type == "cuda"
         self.host = host.pin_memory() if self.cuda else host
         self.buf = self.host.to(kv.device, copy=True)
-        self.sent = None  # (a GPU) the event after the last copy out of `host`
+        self.sent = torch.cuda.Event() if self.cuda else None  # recorded after each copy out of `host`
 
     def replay(self, values: list) -> None:
         """The copy to the device does not wait for the GPU's queue (a prompt chunk still running
         when the decode step's inputs go out): only a refill of `host` waits for its last copy."""
         if self.sent is not None:
-            self.sent.synchronize()
+            self.sent.synchronize()  # (returns at once before the first record)
         self.host.copy_(torch.tensor(values, dtype=torch.long))
         self.buf.copy_(self.host, non_blocking=self.cuda)
-        if self.cuda:
-            self.sent = torch.cuda.Event()
+        if self.sent is not None:
             self.sent.record()
         self.graph.replay()
 

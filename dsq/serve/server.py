@@ -12,7 +12,7 @@ from dsq.errors import DsqError
 
 DRAFT_TOKENS = 4  # --spec-tokens with --draft when not given: as measured, not tuned (docs/benchmarks.md#dsq-serve)
 # the engine's thread gets the GIL back from the HTTP loop's within this once its GPU step is done
-# (Python's default, 5 ms, is a third of a 32-row decode step): docs/benchmarks.md#dsq-serve
+# (Python's default, 5 ms, is a third of a 32-row decode step); not yet A/B'd: docs/benchmarks.md#dsq-serve
 SWITCH_INTERVAL_S = 0.001
 
 
