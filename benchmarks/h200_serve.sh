@@ -7,8 +7,9 @@
 #                                          # the GPU (llama's, and DeepSeek's latent cache with the experts on the GPU
 #                                          # and in RAM)
 #   bash benchmarks/h200_serve.sh step     # where a step goes: benchmarks/serve_step.py (the engine's step eager and
-#                                          # captured at 1, 8 and 32 rows; a 512-token prompt chunk, eager then
-#                                          # captured) beside llama-bench pp512
+#                                          # captured at 1, 8 and 32 rows (ROWS); a 512-token prompt chunk, eager then
+#                                          # captured; each captured chunk length's replay (CHUNKS); PROFILE=32: the
+#                                          # top kernels of 4 steps at 32 rows) beside llama-bench pp512
 #   bash benchmarks/h200_serve.sh dsq      # dsq serve --gpu-layers all (decode steps and prompt chunks captured as
 #                                          # CUDA graphs at warm-up, DSQ_SERVE_GRAPHS=0: eager; paged KV in bf16,
 #                                          # decode attention in the Triton paged kernel)
@@ -54,7 +55,8 @@ fi
 if [ "$PART" = step ]; then
   timeout 60 "$LL/build/bin/llama-bench" -m "$GGUF" -ngl 99 -fa 1 -p 512 -n 0 -r 2 -o md 2>&1 | grep -E "^\|"
   timeout 400 python3 -m benchmarks.serve_step "$GGUF" --rows "${ROWS:-1,8,32}" --ctx 256 --steps 8 --prefill 512 \
-    --json "$OUT/serve_step.json" 2>&1 | grep -v -i warn | tail -30
+    --chunks "${CHUNKS:-16,32,64,128,256,512}" ${PROFILE:+--profile $PROFILE} --json "$OUT/serve_step.json" 2>&1 |
+    grep -v -i warn | tail -"${TAIL:-30}"
   exit 0
 fi
 if [ -n "${DRAFT:-}" ] && [ ! -f "$DRAFT" ]; then

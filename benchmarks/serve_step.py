@@ -4,6 +4,7 @@ eager and (on a GPU) replayed as a CUDA graph (PagedKV.capture), then torch.prof
 a few engine steps at one B (of the last kind).
 
     python -m benchmarks.serve_step MODEL.gguf --rows 1,8,32,64 --ctx 512 --profile 32 [--json out.json]
+    python -m benchmarks.serve_step MODEL.gguf --rows 32 --prefill 512 --chunks 16,32,64,128,256,512
 
 The engine's step is what a served token waits for (sampling, detokenizing and stop strings of
 every row included); the forward pass is the model alone. Their difference is the engine's own
@@ -63,6 +64,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--profile", type=int, default=0, help="B to profile (0: none)")
     ap.add_argument("--prefill", type=int, default=0, help="also time and profile a prompt chunk this long")
+    ap.add_argument("--chunks", default="", help="captured prompt chunk lengths to time (PagedKV.time_chunks), "
+                    "as dsq serve's warm-up does, e.g. 16,32,64,128,256,512 (needs --prefill, the longest)")
     ap.add_argument("--gpu-layers", default="all")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
@@ -133,6 +136,15 @@ def main() -> None:
             out["prefill"].append({"step": kind, "tokens": a.prefill, "ms": round(ms, 1),
                                    "tok_s": round(a.prefill / ms * 1e3)})
             print(f"prefill of {a.prefill} tokens (B = 1), {kind}: {ms:.1f} ms, {a.prefill / ms * 1e3:.0f} tok/s")
+        if graphs and a.chunks:  # each length's replay as the warm-up times it, and the pieces planned from them
+            kv.capture_chunks([int(x) for x in a.chunks.split(",") if x])
+            cost = kv.time_chunks()
+            out["chunk_ms"] = {t: round(c * 1e3, 3) for t, c in cost.items()}
+            print("| chunk tokens | replay ms | tok/s |\n|---|---|---|")
+            for t, c in sorted(cost.items()):
+                print(f"| {t} | {c * 1e3:.2f} | {t / c:.0f} |")
+            print("first pieces:", {L: kv.first_piece[L] for L in (20, 40, 70, 100, 150, 200, 300, 400, 500)
+                                    if L < len(kv.first_piece)})
         if dev.type == "cuda":
             kv.chunk_graphs.clear()  # the profile is of the eager pass
             from torch.profiler import ProfilerActivity, profile

@@ -278,6 +278,9 @@ def test_bench_serve_load_generator(server, runner, tmp_path):
     ms = s["step_ms"]  # where the engine's loop spent the level: parts of a step within the whole
     assert ms["step"] > 0 and ms["prefill"] > 0 and ms["decode"] > 0 and ms["prefill"] + ms["decode"] <= ms["step"]
     assert ms["sync"] + ms["emit"] <= ms["decode"] and 0 < s["busy"] <= 1.05 and "ms a step" in r.stderr
+    # prompts ran as eager chunks (no graphs on the CPU: nothing padded), and no GPU clock ran
+    assert s["chunk_tokens"] > 0 and s["chunk_padded_tokens"] == s["chunk_tokens"] and s["chunks"] >= 4
+    assert s["chunk_tokens_per_step"] > 0 and "gpu_step_ms" not in s and "GPU ms a step" not in r.stderr
     bad = runner.invoke(app, ["bench", "--serve", "http://127.0.0.1:1", "--requests", "1"])
     lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
     assert bad.exit_code == 1 and len(lines) == 1 and "no OpenAI-compatible server" in lines[0], bad.output

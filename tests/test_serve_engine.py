@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -229,6 +230,9 @@ def test_captured_prompt_chunks_equal_the_eager_chunks(tmp_path, monkeypatch):
     cost = kvs[True].time_chunks(repeat=1)  # each length's shortest span, writing only into the scratch block
     assert sorted(cost) == [8, 32] and all(c > 0 for c in cost.values()) and used == [(8, 16), (32, 32)]
     assert len(kvs[True].first_piece) == 33
+    # tokens a chunk computes: the captured length that replays it, or its own length when none holds it
+    assert [kvs[True].chunk_length(t) for t in (1, 8, 9, 32, 33)] == [8, 8, 32, 32, 33]
+    assert kvs[False].chunk_length(5) == 5
     assert all(torch.equal(a[1:], b[1:]) for a, b in zip(before, kvs[True].k))
     for layer in range(nm.model.args.num_hidden_layers):
         for pool in ("k", "v"):
@@ -488,3 +492,35 @@ def test_a_reply_is_cached_for_the_next_turn(builtin):
         eng.stop()
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert cached > len(first) and cached >= (len(done) - 1) // 16 * 16 - 16
+
+
+def test_gpu_clock_is_inert_off_a_gpu():
+    from dsq.serve.engine import GpuClock
+
+    clock = GpuClock(torch.device("cpu"))
+    mark = clock.mark()
+    clock.span("decode", mark)
+    assert mark is None and clock.seconds == {"prefill": 0.0, "decode": 0.0} and not clock.pending
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU (run on the device)")
+def test_gpu_clock_counts_the_gpu_time_of_each_kind_of_work():
+    """GpuClock reads its events only once the GPU has passed them (no host sync): a matmul loop
+    counted as prefill, a shorter one as decode; after a sync and one more span, both are in, in
+    proportion, within the wall time."""
+    from dsq.serve.engine import GpuClock
+
+    clock = GpuClock(torch.device("cuda"))
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for kind, n in (("prefill", 40), ("decode", 10)):
+        mark = clock.mark()
+        for _ in range(n):
+            a = a @ a * 1e-3
+        clock.span(kind, mark)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    clock.span("decode", clock.mark())  # an empty span: reads the finished ones
+    p, d = clock.seconds["prefill"], clock.seconds["decode"]
+    assert 0 < d < p < wall and 2.5 < p / d < 6 and len(clock.free) >= 4

@@ -182,6 +182,7 @@ def run_level(target: Target, concurrency: int, texts: list[str], max_tokens: in
 
 
 _TIMES = ("step", "prefill", "decode", "sync", "emit")
+_GPU = ("prefill", "decode")  # the GPU's own time in prompt chunks and decode steps (engine.GpuClock)
 
 
 def _server_delta(before: dict | None, after: dict | None, wall: float = 0.0) -> dict | None:
@@ -192,14 +193,21 @@ def _server_delta(before: dict | None, after: dict | None, wall: float = 0.0) ->
     if not before or not after:
         return None
     keys = ("spec_draft_tokens", "spec_accepted_tokens", "prefix_cache_lookup_tokens", "prefix_cache_hit_tokens",
-            "preempted", "steps", "generated_tokens") + tuple(f"time_{k}_s" for k in _TIMES)
+            "preempted", "steps", "generated_tokens", "chunks", "chunk_tokens", "chunk_padded_tokens",
+            "packed_prompt_tokens") + tuple(f"time_{k}_s" for k in _TIMES) + tuple(f"gpu_time_{k}_s" for k in _GPU)
     d = {k: after[k] - before[k] for k in keys
          if isinstance(after.get(k), (int, float)) and isinstance(before.get(k), (int, float))}
     if d.get("steps") and "time_step_s" in d:
         d["step_ms"] = {k: round(d.pop(f"time_{k}_s") * 1000 / d["steps"], 2) for k in _TIMES if f"time_{k}_s" in d}
         if wall > 0:
             d["busy"] = round(d["step_ms"]["step"] * d["steps"] / 1000 / wall, 3)
-    d = {k: v for k, v in d.items() if not k.startswith("time_")}
+        gpu = {k: round(d.pop(f"gpu_time_{k}_s") * 1000 / d["steps"], 2) for k in _GPU if f"gpu_time_{k}_s" in d}
+        if gpu:
+            d["gpu_step_ms"] = gpu
+        if "chunk_tokens" in d:  # prompt tokens a step through prompt chunks, and what their graphs computed
+            d["chunk_tokens_per_step"] = round(d["chunk_tokens"] / d["steps"], 1)
+            d["chunk_padded_tokens_per_step"] = round(d.get("chunk_padded_tokens", 0) / d["steps"], 1)
+    d = {k: v for k, v in d.items() if not k.startswith(("time_", "gpu_time_"))}
     if d.get("spec_draft_tokens"):
         d["spec_acceptance_rate"] = round(d["spec_accepted_tokens"] / d["spec_draft_tokens"], 4)
     if d.get("prefix_cache_lookup_tokens"):

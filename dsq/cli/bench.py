@@ -150,6 +150,12 @@ def _serve_bench(url, levels, requests, gen_tokens, prompt_tokens, model, cost, 
                           f"{ms.get('decode', 0):.2f}, of which sampling and the wait for the GPU "
                           f"{ms.get('sync', 0):.2f} and handing tokens on {ms.get('emit', 0):.2f}); the loop was "
                           f"in steps {s.get('busy', 0):.0%} of the time[/dim]")
+            g = s.get("gpu_step_ms")
+            if g:
+                con.print(f"[dim]  GPU ms a step: prompt chunks {g.get('prefill', 0):.2f} "
+                          f"({s.get('chunk_tokens_per_step', 0)} prompt tokens a step, "
+                          f"{s.get('chunk_padded_tokens_per_step', 0)} computed), decode {g.get('decode', 0):.2f}"
+                          "[/dim]")
     for e in result["errors"][:3]:
         con.print(f"[red]failed: {e}[/red]")
     if json_path:

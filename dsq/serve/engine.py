@@ -61,6 +61,37 @@ SPEC_MAX_ROWS = 2
 PACK_TOKENS = 16
 
 
+class GpuClock:
+    """The GPU's own time in each kind of work the loop queues (prompt chunks, decode steps), from
+    CUDA events recorded around it and read once they have passed, so timing adds no host sync.
+    The loop's host timers cannot split this: a decode step's sampling waits for the prompt chunks
+    queued before it as well as for its own kernels. Off a GPU it does nothing."""
+
+    def __init__(self, device: torch.device):
+        self.on = device.type == "cuda"
+        self.seconds = {"prefill": 0.0, "decode": 0.0}
+        self.pending: deque = deque()
+        self.free: list = []
+
+    def mark(self):
+        """An event recorded on the current stream now (None off a GPU)."""
+        if not self.on:
+            return None
+        e = self.free.pop() if self.free else torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def span(self, kind: str, start) -> None:
+        """The work queued since `start` (a mark) counts as `kind` once the GPU has run it."""
+        if start is None:
+            return
+        self.pending.append((kind, start, self.mark()))
+        while self.pending and self.pending[0][2].query():
+            k, a, b = self.pending.popleft()
+            self.seconds[k] += a.elapsed_time(b) / 1e3
+            self.free += (a, b)
+
+
 @dataclass
 class Event:
     kind: str  # "text", "done" or "error"
@@ -128,10 +159,12 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "preempted": 0, "prompt_tokens": 0,
                          "generated_tokens": 0, "steps": 0, "failed": 0, "spec_draft_tokens": 0,
-                         "spec_accepted_tokens": 0, "packed_prompt_tokens": 0}
+                         "spec_accepted_tokens": 0, "packed_prompt_tokens": 0, "chunk_tokens": 0,
+                         "chunk_padded_tokens": 0, "chunks": 0}
         # seconds of the loop's time: whole steps, their prompt chunks, decode steps, and inside those
         # the sampling (which waits for the GPU's step) and handing tokens on (detokenize, stops, emit)
         self.timing = dict.fromkeys(("step", "prefill", "decode", "sync", "emit"), 0.0)
+        self.gpu = GpuClock(self.device)
 
     def _drafter(self, draft, num_blocks: int, kv_dtype):
         """The draft model's pool: as many blocks as the target's, in the draft's own dtype
@@ -247,6 +280,7 @@ class Engine:
                                               / max(1, self.counters["spec_draft_tokens"]), 4),
                 "spec_method": "off" if not self.spec_tokens else "draft" if self.drafter else "lookup",
                 **{f"time_{k}_s": round(v, 4) for k, v in self.timing.items()},
+                **{f"gpu_time_{k}_s": round(v, 4) for k, v in self.gpu.seconds.items() if self.gpu.on},
                 **(self.drafter.metrics() if self.drafter else {})}
 
     # -- the loop -------------------------------------------------------------------------
@@ -284,9 +318,13 @@ class Engine:
         self._drop_cancelled()
         self._admit()
         t1 = clock()
+        mark = self.gpu.mark()
         self._prefill()
+        self.gpu.span("prefill", mark)
         t2 = clock()
+        mark = self.gpu.mark()
         self._decode()
+        self.gpu.span("decode", mark)
         t3 = clock()
         if self.drafter is not None:  # preempted requests' draft blocks go back too
             self.drafter.sync(self.running)
@@ -349,6 +387,9 @@ class Engine:
                 end = min(n, (r.computed // self.prefill_chunk + 1) * self.prefill_chunk, r.computed + budget)
                 end = self.kv.chunk_end(r.computed, end)
                 logits = self.kv.forward([r.tokens[r.computed:end]], [r.computed], [r.blocks])
+                self.counters["chunks"] += 1
+                self.counters["chunk_tokens"] += end - r.computed
+                self.counters["chunk_padded_tokens"] += self.kv.chunk_length(end - r.computed)
                 budget -= end - r.computed
                 r.computed = end
                 if end == n:

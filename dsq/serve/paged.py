@@ -334,6 +334,11 @@ class PagedKV:
                     best[L], first[L] = cost[c] + best[L - c], c
         self.first_piece = first
 
+    def chunk_length(self, T: int) -> int:
+        """Tokens a prompt chunk of T computes: the captured length that replays it (padding
+        included), or T when none holds it (eager)."""
+        return min((t for t, _ in self.chunk_graphs if t >= T), default=T)
+
     def chunk_end(self, start: int, end: int) -> int:
         """Where a prompt chunk over [start, end) should stop: at the end of its cheapest first
         piece (plan_pieces), or at `end` when no plan covers it."""
