@@ -85,13 +85,13 @@ def builtin():
 
 
 def _run_engine(nm, prompts, max_tokens, ignore_eos: bool = False, warm: bool = False, capture=None,
-                capture_chunks=None, piece_costs=None, **kw):
+                capture_chunks=None, piece_costs=None, capture_seqs=None, **kw):
     from dsq.runtime.sampling import SamplingParams
     from dsq.serve.engine import Engine, Request
 
     eng = Engine(nm, **kw)
     if capture:
-        eng.kv.capture(capture)
+        eng.kv.capture(capture, seqs=capture_seqs)
     if capture_chunks:
         eng.kv.capture_chunks(capture_chunks)
     if piece_costs:
@@ -291,6 +291,35 @@ def test_engine_with_captured_chunks_and_steps_replies_as_dsq_run(builtin, monke
     assert (32 in calls) != pieces  # split into 16 + 8 pieces, no 32-token graph ran
 
 
+def test_mixed_steps_carry_every_prompt_token_and_reply_as_dsq_run(builtin, monkeypatch):
+    """With captured steps of more rows than sequences (Engine.mixed_sizes; the CPU standing in
+    for the GPU's graphs), prompts of ~5 to ~40 tokens enter as rows of the decode steps, up to
+    prefill_chunk tokens a step and the largest graph's rows, two requests at a time: no prompt
+    chunk runs, the mixed graphs replay, a long prompt spreads over steps, and every reply is
+    dsq run's."""
+    from dsq.runtime.engine import encode_prompt, generate
+    from dsq.serve import paged
+
+    stand_in_graphs(monkeypatch)
+    used = []
+    real = paged._PagedGraph.__call__
+    monkeypatch.setattr(paged._PagedGraph, "__call__",
+                        lambda self, ids, *a: used.append((self.rows, len(ids))) or real(self, ids, *a))
+    prompts = PROMPTS + ["Explain, step by step and in plain words, how a bicycle's gears let a rider climb a "
+                         "steep hill without standing up on the pedals."]
+    ref = [generate(builtin, p, max_tokens=6, temperature=0).text for p in prompts]
+    ids = [encode_prompt(builtin, p) for p in prompts]
+    assert max(len(i) for i in ids) > 24  # the long prompt needs two steps' budget
+    texts, _, eng, _ = _run_engine(builtin, ids, 6, kv_tokens=1024, max_seqs=2, prefill_chunk=24, n_ctx=256,
+                                   prefix_cache=False, capture=[1, 2, 8, 16, 26], capture_seqs=2)
+    m = eng.metrics()
+    assert texts == ref and m["failed"] == 0
+    assert m["chunks"] == 0 and m["packed_prompt_tokens"] == sum(len(i) for i in ids)
+    assert all(n <= rows for rows, n in used) and max(n for _, n in used) <= 26
+    assert any(rows > 2 for rows, _ in used)  # mixed graphs ran
+    assert [eng.kv.graphs[b].seqs for b in sorted(eng.kv.graphs)] == [1, 2, 2, 2, 2]
+
+
 def test_plan_pieces_takes_the_cheapest_first_piece():
     """PagedKV.plan_pieces over replay costs by captured length: a chunk runs whole (padded to the
     next captured length) unless pieces cost less in all."""
@@ -354,6 +383,54 @@ def test_captured_decode_step_equals_the_eager_step(tmp_path, monkeypatch, stand
         for pool in ("k", "v"):
             ea, ga = getattr(kvs[False], pool)[layer][used], getattr(kvs[True], pool)[layer][used]
             assert torch.allclose(ea, ga, atol=1e-5)  # a step of 4 rows rounds as one of 3 does, to ~2e-6
+
+
+@pytest.mark.parametrize("stand_in", [True, pytest.param(False, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a real CUDA graph needs a GPU (run on the device)"))])
+def test_mixed_step_equals_the_eager_rows(tmp_path, monkeypatch, stand_in):
+    """PagedKV.forward_rows replaying a graph of 8 rows and 3 sequences (a mixed step: two
+    decode rows and five prompt tokens of a third sequence, then one decode row and two prompt
+    tokens): the kept rows' logits equal the eager pass's, and the blocks hold the same
+    keys/values; the padding rows wrote only into the scratch block."""
+    from tests.tiny import build_tiny_model
+
+    from dsq.runtime.native import NativeModel
+
+    if stand_in:
+        stand_in_graphs(monkeypatch)
+    nm = NativeModel(build_tiny_model("gemma3", tmp_path / "g"), "hf", n_ctx=128, cuda_graph=False,
+                     gpu_layers=0 if stand_in else "all", dtype="float32")
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, nm.model.args.vocab_size, (n,), generator=g).tolist() for n in (30, 12, 9)]
+    tables = [list(range(1 + i * 10, 11 + i * 10)) for i in range(3)]
+    out, kvs = {}, {}
+    for graphs in (False, True):
+        kv = kvs[graphs] = PagedKV(nm.model, 32, 4, 128)
+        if graphs:
+            kv.scratch = 0
+            assert kv.capture([8], seqs=3) == [8] and kv.graphs[8].seqs == 3
+        kv.forward([seqs[0][:-2]], [0], [tables[0]])
+        kv.forward([seqs[1][:-2]], [0], [tables[1]])
+        steps = []
+        # rows: seq 0 and 1 decode, seq 2's first five prompt tokens; logits of the decode rows only
+        steps.append(kv.forward_rows([seqs[0][-2], seqs[1][-2]] + seqs[2][:5], [28, 10, 0, 1, 2, 3, 4],
+                                     [0, 1, 2, 2, 2, 2, 2], tables, [0, 1]).clone())
+        # seq 0 decodes, seq 2's last four prompt tokens: its last row's logits too
+        steps.append(kv.forward_rows([seqs[0][-1]] + seqs[2][5:], [29, 5, 6, 7, 8], [0, 1, 1, 1, 1],
+                                     [tables[0], tables[2]], [0, 4]).clone())
+        out[graphs] = steps
+    for a, b in zip(out[False], out[True]):
+        assert a.shape == b.shape == (2, nm.model.args.vocab_size) and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    used = [b for t in tables for b in t]
+    for layer in range(nm.model.args.num_hidden_layers):
+        for pool in ("k", "v"):
+            ea, ga = getattr(kvs[False], pool)[layer], getattr(kvs[True], pool)[layer]
+            assert torch.allclose(ea[used], ga[used], atol=1e-5)
+            assert ea[0].abs().sum() == 0  # (eager: no padding rows)
+    # the prompt's rows equal a plain prefill of it
+    kv = PagedKV(nm.model, 32, 4, 128)
+    ref = kv.forward([seqs[2]], [0], [tables[2]])
+    assert torch.allclose(ref, out[True][1][1:], atol=1e-4, rtol=1e-4)
 
 
 def test_batched_sampling_draws_what_each_rows_sampler_draws(builtin):

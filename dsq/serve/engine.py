@@ -6,9 +6,11 @@ Every step it
    prefix cache's share) and fewer than `max_seqs` run;
 3. runs up to `prefill_chunk` prompt tokens of admitted requests (chunked prefill: a long prompt
    enters over several steps, between the running requests' decode steps), each request alone
-   (B = 1, as `dsq run` prefills). With captured decode steps (a GPU), a remainder of up to
-   PACK_TOKENS tokens (a repeated prompt past the prefix cache's blocks, a short prompt) goes into
-   step 4 instead, a row a token; with captured prompt chunks, a chunk runs as the pieces whose
+   (B = 1, as `dsq run` prefills). With captured steps of more rows than sequences (a GPU, a
+   model without routed experts: mixed_sizes), every prompt token goes into step 4 instead, a row
+   a token, up to prefill_chunk tokens a step: one pass over the weights a step. With captured
+   decode steps alone, a remainder of up to PACK_TOKENS tokens (a repeated prompt past the prefix
+   cache's blocks, a short prompt) goes so; with captured prompt chunks, a chunk runs as the pieces whose
    replays the warm-up timed cheapest in all (PagedKV.plan_pieces: 300 tokens as 256 + 44 rather
    than padded to 512);
 4. runs one decode step for every request past its prompt, together (B = rows), after giving
@@ -150,7 +152,7 @@ class Engine:
         self.pool = self.kv.pool
         self.device = nm.head_device
         self.drafter = self._drafter(draft, num_blocks, kv_dtype) if draft is not None else None
-        self.packed: list[Request] = []  # prompt remainders _prefill left to this step's decode
+        self.packed: list[tuple[Request, int]] = []  # prompt tokens (up to an end) _prefill left to this step's decode
         self.inbox: deque[Request] = deque()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -182,8 +184,9 @@ class Engine:
         up to max_seqs) and prompt chunks of lengths 2^i and 2^i + 1 up to prefill_chunk, on blocks
         taken from the pool and given back, before the first request; then, where it can
         (graphable), capture the decode step of each batch size and, for a model without routed
-        experts, prompt chunks of 16, 32, ... tokens up to prefill_chunk, each length's replay
-        timed to plan how chunks split (PagedKV.time_chunks). On a GPU each new row bucket
+        experts, steps of more rows that carry prompt tokens too (mixed_sizes) and prompt chunks
+        of 16, 32, ... tokens up to prefill_chunk, each length's replay timed to plan how chunks
+        split (PagedKV.time_chunks). On a GPU each new row bucket
         autotunes its Triton kernels, compiling every candidate on a cold cache: inside the
         first requests that took minutes, so every request timed out or waited (docs/benchmarks.md
         #dsq-serve). Returns the batch sizes and chunk lengths run, and the sizes captured. Call
@@ -221,10 +224,12 @@ class Engine:
             torch.cuda.synchronize()
             seconds["kernels"] = lap()
             if self.graphable():
-                graphs = self.kv.capture(sizes)
+                # MoE passes past PAIRS_ROWS tokens sync with the host (the grouped expert loop):
+                # no mixed steps and no prompt chunks captured for them
+                dense = not any(hasattr(layer.mlp, "experts") for layer in self.model.model.layers)
+                graphs = self.kv.capture(sizes + (self.mixed_sizes(top) if dense else []), seqs=self.max_seqs)
                 seconds["decode graphs"] = lap()
-                # MoE prompt chunks past PAIRS_ROWS tokens sync with the host (the grouped expert loop)
-                if not any(hasattr(layer.mlp, "experts") for layer in self.model.model.layers):
+                if dense:
                     lengths = sorted({1 << i for i in range(4, top.bit_length()) if 1 << i < top} | {top})
                     chunk_graphs = self.kv.capture_chunks(lengths)
                     seconds["chunk graphs"] = lap()
@@ -233,6 +238,16 @@ class Engine:
                         seconds["timing chunks"] = lap()
         return {"decode": sizes, "prefill": chunks, "graphs": graphs, "chunk_graphs": chunk_graphs,
                 "seconds": seconds}
+
+    def mixed_sizes(self, top: int) -> list[int]:
+        """Rows of the captured steps that carry prompt tokens beside up to max_seqs decode rows
+        (Engine._prefill packs up to `top` a step): powers of two and their halfway points past
+        max_seqs, up to max_seqs + top. One pass over the weights a step instead of a decode pass
+        plus a prompt chunk's: each pass costs ~11 ms on an 8B Q4_K_M model however few its
+        tokens (docs/benchmarks.md#dsq-serve)."""
+        hi = self.max_seqs + top
+        cands = {m for i in range(1, hi.bit_length() + 1) for m in (1 << i, 3 << (i - 1))}
+        return sorted({m for m in cands if self.max_seqs < m < hi} | {hi})
 
     def graphable(self) -> bool:
         """Whether the decode step can be captured (PagedKV.capture): every layer and the head on
@@ -369,18 +384,23 @@ class Engine:
 
     def _prefill(self) -> None:
         budget = self.prefill_chunk
-        # with captured decode steps, a prompt remainder of up to PACK_TOKENS tokens rides in this
-        # step's decode as rows of its own while the largest graph has rows to spare (_decode)
+        # with captured decode steps, prompt tokens ride in this step's decode pass as rows of
+        # their own while the largest graph has rows to spare (_decode): all of them, up to the
+        # budget, where the warm-up captured graphs of more rows than sequences (mixed steps);
+        # else a remainder of up to PACK_TOKENS tokens
         cap = max(self.kv.graphs) if self.kv.graphs and not self.spec_tokens else 0
+        mixed = cap > self.max_seqs
         rows = sum(1 for r in self.running if _decoding(r))
         for r in list(self.running):
             n = r.target
             while r.computed < n and not r.finished:
-                if n - r.computed <= PACK_TOKENS and rows + n - r.computed <= cap:
-                    self.packed.append(r)
-                    rows += n - r.computed
+                take = min(n - r.computed, cap - rows, budget) if mixed else n - r.computed
+                if take > 0 and (mixed or (take <= PACK_TOKENS and rows + take <= cap)):
+                    self.packed.append((r, r.computed + take))
+                    rows += take
+                    budget -= take
                     break
-                if budget <= 0:
+                if budget <= 0 or mixed:
                     break
                 # chunk boundaries at multiples of prefill_chunk, as dsq run's prefill has them; with
                 # captured chunks, the cheapest first piece of that (PagedKV.plan_pieces)
@@ -410,7 +430,7 @@ class Engine:
                     break
                 r.blocks.append(self.pool.allocate())
         rows = [r for r in rows if r in self.running and r.computed // bs < len(r.blocks)]
-        packed, self.packed = [r for r in self.packed if r in self.running and r.computed < r.target], []
+        packed, self.packed = [(r, e) for r, e in self.packed if r in self.running and r.computed < e], []
         if packed:  # (no speculation then: _prefill packs only without it)
             return self.decode_plain(rows, packed)
         if self.drafter is not None and self.spec_tokens:
@@ -423,36 +443,38 @@ class Engine:
         for r, draft in drafts.items():  # a pass each (SPEC_MAX_ROWS)
             verify(self, {r: draft})
 
-    def decode_plain(self, rows: list[Request], packed: list[Request] | None = None) -> None:
+    def decode_plain(self, rows: list[Request], packed: list[tuple[Request, int]] | None = None) -> None:
         """One decode step of each row's last token, batched, without speculation; `packed`
-        requests' remaining prompt tokens ride along as a row each (a row attends over its
-        sequence up to its own position, and every row's keys/values are written before any row's
-        attention reads them: the causal prefill), their last rows' logits sampled."""
+        (request, end) pairs' prompt tokens up to `end` ride along as a row each (a row attends
+        over its sequence up to its own position, and every row's keys/values are written before
+        any row's attention reads them: the causal prefill), the logits of a prompt's last row
+        sampled."""
         packed = packed or []
         if not rows and not packed:
             return
-        ids, starts, tables = [[r.tokens[-1]] for r in rows], [r.computed for r in rows], [r.blocks for r in rows]
-        last = list(range(len(rows)))
-        for r in packed:
-            for j in range(r.computed, r.target):
-                ids.append([r.tokens[j]])
-                starts.append(j)
-                tables.append(r.blocks)
-            last.append(len(ids) - 1)
-            self.counters["packed_prompt_tokens"] += r.target - r.computed
-        logits = self.kv.forward(ids, starts, tables)
-        if packed:
-            logits = logits[last]
+        ids, starts = [r.tokens[-1] for r in rows], [r.computed for r in rows]
+        seq, tables = list(range(len(rows))), [r.blocks for r in rows]
+        keep, done = list(range(len(rows))), []
+        for r, end in packed:
+            ids += r.tokens[r.computed:end]
+            starts += range(r.computed, end)
+            seq += [len(tables)] * (end - r.computed)
+            tables.append(r.blocks)
+            if end == r.target:
+                keep.append(len(ids) - 1)
+                done.append(r)
+            self.counters["packed_prompt_tokens"] += end - r.computed
+        logits = self.kv.forward_rows(ids, starts, seq, tables, keep)
         for r in rows:
             r.computed += 1
-        for r in packed:
-            r.computed = r.target
-            if self.prefix_cache:
+        for r, end in packed:
+            r.computed = end
+            if end == r.target and self.prefix_cache:
                 self.pool.register(r.tokens[:r.target], r.blocks)
         t0 = time.perf_counter()
-        picks = self._sample(rows + packed, logits)
+        picks = self._sample(rows + done, logits)
         t1 = time.perf_counter()
-        for r, t in zip(rows + packed, picks):
+        for r, t in zip(rows + done, picks):
             self._accept(r, t)
         self.timing["sync"] += t1 - t0
         self.timing["emit"] += time.perf_counter() - t1

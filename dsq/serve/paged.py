@@ -239,8 +239,8 @@ class PagedKV:
         B, T = len(ids), len(ids[0])
         if T == 1 and not every_position and self.graphs:
             g = next((self.graphs[n] for n in sorted(self.graphs) if n >= B), None)
-            if g is not None:
-                return g(ids, starts, tables)
+            if g is not None and B <= g.seqs:
+                return g([t for t, in ids], starts, list(range(B)), tables, list(range(B)))
         if B == 1 and T > 1 and not every_position and self.chunk_graphs:
             g = next((self.chunk_graphs[k] for k in sorted(self.chunk_graphs) if k[0] >= T and k[1] >= starts[0] + T),
                      None)
@@ -254,14 +254,30 @@ class PagedKV:
         gather = torch.tensor([_padded(t, n) for t in tables], dtype=torch.long, device=dev)
         return self._run(x_ids, pos, gather, S, every_position)
 
+    def forward_rows(self, ids: list[int], starts: list[int], seq: list[int], tables: list[list[int]],
+                     keep: list[int]) -> torch.Tensor:
+        """One token a row, row i at position starts[i] of sequence seq[i] (an index into
+        `tables`, its blocks): a decode step and, in the same pass, prompt tokens (several rows of
+        one sequence: every row's keys/values are written before any row's attention reads them,
+        so each row sees the rows before it, as in a prefill). Returns the logits (len(keep), V)
+        of the rows `keep` only. Replays the smallest captured graph of enough rows (`capture`),
+        else runs eagerly."""
+        R = len(ids)
+        g = next((self.graphs[n] for n in sorted(self.graphs) if n >= R), None)
+        if g is not None and len(tables) <= g.seqs:
+            return g(ids, starts, seq, tables, keep)
+        logits = self.forward([[t] for t in ids], starts, [tables[i] for i in seq])
+        return logits[keep]
+
     def _run(self, x_ids: torch.Tensor, pos: torch.Tensor, gather: torch.Tensor, S: int,
              every_position: bool = False, write_at: torch.Tensor | None = None,
-             last: torch.Tensor | None = None) -> torch.Tensor:
+             last: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
         """forward's device part (no host sync: what `capture` records): tokens x_ids (B, T) at
         positions pos (B, T), row b's blocks gather[b] (each covering its positions; after those,
         any block, masked), over cache lengths up to S. write_at (B * T,): the pool slots their
         keys/values go to, if not their blocks' (a captured chunk's padding); last (1,): the
-        position whose logits come back, if not the last."""
+        position whose logits come back, if not the last; keep (K,): the rows whose logits come
+        back, if not all."""
         m, a, bs, dev = self.model, self.args, self.block_size, self.device
         B, T = x_ids.shape
         if write_at is None:
@@ -285,6 +301,8 @@ class PagedKV:
             return m.head(x)
         if last is not None:
             x = x.index_select(1, last)
+        if keep is not None:
+            x = x.index_select(0, keep)
         return m.head(x, last_only=True)[:, -1]
 
     def capture_chunks(self, lengths: list[int]) -> list[tuple[int, int]]:
@@ -361,15 +379,18 @@ class PagedKV:
                 warnings.warn(f"capturing the serve {what(k)} failed, it runs eagerly: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}", stacklevel=3)
 
-    def capture(self, sizes: list[int]) -> list[int]:
-        """The decode step (one token a row) captured as a CUDA graph for each batch size in
-        `sizes`, largest first, sharing one memory pool; a step of B rows then replays the
-        smallest graph of >= B rows, the extra rows writing into a block of their own. Eager, a
-        step launches ~3,000 kernels for an 8B model at ~20 us of host time each: 55 ms whatever
-        B, against ~15 ms of GPU time at 32 rows (docs/benchmarks.md#dsq-serve). Returns the
-        sizes captured (a size whose capture fails is left out, with a warning, and runs
+    def capture(self, sizes: list[int], seqs: int | None = None) -> list[int]:
+        """The decode step (one token a row: forward_rows) captured as a CUDA graph for each
+        number of rows in `sizes`, largest first, sharing one memory pool; a step of B rows then
+        replays the smallest graph of >= B rows, the extra rows writing into a block of their own.
+        A graph takes up to `seqs` sequences (and returns as many rows' logits; default: one a
+        row), so graphs of more rows than sequences carry prompt tokens beside the decode rows.
+        Eager, a step launches ~3,000 kernels for an 8B model at ~20 us of host time each: 55 ms
+        whatever B, against ~15 ms of GPU time at 32 rows (docs/benchmarks.md#dsq-serve). Returns
+        the sizes captured (a size whose capture fails is left out, with a warning, and runs
         eagerly)."""
-        self._capture_each(self.graphs, sorted(set(sizes), reverse=True), lambda b, pool: _PagedGraph(self, b, pool),
+        self._capture_each(self.graphs, sorted(set(sizes), reverse=True),
+                           lambda b, pool: _PagedGraph(self, b, pool, min(b, seqs or b)),
                            lambda b: f"decode step of {b} rows")
         return sorted(self.graphs)
 
@@ -415,25 +436,31 @@ class _Static:
 
 class _PagedGraph(_Static):
     """PagedKV._run of `rows` one-token rows over the longest cache (max_len), as a CUDA graph
-    over static inputs: one (rows, 2 + blocks) tensor of each row's token, position and block
-    table. Rows past B point at the scratch block."""
+    over one static tensor: each row's token, position and sequence (an index into the step's
+    block tables, up to `seqs` of them), the rows whose logits come back (`seqs` of them), and
+    the tables. Rows past the step's point at one more table, all the scratch block."""
 
-    def __init__(self, kv: PagedKV, rows: int, pool):
+    def __init__(self, kv: PagedKV, rows: int, pool, seqs: int):
         from dsq.runtime.native import _graphed
 
-        self.rows = rows
+        self.rows, self.seqs = rows, seqs
         self.n = n = -(-kv.max_len // kv.block_size)
-        self.pad = [0, 0] + [kv.scratch] * n
-        super().__init__(kv, [self.pad] * rows)
-        ids, pos, table = self.buf[:, :1], self.buf[:, 1:2], self.buf[:, 2:]
-        self.graph, self.out = _graphed(lambda: kv._run(ids.contiguous(), pos.contiguous(), table.contiguous(),
-                                                        n * kv.block_size), pool=pool)
+        self.scratch_table = [kv.scratch] * n
+        R, K = rows, seqs
+        super().__init__(kv, [0] * (2 * R) + [K] * R + [0] * K + self.scratch_table * (K + 1))
+        ids, pos, seq = (self.buf[i * R:(i + 1) * R] for i in range(3))
+        keep, tables = self.buf[3 * R:3 * R + K], self.buf[3 * R + K:].view(K + 1, n)
+        self.graph, self.out = _graphed(lambda: kv._run(ids.view(R, 1), pos.view(R, 1), tables.index_select(0, seq),
+                                                        n * kv.block_size, keep=keep), pool=pool)
 
-    def __call__(self, ids: list[list[int]], starts: list[int], tables: list[list[int]]) -> torch.Tensor:
-        B = len(ids)
-        self.replay([[t, p] + _padded(tb, self.n) for (t,), p, tb in zip(ids, starts, tables)]
-                    + [self.pad] * (self.rows - B))
-        return self.out[:B].clone()  # the next replay (of any graph: one pool) rewrites out
+    def __call__(self, ids: list[int], starts: list[int], seq: list[int], tables: list[list[int]],
+                 keep: list[int]) -> torch.Tensor:
+        pad, K, n = self.rows - len(ids), self.seqs, self.n
+        values = ids + [0] * pad + starts + [0] * pad + seq + [K] * pad + keep + [0] * (K - len(keep))
+        for tb in tables:
+            values += _padded(tb, n)
+        self.replay(values + self.scratch_table * (K + 1 - len(tables)))
+        return self.out[:len(keep)].clone()  # the next replay (of any graph: one pool) rewrites out
 
 
 class _ChunkGraph(_Static):

@@ -150,7 +150,10 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
         if done["graphs"]:
             lengths = sorted({t for t, _ in done["chunk_graphs"]})
             chunks = f", prompt chunks of {', '.join(map(str, lengths))} tokens" if lengths else ""
-            took += (f"; decode steps of {', '.join(map(str, done['graphs']))} rows{chunks} captured "
+            dec = [b for b in done["graphs"] if b <= engine.max_seqs]
+            mixed = [b for b in done["graphs"] if b > engine.max_seqs]
+            mixed = f", steps with prompt tokens of {', '.join(map(str, mixed))} rows" if mixed else ""
+            took += (f"; decode steps of {', '.join(map(str, dec))} rows{mixed}{chunks} captured "
                      f"as CUDA graphs")
         sys.stderr.write(f"dsq serve: {took}\n")
     sys.setswitchinterval(SWITCH_INTERVAL_S)
