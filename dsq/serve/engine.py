@@ -184,7 +184,8 @@ class Engine:
         up to max_seqs) and prompt chunks of lengths 2^i and 2^i + 1 up to prefill_chunk, on blocks
         taken from the pool and given back, before the first request; then, where it can
         (graphable), capture the decode step of each batch size and, for a model without routed
-        experts, steps of more rows that carry prompt tokens too (mixed_sizes) and prompt chunks
+        experts, steps of more rows that carry prompt tokens too (mixed_sizes; DSQ_SERVE_MIXED=0:
+        not) and prompt chunks
         of 16, 32, ... tokens up to prefill_chunk, each length's replay timed to plan how chunks
         split (PagedKV.time_chunks). On a GPU each new row bucket
         autotunes its Triton kernels, compiling every candidate on a cold cache: inside the
@@ -227,7 +228,8 @@ class Engine:
                 # MoE passes past PAIRS_ROWS tokens sync with the host (the grouped expert loop):
                 # no mixed steps and no prompt chunks captured for them
                 dense = not any(hasattr(layer.mlp, "experts") for layer in self.model.model.layers)
-                graphs = self.kv.capture(sizes + (self.mixed_sizes(top) if dense else []), seqs=self.max_seqs)
+                mixed = dense and os.environ.get("DSQ_SERVE_MIXED", "1") != "0"
+                graphs = self.kv.capture(sizes + (self.mixed_sizes(top) if mixed else []), seqs=self.max_seqs)
                 seconds["decode graphs"] = lap()
                 if dense:
                     lengths = sorted({1 << i for i in range(4, top.bit_length()) if 1 << i < top} | {top})
