@@ -15,6 +15,8 @@
 #                                          # decode attention in the Triton paged kernel)
 #   AWQ=/tmp/r8b-awq bash benchmarks/h200_serve.sh dsq   # the GGUF's AWQ twin (random codes, same shape and
 #                                          # vocabulary: python -m dsq.bench.random_models), served the same way
+#   MIXED=1 bash benchmarks/h200_serve.sh dsq   # with mixed steps (prompt tokens as rows of the decode step,
+#                                          # DSQ_SERVE_MIXED=1; Engine.mixed_sizes)
 #   DRAFT=/tmp/r8b-2l.gguf bash benchmarks/h200_serve.sh dsq   # with a draft model (--draft; SPEC tokens, default 4):
 #                                          # made here as the same random shape cut to DRAFT_LAYERS (2) layers,
 #                                          # which shares the 8B file's vocabulary; DRAFT=$GGUF: the model as its own draft
@@ -26,6 +28,8 @@
 #                                          # libllama-server-impl.so and libmtmd.so*, on the carried CUDA libraries
 #
 # Each level draws prompts of its own; SAME_PROMPTS=1 sends every level the same ones (the 2026-12-02 figures).
+# A part cut short by an outer `timeout` leaves its server or Python process running (timeout signals only the
+# script's shell): give parts time to finish, and look for leftovers (pgrep -af python3) before timing the next.
 # DeepSeek (MLA + MoE): SHAPE=deepseek-v2-lite GGUF=/tmp/v2lite.gguf EXPERTS=cpu|gpu bash benchmarks/h200_serve.sh dsq
 # (and the same SHAPE/GGUF for llama).
 #
@@ -78,7 +82,7 @@ load() {  # $1: tag. Concurrency 1 on 8 requests (C1=0: not), then LEVELS (8 and
     --plot "$OUT/serve_$1_c1.png" --force 2>&1 | grep -v -i warn | tail -8
   timeout 300 python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency "${LEVELS:-8,32}" \
     --requests "${REQUESTS:-64}" --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --gpu-cost-per-hour 3 ${SAME_PROMPTS:+--same-prompts} \
-    --json "$OUT/serve_$1_c.json" --plot "$OUT/serve_$1_c.png" --force 2>&1 | grep -v -i warn | tail -8
+    --json "$OUT/serve_$1_c.json" --plot "$OUT/serve_$1_c.png" --force 2>&1 | grep -v -i warn | tee "$OUT/serve_$1_c.log" | tail -8
 }
 
 if [ "$PART" = dsq ]; then
@@ -86,7 +90,7 @@ if [ "$PART" = dsq ]; then
     [ -f "$AWQ/config.json" ] || python3 -m dsq.bench.random_models "$AWQ" --shape "${SHAPE:-llama3-8b}" | tail -1
   fi
   # SWITCH_S: the server's GIL switch interval instead of dsq.serve.server.SWITCH_INTERVAL_S (its A/B)
-  python3 -c "import runpy, sys, dsq.serve.server as s; s.SWITCH_INTERVAL_S = float(sys.argv.pop(1) or \
+  DSQ_SERVE_MIXED=${MIXED:-0} python3 -c "import runpy, sys, dsq.serve.server as s; s.SWITCH_INTERVAL_S = float(sys.argv.pop(1) or \
 s.SWITCH_INTERVAL_S); sys.argv[0] = 'dsq'; runpy.run_module('dsq', run_name='__main__')" "${SWITCH_S:-}" \
     serve "${AWQ:-$GGUF}" --gpu-layers all --ctx 4096 --kv-memory "${KV_MB:-40000}" --max-seqs 64 \
     --port "$PORT" ${KV_DTYPE:+--kv-dtype $KV_DTYPE} ${SPEC:+--spec-tokens $SPEC} ${EXPERTS:+--experts $EXPERTS} \
@@ -94,7 +98,7 @@ s.SWITCH_INTERVAL_S); sys.argv[0] = 'dsq'; runpy.run_module('dsq', run_name='__m
   pid=$!
   wait_up $pid || { echo "dsq serve did not come up"; tail -20 /tmp/serve.log; exit 1; }
   grep "^dsq serve:" /tmp/serve.log | tail -2
-  load "dsq${AWQ:+_awq}${SWITCH_S:+_switch$SWITCH_S}${KV_DTYPE:+_$KV_DTYPE}${EXPERTS:+_experts_$EXPERTS}${DRAFT:+_draft}"
+  load "dsq${AWQ:+_awq}${MIXED:+_mixed$MIXED}${SWITCH_S:+_switch$SWITCH_S}${KV_DTYPE:+_$KV_DTYPE}${EXPERTS:+_experts_$EXPERTS}${DRAFT:+_draft}"
   curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "preempted|prefix_cache_hit_rate|spec_|draft_|kv_blocks_total"
   kill -TERM $pid; wait $pid; echo "dsq serve exited $?"
   exit 0

@@ -1,7 +1,8 @@
 # Shared setup of the device scripts (sourced: `source benchmarks/h200_setup.sh`, from the repo root).
 # The device machine has no dsq install and no network: the C kernels are built in place, dsq.kernels
 # is linked to kernels/, the wheels the image lacks travel in .whl/, llama-cpp-python's package in
-# .llsrc/, and llama.cpp's CUDA binaries in .llbin/ (else built from .llsrc/ by llama_bins).
+# .llsrc/, and llama.cpp's CUDA binaries in .llbin/ (else built from .llsrc/ by llama_bins). On the dev machine
+# `bash benchmarks/build_llama_cuda.sh` makes both .llbin/ and .llsrc/ (~40 min on two cores, no device time).
 ROOT=${ROOT:-$PWD}
 LL=${LL:-/tmp/ll/llama.cpp}
 export PYTHONUNBUFFERED=1
