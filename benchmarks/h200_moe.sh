@@ -11,6 +11,9 @@
 #   bash benchmarks/h200_moe.sh vram     # the V2-Lite GGUF loaded all on the GPU: torch's allocated and reserved
 #                                        # peaks against the device's (benchmarks/load_vram.py), then the same with
 #                                        # expandable segments. ~2 min
+#   bash benchmarks/h200_moe.sh profile  # all-GPU V2-Lite decode: llama-bench, dsq bench with and without --compile,
+#                                        # the captured step's top kernels at 1 and 8 rows (benchmarks/serve_step.py).
+#                                        # ~4 min
 #   bash benchmarks/h200_moe.sh v3slice  # random V3-width slice (1 dense + 1 MoE layer of 256 experts,
 #                                        # ~7 GB): per-layer and per-part times with the experts in RAM
 #                                        # and on the GPU, and the full 61-layer projection
@@ -19,7 +22,7 @@
 # Setup as benchmarks/h200_split.sh (sourced for its functions): the C kernels built in place, the
 # carried wheels (.whl/) and llama.cpp binaries (.llbin/, else built from .llsrc/). Results under $OUT.
 set -uo pipefail
-PART=${1:?tests, v2lite, vram or v3slice}
+PART=${1:?tests, v2lite, vram, profile or v3slice}
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
 source benchmarks/h200_setup.sh  # setup_python, llama_bins
 setup_python
@@ -67,6 +70,22 @@ if [ "$PART" = vram ]; then  # where all-GPU V2-Lite's VRAM goes at load: alloca
   timeout 200 python3 -m benchmarks.load_vram "$GGUF" --experts gpu --json "$D/vram.json" 2>&1 | grep -v -i warn
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 python3 -m benchmarks.load_vram "$GGUF" --experts gpu \
     --json "$D/vram_expandable.json" 2>&1 | grep -v -i warn
+  exit 0
+fi
+
+if [ "$PART" = profile ]; then  # where all-GPU V2-Lite decode's 6.3 ms go (llama.cpp: 3.3): the captured step's
+  # kernels (serve_step at 1 and 8 rows, torch profiler), and dsq bench with and without --compile beside llama-bench
+  GGUF=${GGUF:-/tmp/v2lite.Q4_K_M.gguf}
+  [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape deepseek-v2-lite --mix Q4_K_M 2>/dev/null | tail -1
+  timeout 100 "$LL/build/bin/llama-bench" -m "$GGUF" -ngl 99 -p 64 -n 32 -r 2 -t "$THREADS" -o md 2>&1 | grep -E "^\|"
+  for c in "" --compile; do
+    timeout 240 python3 -m dsq bench "$GGUF" -b native -g all --experts gpu --prompt-tokens 64 --gen-tokens 32 \
+      --repeat 2 --threads "$THREADS" $c --json "$D/dsq_gpu$c.json" --force 2>&1 | grep -v -i warn |
+      tee "$D/dsq_gpu$c.log" | grep -E "^\||native|compile|fail" | tail -6
+  done
+  timeout 200 python3 -m benchmarks.serve_step "$GGUF" --rows 1,8 --ctx 64 --steps 8 --profile 1 \
+    --json "$D/serve_step.json" > "$D/serve_step.log" 2>&1
+  grep -v -i warn "$D/serve_step.log" | cut -c1-160 | head -60
   exit 0
 fi
 
