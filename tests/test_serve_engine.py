@@ -320,6 +320,30 @@ def test_mixed_steps_carry_every_prompt_token_and_reply_as_dsq_run(builtin, monk
     assert [eng.kv.graphs[b].seqs for b in sorted(eng.kv.graphs)] == [1, 2, 2, 2, 2]
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_prompt_one_token_short_is_decoded_once(builtin, monkeypatch, mixed):
+    """A request whose prompt has one token left to compute (here: the prefix cache holds all but
+    its last token; also what a chunk boundary can leave) looks like a decoding row: its last
+    token is the next step's input. With captured steps it was also packed as a prompt remainder,
+    so one step ran and sampled it twice, left it with two tokens and one computed, neither
+    prefilling nor decoding: it never finished and the loop spun. It must be run once."""
+    from dsq.runtime.engine import encode_prompt, generate
+    from dsq.serve.engine import _decoding
+
+    stand_in_graphs(monkeypatch)
+    bs = 16
+    words = ("The history of the Roman Empire runs from the founding of the city to the fall of the east, "
+             "through republic, empire and the long decline that followed the reign of the last emperors").split()
+    text = next(t for t in (" ".join(words[:k]) for k in range(len(words))) if len(encode_prompt(builtin, t)) == 2 * bs + 1)
+    prompt = encode_prompt(builtin, text)
+    ref = generate(builtin, text, max_tokens=6, temperature=0).text
+    texts, _, eng, reqs = _run_engine(builtin, [prompt, prompt], 6, kv_tokens=1024, max_seqs=1, block_size=bs,
+                                      capture=[1, 2, 4] + ([8, 16] if mixed else []), capture_seqs=1 if mixed else None)
+    m = eng.metrics()
+    assert texts == [ref, ref] and m["prefix_cache_hit_tokens"] == 2 * bs  # the second found all but its last token
+    assert [u["completion_tokens"] for u in _.values()] == [6, 6] and not any(_decoding(r) for r in reqs)
+
+
 def test_plan_pieces_takes_the_cheapest_first_piece():
     """PagedKV.plan_pieces over replay costs by captured length: a chunk runs whole (padded to the
     next captured length) unless pieces cost less in all."""

@@ -422,7 +422,10 @@ class Engine:
                     self._take(r, logits[0:1])
 
     def _decode(self) -> None:
-        rows = [r for r in self.running if _decoding(r)]
+        # a prompt with one token left looks like a decoding row (that token is the step's input);
+        # when _prefill packed it, the packed rows run it, and it must not be sampled twice
+        packing = {id(r) for r, _ in self.packed}
+        rows = [r for r in self.running if _decoding(r) and id(r) not in packing]
         if not rows and not self.packed:
             return
         bs = self.block_size
