@@ -344,6 +344,23 @@ def test_a_prompt_one_token_short_is_decoded_once(builtin, monkeypatch, mixed):
     assert [u["completion_tokens"] for u in _.values()] == [6, 6] and not any(_decoding(r) for r in reqs)
 
 
+def test_a_request_that_cannot_progress_fails_instead_of_stalling(builtin):
+    """A running request neither prefilling nor decoding (the state the double decode above left)
+    gets an error event at the end of the step and leaves; the others carry on."""
+    from dsq.runtime.sampling import Sampler, SamplingParams
+    from dsq.serve.engine import Engine, Request
+
+    eng = Engine(builtin, kv_tokens=256)
+    events = []
+    bad = Request([1, 2, 3], SamplingParams(temperature=0), 4, events.append)
+    bad.tokens, bad.computed, bad.target, bad.sampler = [1, 2, 3, 7, 8], 3, 3, Sampler(SamplingParams())
+    bad.blocks = [eng.pool.allocate()]
+    eng.running.append(bad)
+    eng.step()
+    assert not eng.running and bad.finished and not bad.blocks and eng.metrics()["failed"] == 1
+    assert [e.kind for e in events] == ["error"] and "stalled" in events[0].text
+
+
 def test_plan_pieces_takes_the_cheapest_first_piece():
     """PagedKV.plan_pieces over replay costs by captured length: a chunk runs whole (padded to the
     next captured length) unless pieces cost less in all."""

@@ -347,6 +347,10 @@ class Engine:
         t3 = clock()
         if self.drafter is not None:  # preempted requests' draft blocks go back too
             self.drafter.sync(self.running)
+        for r in [r for r in self.running if not (r.computed < r.target or _decoding(r))]:
+            # neither prefilling nor decoding, it could never progress (a bug's state): fail it
+            # rather than keep its client waiting and the loop spinning
+            self._fail(r, f"internal error: request {r.id} stalled ({r.computed} of {len(r.tokens)} tokens computed)")
         self.counters["steps"] += 1
         tm["prefill"] += t2 - t1
         tm["decode"] += t3 - t2
