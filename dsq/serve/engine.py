@@ -9,11 +9,10 @@ Every step it
    (B = 1, as `dsq run` prefills). With captured steps of more rows than sequences (a GPU, a
    model without routed experts, DSQ_SERVE_MIXED=1: mixed_sizes), every prompt token goes into
    step 4 instead, a row a token, up to prefill_chunk tokens a step: one pass over the weights a
-   step. With captured
-   decode steps alone, a remainder of up to PACK_TOKENS tokens (a repeated prompt past the prefix
-   cache's blocks, a short prompt) goes so; with captured prompt chunks, a chunk runs as the pieces whose
-   replays the warm-up timed cheapest in all (PagedKV.plan_pieces: 300 tokens as 256 + 44 rather
-   than padded to 512);
+   step. With captured decode steps alone, a remainder of up to PACK_TOKENS tokens (a repeated
+   prompt past the prefix cache's blocks, a short prompt) goes so; with captured prompt chunks, a
+   chunk runs as the pieces whose replays the warm-up timed cheapest in all (PagedKV.plan_pieces:
+   300 tokens as 256 + 44 rather than padded to 512);
 4. runs one decode step for every request past its prompt, together (B = rows), after giving
    each the block its next token needs; when the pool is empty the newest request is preempted
    (its blocks freed, its prompt and generated tokens recomputed when it is admitted again: its
@@ -153,7 +152,8 @@ class Engine:
         self.pool = self.kv.pool
         self.device = nm.head_device
         self.drafter = self._drafter(draft, num_blocks, kv_dtype) if draft is not None else None
-        self.packed: list[tuple[Request, int]] = []  # prompt tokens (up to an end) _prefill left to this step's decode
+        # prompt tokens (request, up to an end) _prefill left to this step's decode pass
+        self.packed: list[tuple[Request, int]] = []
         self.inbox: deque[Request] = deque()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -186,9 +186,8 @@ class Engine:
         taken from the pool and given back, before the first request; then, where it can
         (graphable), capture the decode step of each batch size and, for a model without routed
         experts, steps of more rows that carry prompt tokens too (mixed_sizes, with
-        DSQ_SERVE_MIXED=1) and prompt chunks
-        of 16, 32, ... tokens up to prefill_chunk, each length's replay timed to plan how chunks
-        split (PagedKV.time_chunks). On a GPU each new row bucket
+        DSQ_SERVE_MIXED=1) and prompt chunks of 16, 32, ... tokens up to prefill_chunk, each
+        length's replay timed to plan how chunks split (PagedKV.time_chunks). On a GPU each new row bucket
         autotunes its Triton kernels, compiling every candidate on a cold cache: inside the
         first requests that took minutes, so every request timed out or waited (docs/benchmarks.md
         #dsq-serve). Returns the batch sizes and chunk lengths run, and the sizes captured. Call
