@@ -379,6 +379,18 @@ def test_plan_pieces_takes_the_cheapest_first_piece():
     assert kv.chunk_end(100, 400) == 356 and kv.chunk_end(0, 600) == 600 and kv.chunk_end(5, 5) == 5
 
 
+def _tiny_float_model(tmp_path, monkeypatch, stand_in: bool):
+    """A tiny gemma3 in float32: on the CPU with stand-in graphs (stand_in), else every layer on the GPU."""
+    from tests.tiny import build_tiny_model
+
+    from dsq.runtime.native import NativeModel
+
+    if stand_in:
+        stand_in_graphs(monkeypatch)
+    return NativeModel(build_tiny_model("gemma3", tmp_path / "g"), "hf", n_ctx=128, cuda_graph=False,
+                       gpu_layers=0 if stand_in else "all", dtype="float32")
+
+
 @pytest.mark.parametrize("stand_in", [True, pytest.param(False, marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="a real CUDA graph needs a GPU (run on the device)"))])
 def test_captured_decode_step_equals_the_eager_step(tmp_path, monkeypatch, stand_in):
@@ -388,14 +400,7 @@ def test_captured_decode_step_equals_the_eager_step(tmp_path, monkeypatch, stand
     blocks hold the same keys/values after. On the CPU (stand_in) a stand-in 'graph' reruns the
     captured function over its static inputs, which checks that protocol; on a GPU the real capture
     (float32, the Triton paged attention in both)."""
-    from tests.tiny import build_tiny_model
-
-    from dsq.runtime.native import NativeModel
-
-    if stand_in:
-        stand_in_graphs(monkeypatch)
-    nm = NativeModel(build_tiny_model("gemma3", tmp_path / "g"), "hf", n_ctx=128, cuda_graph=False,
-                     gpu_layers=0 if stand_in else "all", dtype="float32")
+    nm = _tiny_float_model(tmp_path, monkeypatch, stand_in)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, nm.model.args.vocab_size, (n,), generator=g).tolist() for n in (40, 9, 23)]
     tables = [list(range(1 + i * 12, 13 + i * 12)) for i in range(3)]
@@ -433,14 +438,7 @@ def test_mixed_step_equals_the_eager_rows(tmp_path, monkeypatch, stand_in):
     decode rows and five prompt tokens of a third sequence, then one decode row and two prompt
     tokens): the kept rows' logits equal the eager pass's, and the blocks hold the same
     keys/values; the padding rows wrote only into the scratch block."""
-    from tests.tiny import build_tiny_model
-
-    from dsq.runtime.native import NativeModel
-
-    if stand_in:
-        stand_in_graphs(monkeypatch)
-    nm = NativeModel(build_tiny_model("gemma3", tmp_path / "g"), "hf", n_ctx=128, cuda_graph=False,
-                     gpu_layers=0 if stand_in else "all", dtype="float32")
+    nm = _tiny_float_model(tmp_path, monkeypatch, stand_in)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, nm.model.args.vocab_size, (n,), generator=g).tolist() for n in (30, 12, 9)]
     tables = [list(range(1 + i * 10, 11 + i * 10)) for i in range(3)]

@@ -238,8 +238,8 @@ class PagedKV:
         where `capture_chunks` made one as long."""
         B, T = len(ids), len(ids[0])
         if T == 1 and not every_position and self.graphs:
-            g = next((self.graphs[n] for n in sorted(self.graphs) if n >= B), None)
-            if g is not None and B <= g.seqs:
+            g = self._decode_graph(B, B)
+            if g is not None:
                 return g([t for t, in ids], starts, list(range(B)), tables, list(range(B)))
         if B == 1 and T > 1 and not every_position and self.chunk_graphs:
             g = next((self.chunk_graphs[k] for k in sorted(self.chunk_graphs) if k[0] >= T and k[1] >= starts[0] + T),
@@ -262,12 +262,16 @@ class PagedKV:
         so each row sees the rows before it, as in a prefill). Returns the logits (len(keep), V)
         of the rows `keep` only. Replays the smallest captured graph of enough rows (`capture`),
         else runs eagerly."""
-        R = len(ids)
-        g = next((self.graphs[n] for n in sorted(self.graphs) if n >= R), None)
-        if g is not None and len(tables) <= g.seqs:
+        g = self._decode_graph(len(ids), len(tables))
+        if g is not None:
             return g(ids, starts, seq, tables, keep)
         logits = self.forward([[t] for t in ids], starts, [tables[i] for i in seq])
         return logits[keep]
+
+    def _decode_graph(self, rows: int, seqs: int):
+        """The smallest captured step of at least `rows` rows, if it takes `seqs` sequences."""
+        g = next((self.graphs[n] for n in sorted(self.graphs) if n >= rows), None)
+        return g if g is not None and seqs <= g.seqs else None
 
     def _run(self, x_ids: torch.Tensor, pos: torch.Tensor, gather: torch.Tensor, S: int,
              every_position: bool = False, write_at: torch.Tensor | None = None,
