@@ -5,6 +5,12 @@ a few engine steps at one B (of the last kind).
 
     python -m benchmarks.serve_step MODEL.gguf --rows 1,8,32,64 --ctx 512 --profile 32 [--json out.json]
     python -m benchmarks.serve_step MODEL.gguf --rows 32 --prefill 512 --chunks 16,32,64,128,256,512
+    python -m benchmarks.serve_step MODEL.gguf --rows 32 --ctx 512 --mixed 64,192,448
+
+--mixed P,...: a mixed step (DSQ_SERVE_MIXED) of the largest --rows decode rows and P prompt tokens
+of one more sequence (its first --ctx tokens cached), replayed with the prompt rows' attention by
+tiles of rows (`triton_attn._attn_rows`) and row by row (DSQ_PAGED_ROWS=0), against the captured
+decode step plus a captured chunk of the P tokens, as dsq serve runs them without mixed steps.
 
 The engine's step is what a served token waits for (sampling, detokenizing and stop strings of
 every row included); the forward pass is the model alone. Their difference is the engine's own
@@ -55,6 +61,49 @@ def _engine(nm, rows: int, ctx: int, gen: int, temperature: float):
     return eng
 
 
+def _mixed(nm, R: int, ctx: int, prompts: list[int], dev) -> list[dict]:
+    """ms of a mixed step (R decode rows at position ctx, P prompt rows of one more sequence from
+    position ctx), its prompt rows' attention by tiles and by rows, against the decode step plus
+    a chunk of P; all captured. The caches hold zeros: the kernels' work does not depend on them."""
+    import torch
+
+    from dsq.kernels import triton_attn
+    from dsq.serve.paged import PagedKV
+
+    bs, top = 16, max(prompts)
+    per, pp = -(-(ctx + 1) // bs), -(-(ctx + top) // bs)
+    kv = PagedKV(nm.model, R * per + pp + 2, bs, ctx + top + bs)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(R)] + [list(range(R * per, R * per + pp))]
+    recs = []
+    print(f"\n| prompt rows (+{R} decode) | mixed, tiles ms | mixed, row by row ms | decode + chunk ms | "
+          "tiles / separate |\n|---|---|---|---|---|")
+    for P in prompts:
+        ids, starts = [1] * (R + P), [ctx] * R + list(range(ctx, ctx + P))
+        seq, keep = list(range(R)) + [R] * P, list(range(R)) + [R + P - 1]
+        rec = {"decode_rows": R, "prompt_rows": P}
+        for name, tiles in (("tiles_ms", True), ("rows_ms", False)):
+            triton_attn.ROWS = tiles  # read when the step is captured
+            kv.graphs.clear()
+            kv.capture([R + P], seqs=R + 1)
+            rec[name] = round(_timed(lambda: kv.forward_rows(ids, starts, seq, tables, keep), dev, 5), 2)
+        triton_attn.ROWS = True
+        kv.graphs.clear()
+        kv.chunk_graphs.clear()
+        kv.capture([R])
+        kv.capture_chunks([P])
+
+        def separate():
+            kv.forward([[1]] * R, [ctx] * R, tables[:R])
+            kv.forward([[1] * P], [ctx], [tables[R]])
+        rec["separate_ms"] = round(_timed(separate, dev, 5), 2)
+        kv.chunk_graphs.clear()
+        recs.append(rec)
+        print(f"| {P} | {rec['tiles_ms']} | {rec['rows_ms']} | {rec['separate_ms']} | "
+              f"{rec['tiles_ms'] / rec['separate_ms']:.2f} |")
+        torch.cuda.empty_cache()
+    return recs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -66,6 +115,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="also time and profile a prompt chunk this long")
     ap.add_argument("--chunks", default="", help="captured prompt chunk lengths to time (PagedKV.time_chunks), "
                     "as dsq serve's warm-up does, e.g. 16,32,64,128,256,512 (needs --prefill, the longest)")
+    ap.add_argument("--mixed", default="", help="prompt tokens of mixed steps to time, e.g. 64,192,448 (GPU)")
     ap.add_argument("--gpu-layers", default="all")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
@@ -153,6 +203,9 @@ def main() -> None:
                 run()
                 _sync(dev)
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=50))
+    if graphs and a.mixed:
+        out["mixed"] = _mixed(nm, max(int(x) for x in a.rows.split(",") if x), a.ctx,
+                              [int(x) for x in a.mixed.split(",") if x], dev)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

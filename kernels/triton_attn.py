@@ -18,17 +18,31 @@ Runs under TRITON_INTERPRET=1 on the CPU (the CI tests); `attn_decode_ref` is th
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from dsq.kernels.triton_common import INTERPRET, sm_count
 
 
+ROWS = os.environ.get("DSQ_PAGED_ROWS", "1") != "0"  # one sequence's rows of a step read its cache together
+ROW_LINES = 64  # query lines (rows x heads of one KV head) an `_attn_rows` program takes: the MMA's 64-row side
+
+
 @triton.jit
-def _attn_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, acc_ptr, ml_ptr, S, HK, scale,
+def _shared_tile(seq_ptr, b0, B, RT: tl.constexpr):
+    """Whether rows b0 .. b0 + RT (those below B) all belong to one sequence (seq_ptr: each row's)."""
+    rr = b0 + tl.arange(0, RT)
+    sq = tl.load(seq_ptr + rr, mask=rr < B, other=0)
+    return tl.sum(((sq != tl.load(seq_ptr + b0)) & (rr < B)).to(tl.int32), axis=0) == 0
+
+
+@triton.jit
+def _attn_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, seq_ptr, acc_ptr, ml_ptr, B, S, HK, scale,
                s_qb, s_qh, s_kn, s_kh, s_ks, s_vn, s_vh, s_vs, s_tb, s_mb, BLK,
                SPLIT, REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, F32: tl.constexpr,
-               PAGED: tl.constexpr, LENS: tl.constexpr):
+               PAGED: tl.constexpr, LENS: tl.constexpr, RT: tl.constexpr = 0):
     """Program (b * HK + hk, split): query heads hk * REP .. + REP of sequence b against cache slots
     split * SPLIT .. + SPLIT, in tiles of BS slots. Writes acc = sum_s p_s v_s (RP, D), and the
     running max m and sum l of p (RP,) per head, with p_s = exp(q k_s scale - m).
@@ -36,7 +50,8 @@ def _attn_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, acc_ptr, ml_ptr, S, HK,
     Slot s of sequence b is row s of cache b (s_kn: the batch stride), or with PAGED row s % BLK of
     block t[b, s // BLK] (s_kn: the block stride). With LENS, slots from l[b] on are not visited
     (the mask is False there): a cache sized for the longest context costs a shorter sequence
-    nothing past its length."""
+    nothing past its length. RT > 0: rows whose tile of RT rows is one sequence's (`_attn_rows`
+    takes those) are left alone."""
     bh = tl.program_id(0)
     sp = tl.program_id(1)
     b = bh // HK
@@ -54,6 +69,10 @@ def _attn_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, acc_ptr, ml_ptr, S, HK,
     if LENS:
         end = tl.minimum(S, tl.load(l_ptr + b).to(tl.int32))
         hi = tl.minimum(SPLIT, end - s0)
+    if RT > 0:
+        skip = _shared_tile(seq_ptr, (b // RT) * RT, B, RT)
+        hi = tl.where(skip, 0, hi)
+        rm = tl.where(skip, 0, rm.to(tl.int32)) != 0
     for t in range(0, hi, BS):
         offs = s0 + t + tl.arange(0, BS)
         ok = tl.load(m_ptr + b * s_mb + offs, mask=offs < end, other=0) != 0  # masked or past the end: not loaded
@@ -87,6 +106,70 @@ def _attn_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, acc_ptr, ml_ptr, S, HK,
 
 
 @triton.jit
+def _attn_rows(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, seq_ptr, acc_ptr, ml_ptr, B, S, HK, scale,
+               s_qb, s_qh, s_kn, s_kh, s_ks, s_vn, s_vh, s_vs, s_tb, s_mb, BLK,
+               SPLIT, REP: tl.constexpr, RPW: tl.constexpr, RT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+               F32: tl.constexpr):
+    """Program (tile * HK + hk, split): rows tile * RT .. + RT when they are all one sequence's
+    (a prompt's tokens riding in a decode step), its query heads hk * REP .. + REP, over the paged
+    cache slots split * SPLIT .. + SPLIT up to the longest row's length. The tile's RT * RPW query
+    lines share each slot tile's keys and values, read once through the first row's block table,
+    where `_attn_part` reads them once a row; each line's own mask and length leave out what it
+    must not see (each row sees itself and the rows before it). Writes the same partial results
+    as `_attn_part` (`_attn_combine` adds them up); a tile of several sequences writes nothing."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    tile = pid // HK
+    hk = pid % HK
+    M: tl.constexpr = RT * RPW
+    i = tl.arange(0, M)
+    r = tile * RT + i // RPW  # each line's row and head
+    h = i % RPW
+    lm = (r < B) & (h < REP)
+    rc = tl.where(r < B, r, 0)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + rc[:, None] * s_qb + (hk * REP + h)[:, None] * s_qh + d[None, :], mask=lm[:, None], other=0)
+    ln = tl.minimum(tl.load(l_ptr + rc, mask=lm, other=0).to(tl.int32), S)
+    end = tl.max(ln, axis=0)
+    s0 = sp * SPLIT
+    shared = _shared_tile(seq_ptr, tile * RT, B, RT)
+    hi = tl.where(shared, tl.minimum(SPLIT, end - s0), 0)
+    lm = tl.where(shared, lm.to(tl.int32), 0) != 0
+    tb = t_ptr + (tile * RT) * s_tb
+    m_i = tl.full((M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((M,), tl.float32)
+    acc = tl.zeros((M, D), tl.float32)
+    for t in range(0, hi, BS):
+        offs = s0 + t + tl.arange(0, BS)
+        inb = offs < end
+        blk = tl.load(tb + offs // BLK, mask=inb, other=0).to(tl.int64)
+        row = offs % BLK
+        ok = tl.load(m_ptr + rc[:, None] * s_mb + offs[None, :], mask=lm[:, None] & (offs[None, :] < ln[:, None]),
+                     other=0) != 0  # (M, BS)
+        k = tl.load(k_ptr + (blk * s_kn + hk * s_kh + row * s_ks)[:, None] + d[None, :], mask=inb[:, None], other=0)
+        if F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # (M, BS), fp32 accumulation
+        s = tl.where(ok, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + (blk * s_vn + hk * s_vh + row * s_vs)[:, None] + d[None, :], mask=inb[:, None], other=0)
+        if F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+    out = ((rc * HK + hk) * tl.num_programs(1) + sp) * REP + h
+    tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=lm[:, None])
+    tl.store(ml_ptr + out * 2, m_i, mask=lm)
+    tl.store(ml_ptr + out * 2 + 1, l_i, mask=lm)
+
+
+@triton.jit
 def _attn_combine(acc_ptr, ml_ptr, o_ptr, H, s_ob, s_oh, NSPLIT, REP: tl.constexpr, D: tl.constexpr,
                   NSP: tl.constexpr):
     """Program b * H + h (one query head): its NSPLIT partial results into o = sum acc / sum l,
@@ -109,9 +192,10 @@ def _attn_combine(acc_ptr, ml_ptr, o_ptr, H, s_ob, s_oh, NSPLIT, REP: tl.constex
     tl.store(o_ptr + b * s_ob + h * s_oh + d, o.to(o_ptr.dtype.element_ty))
 
 
-def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool, lens=None) -> torch.Tensor:
+def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool, lens=None, seq=None) -> torch.Tensor:
     """Both public entries: the partial results over `nsplit` slices of the cache (default: about
-    two programs per SM), then their combination."""
+    two programs per SM), then their combination. With `seq` (paged, with lens), tiles of rows
+    of one sequence go through `_attn_rows` and the other rows through `_attn_part`."""
     B, H, _, D = q.shape
     HK = k.shape[1]
     S = mask.shape[-1]
@@ -127,11 +211,18 @@ def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool, lens=None) 
     f32 = q.dtype == torch.float32 or INTERPRET
     t, s_tb, blk = (table, table.stride(0), k.shape[2]) if paged else (mask, 0, 1)
     ln = mask if lens is None else lens  # (a pointer the kernel does not read without LENS)
-    _attn_part[(B * HK, nsplit)](q, k, v, t, mask, ln, acc, ml, S, HK, scale, q.stride(0), q.stride(1),
-                                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                                 s_tb, mask.stride(0), blk, split, REP=rep, RP=rp, D=D, BS=block, F32=f32,
-                                 PAGED=paged, LENS=lens is not None,
-                                 num_warps=4 if D <= 128 else 8)  # D 256 on 4 warps: 255 registers
+    rows = ROWS and seq is not None and paged and lens is not None
+    rpw = triton.next_power_of_2(rep)
+    rt = max(1, ROW_LINES // rpw) if rows else 0
+    args = (q, k, v, t, mask, ln, seq if rows else ln, acc, ml, B, S, HK, scale, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), s_tb, mask.stride(0), blk,
+            split)
+    warps = 4 if D <= 128 else 8  # D 256 on 4 warps: 255 registers
+    _attn_part[(B * HK, nsplit)](*args, REP=rep, RP=rp, D=D, BS=block, F32=f32, PAGED=paged, LENS=lens is not None,
+                                 RT=rt, num_warps=warps)
+    if rows:
+        _attn_rows[(triton.cdiv(B, rt) * HK, nsplit)](*args, REP=rep, RPW=rpw, RT=rt, D=D, BS=block, F32=f32,
+                                                     num_warps=warps)
     o = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device)
     _attn_combine[(B * H,)](acc, ml, o, H, o.stride(0), o.stride(2), nsplit, REP=rep, D=D,
                             NSP=triton.next_power_of_2(nsplit), num_warps=1)
@@ -140,17 +231,21 @@ def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool, lens=None) 
 
 def paged_attn_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                       mask: torch.Tensor, scale: float, nsplit: int | None = None, block: int = 64,
-                      lens: torch.Tensor | None = None) -> torch.Tensor:
+                      lens: torch.Tensor | None = None, seq: torch.Tensor | None = None) -> torch.Tensor:
     """attn_decode over a paged cache: q (B, H, 1, D); k_pool / v_pool (NB, Hk, BLK, D), the last
     dimension contiguous; table (B, n) block ids (int32 or int64), row b's slot s in block
     table[b, s // BLK]; mask (B, 1, 1, S) bool with S <= n * BLK -> (B, 1, H * D) in q's dtype.
     lens (B,) integers, optional: row b's mask is False from lens[b] on, and those slots are
-    skipped (a captured step's S is the longest context)."""
+    skipped (a captured step's S is the longest context). seq (B,) integers, optional, with lens:
+    which sequence each row is (rows of one sequence share their table row): consecutive rows of
+    one sequence, a prompt's tokens in one step, then read each key and value once a tile of
+    them rather than once a row (`_attn_rows`)."""
     B, H = q.shape[:2]
     assert table.shape[0] == B and mask.shape[-1] <= table.shape[1] * k_pool.shape[2] and mask.stride(-1) == 1
     assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1 and H % k_pool.shape[1] == 0
     assert lens is None or (lens.shape == (B,) and lens.is_contiguous())
-    return _decode(q, k_pool, v_pool, table, mask, scale, nsplit, block, paged=True, lens=lens)
+    assert seq is None or (lens is not None and seq.shape == (B,) and seq.is_contiguous())
+    return _decode(q, k_pool, v_pool, table, mask, scale, nsplit, block, paged=True, lens=lens, seq=seq)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:

@@ -171,3 +171,43 @@ def test_serve_decode_step_through_the_paged_kernel(tmp_path, monkeypatch):
         out[kernel] = torch.stack(steps)
     assert len(calls) == 2 * nm.model.args.num_hidden_layers  # every layer of both decode steps
     assert torch.allclose(out[True], out[False], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("H,HK,D,lines", [(8, 2, 32, 8), (6, 2, 16, 16), (4, 4, 16, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_rows_of_one_sequence_read_the_cache_together(H, HK, D, lines, dtype, monkeypatch):
+    """A mixed step's rows (dsq serve): single decode rows of three sequences, then a prompt's 19
+    tokens of a fourth (consecutive positions, each row seeing itself and the rows before it), 5
+    of a fifth under a sliding-window hole, and padding rows on a scratch sequence. With `seq`,
+    tiles of one sequence's rows go through `_attn_rows` (tiles of `lines` query lines, so some
+    tiles straddle two sequences and fall back to `_attn_part`); every row must equal the
+    reference over its own gathered cache, as without `seq`."""
+    monkeypatch.setattr(ta, "ROW_LINES", lines)
+    g = torch.Generator().manual_seed(3)
+    BLK = 8
+    rows = [(0, 30), (1, 5), (2, 41)] + [(3, 17 + j) for j in range(19)] + [(4, 60 + j) for j in range(5)]
+    rows += [(5, 1)] * 3  # padding: the scratch sequence, one slot each
+    lens_seq = {s: max(n for t, n in rows if t == s) for s, _ in rows}
+    n = max(-(-v // BLK) for v in lens_seq.values())
+    NB = len(lens_seq) * n + 2
+    k_pool = torch.randn(NB, HK, BLK, D, generator=g).to(dtype)
+    v_pool = torch.randn(NB, HK, BLK, D, generator=g).to(dtype)
+    seq_tables = torch.randperm(NB, generator=g)[:len(lens_seq) * n].view(len(lens_seq), n)
+    seq = torch.tensor([s for s, _ in rows])
+    lens = torch.tensor([v for _, v in rows])
+    B, S = len(rows), n * BLK
+    table = seq_tables[seq]
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    mask = torch.arange(S)[None, :] < lens[:, None]
+    mask[seq == 4, :50] = False  # a sliding window
+    mask = mask.view(B, 1, 1, S)
+    k = k_pool[table].permute(0, 2, 1, 3, 4).reshape(B, HK, S, D)
+    v = v_pool[table].permute(0, 2, 1, 3, 4).reshape(B, HK, S, D)
+    want = ta.attn_decode_ref(q, k, v, mask, D ** -0.5)
+    args = (q.to(DEV), k_pool.to(DEV), v_pool.to(DEV), table.to(DEV).int(), mask.to(DEV), D ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for kw in ({}, {"seq": seq.to(DEV)}):
+        got = ta.paged_attn_decode(*args, nsplit=2, block=16, lens=lens.to(DEV), **kw)
+        assert got.shape == (B, 1, H * D) and got.dtype == dtype
+        err = (got.double().cpu() - want).norm(dim=-1) / want.norm(dim=-1)
+        assert float(err.max()) < tol, (kw.keys(), err)

@@ -139,8 +139,9 @@ class _StepCache:
     """What one step's layers see as their cache (`update`), over the pool's blocks."""
 
     def __init__(self, kv: "PagedKV", write_at: torch.Tensor, gather: torch.Tensor, kv_len: int,
-                 lens: torch.Tensor):
+                 lens: torch.Tensor, seq: torch.Tensor | None = None):
         self.kv, self.write_at, self.gather, self.kv_len, self.lens = kv, write_at, gather, kv_len, lens
+        self.seq = seq  # each row's sequence, where rows of one sequence share a step (mixed steps)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                softcap: float | None):
@@ -157,7 +158,8 @@ class _StepCache:
         blk, off = self.write_at // bs, self.write_at % bs
         kp[blk, :, off] = k.permute(0, 2, 1, 3).reshape(B * T, Hk, D)
         vp[blk, :, off] = v.permute(0, 2, 1, 3).reshape(B * T, Hk, D)
-        return triton_attn.paged_attn_decode(q.transpose(1, 2), kp, vp, self.gather, mask, scale, lens=self.lens)
+        return triton_attn.paged_attn_decode(q.transpose(1, 2), kp, vp, self.gather, mask, scale, lens=self.lens,
+                                             seq=self.seq)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots):
         """k, v (B, Hk, T, D): written at the step's flat slots; returns (B, Hk, S, D) gathered
@@ -275,13 +277,15 @@ class PagedKV:
 
     def _run(self, x_ids: torch.Tensor, pos: torch.Tensor, gather: torch.Tensor, S: int,
              every_position: bool = False, write_at: torch.Tensor | None = None,
-             last: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+             last: torch.Tensor | None = None, keep: torch.Tensor | None = None,
+             seq: torch.Tensor | None = None) -> torch.Tensor:
         """forward's device part (no host sync: what `capture` records): tokens x_ids (B, T) at
         positions pos (B, T), row b's blocks gather[b] (each covering its positions; after those,
         any block, masked), over cache lengths up to S. write_at (B * T,): the pool slots their
         keys/values go to, if not their blocks' (a captured chunk's padding); last (1,): the
         position whose logits come back, if not the last; keep (K,): the rows whose logits come
-        back, if not all."""
+        back, if not all; seq (B,): each one-token row's sequence, where several rows are one
+        sequence's (their attention then reads the cache once for all of them)."""
         m, a, bs, dev = self.model, self.args, self.block_size, self.device
         B, T = x_ids.shape
         if write_at is None:
@@ -295,7 +299,7 @@ class PagedKV:
         for kind, (cos, sin) in self.rope.items():
             flat = pos.reshape(-1)
             ropes[kind] = (cos.index_select(0, flat).view(B, T, 1, -1), sin.index_select(0, flat).view(B, T, 1, -1))
-        step = _StepCache(self, write_at, gather, S, pos.amax(1) + 1)
+        step = _StepCache(self, write_at, gather, S, pos.amax(1) + 1, seq)
         x = m.embed(x_ids)
         for i, layer in enumerate(m.model.layers):
             sliding = a.is_sliding(i)
@@ -337,6 +341,27 @@ class PagedKV:
             cost[t] = best
         self.plan_pieces(cost)
         return cost
+
+    def time_graphs(self, repeat: int = 3) -> dict[int, float]:
+        """Seconds a replay of each captured step takes (all rows padding; the least of `repeat`),
+        then drop_dominated over them. Returns the costs of the steps kept."""
+        cost = {}
+        for rows, g in self.graphs.items():
+            cost[rows] = min(_timed(lambda: g([], [], [], [], []), self.device) for _ in range(repeat))
+        self.drop_dominated(cost)
+        return {rows: cost[rows] for rows in self.graphs}
+
+    def drop_dominated(self, cost: dict[int, float]) -> None:
+        """Drop each captured step that costs more (seconds by rows) than one of more rows, which
+        then takes its steps: a step's cost follows the kernels its row count is routed to, not
+        the count alone (an 8B Q4_K_M model's step of 96 rows replayed in 24.9 ms, one of 224 in
+        21.8: docs/benchmarks.md#dsq-serve). The largest always stays."""
+        best = float("inf")
+        for rows in sorted(self.graphs, reverse=True):
+            if rows in cost and cost[rows] >= best:
+                del self.graphs[rows]
+            else:
+                best = min(best, cost.get(rows, best))
 
     def plan_pieces(self, cost: dict[int, float]) -> None:
         """first_piece[L] for every chunk of L tokens up to the longest captured length: the first
@@ -454,8 +479,9 @@ class _PagedGraph(_Static):
         super().__init__(kv, [0] * (2 * R) + [K] * R + [0] * K + self.scratch_table * (K + 1))
         ids, pos, seq = (self.buf[i * R:(i + 1) * R] for i in range(3))
         keep, tables = self.buf[3 * R:3 * R + K], self.buf[3 * R + K:].view(K + 1, n)
+        shared = seq if R > K else None  # mixed steps: a prompt's rows share their sequence
         self.graph, self.out = _graphed(lambda: kv._run(ids.view(R, 1), pos.view(R, 1), tables.index_select(0, seq),
-                                                        n * kv.block_size, keep=keep), pool=pool)
+                                                        n * kv.block_size, keep=keep, seq=shared), pool=pool)
 
     def __call__(self, ids: list[int], starts: list[int], seq: list[int], tables: list[list[int]],
                  keep: list[int]) -> torch.Tensor:
