@@ -15,8 +15,9 @@
 #                                          # decode attention in the Triton paged kernel)
 #   AWQ=/tmp/r8b-awq bash benchmarks/h200_serve.sh dsq   # the GGUF's AWQ twin (random codes, same shape and
 #                                          # vocabulary: python -m dsq.bench.random_models), served the same way
-#   MIXED=1 bash benchmarks/h200_serve.sh dsq   # with mixed steps (prompt tokens as rows of the decode step,
-#                                          # DSQ_SERVE_MIXED=1; Engine.mixed_sizes)
+#   MIXED=0 bash benchmarks/h200_serve.sh dsq   # without mixed steps (prompt tokens as rows of the decode step,
+#                                          # Engine.mixed_sizes; DSQ_SERVE_MIXED=0): prompt chunks of their own
+#   PREFILL_CHUNK=256 bash benchmarks/h200_serve.sh dsq   # at most 256 prompt tokens a step (--prefill-chunk)
 #   DRAFT=/tmp/r8b-2l.gguf bash benchmarks/h200_serve.sh dsq   # with a draft model (--draft; SPEC tokens, default 4):
 #                                          # made here as the same random shape cut to DRAFT_LAYERS (2) layers,
 #                                          # which shares the 8B file's vocabulary; DRAFT=$GGUF: the model as its own draft
@@ -90,15 +91,15 @@ if [ "$PART" = dsq ]; then
     [ -f "$AWQ/config.json" ] || python3 -m dsq.bench.random_models "$AWQ" --shape "${SHAPE:-llama3-8b}" | tail -1
   fi
   # SWITCH_S: the server's GIL switch interval instead of dsq.serve.server.SWITCH_INTERVAL_S (its A/B)
-  DSQ_SERVE_MIXED=${MIXED:-0} python3 -c "import runpy, sys, dsq.serve.server as s; s.SWITCH_INTERVAL_S = float(sys.argv.pop(1) or \
+  DSQ_SERVE_MIXED=${MIXED:-1} python3 -c "import runpy, sys, dsq.serve.server as s; s.SWITCH_INTERVAL_S = float(sys.argv.pop(1) or \
 s.SWITCH_INTERVAL_S); sys.argv[0] = 'dsq'; runpy.run_module('dsq', run_name='__main__')" "${SWITCH_S:-}" \
     serve "${AWQ:-$GGUF}" --gpu-layers all --ctx 4096 --kv-memory "${KV_MB:-40000}" --max-seqs 64 \
-    --port "$PORT" ${KV_DTYPE:+--kv-dtype $KV_DTYPE} ${SPEC:+--spec-tokens $SPEC} ${EXPERTS:+--experts $EXPERTS} \
+    --port "$PORT" ${PREFILL_CHUNK:+--prefill-chunk $PREFILL_CHUNK} ${KV_DTYPE:+--kv-dtype $KV_DTYPE} ${SPEC:+--spec-tokens $SPEC} ${EXPERTS:+--experts $EXPERTS} \
     ${DRAFT:+--draft $DRAFT} > /tmp/serve.log 2>&1 &
   pid=$!
   wait_up $pid || { echo "dsq serve did not come up"; tail -20 /tmp/serve.log; exit 1; }
   grep "^dsq serve:" /tmp/serve.log | tail -2
-  load "dsq${AWQ:+_awq}${MIXED:+_mixed$MIXED}${SWITCH_S:+_switch$SWITCH_S}${KV_DTYPE:+_$KV_DTYPE}${EXPERTS:+_experts_$EXPERTS}${DRAFT:+_draft}"
+  load "dsq${AWQ:+_awq}${MIXED:+_mixed$MIXED}${PREFILL_CHUNK:+_chunk$PREFILL_CHUNK}${SWITCH_S:+_switch$SWITCH_S}${KV_DTYPE:+_$KV_DTYPE}${EXPERTS:+_experts_$EXPERTS}${DRAFT:+_draft}"
   curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "preempted|prefix_cache_hit_rate|spec_|draft_|kv_blocks_total"
   kill -TERM $pid; wait $pid; echo "dsq serve exited $?"
   exit 0

@@ -361,6 +361,38 @@ def test_a_request_that_cannot_progress_fails_instead_of_stalling(builtin):
     assert [e.kind for e in events] == ["error"] and "stalled" in events[0].text
 
 
+def test_a_captured_step_dearer_than_a_larger_one_is_dropped(tmp_path, monkeypatch):
+    """PagedKV.time_graphs: each captured step's replay is timed (all rows padding) and a step that
+    costs more than one of more rows goes (its steps take that one); the largest stays. Steps of
+    96 rows of an 8B Q4_K_M model took the slow tl.dot GEMM and cost more than 128-row ones."""
+    from dsq.serve import paged
+
+    nm = _tiny_float_model(tmp_path, monkeypatch, True)
+    kv = PagedKV(nm.model, 32, 4, 64)
+    assert kv.capture([1, 2, 4, 6, 8, 12, 16], seqs=4) == [1, 2, 4, 6, 8, 12, 16]
+    cost = {1: 1.0, 2: 1.1, 4: 1.5, 6: 2.5, 8: 2.0, 12: 3.0, 16: 2.9}
+    replayed = []
+
+    def fake_timed(run, device):
+        before = {rows: g.replays for rows, g in seen.items()}
+        run()
+        rows = next(r for r, g in seen.items() if g.replays > before[r])
+        replayed.append(rows)
+        return cost[rows]
+
+    seen = kv.graphs
+    for g in seen.values():
+        g.replays = 0
+        real = g.replay
+        g.replay = lambda values, g=g, real=real: (setattr(g, "replays", g.replays + 1), real(values))[1]
+    monkeypatch.setattr(paged, "_timed", fake_timed)
+    kept = kv.time_graphs(repeat=2)
+    assert sorted(replayed) == sorted(list(cost) * 2)  # every step, twice, all rows padding
+    assert sorted(kv.graphs) == sorted(kept) == [1, 2, 4, 8, 16]  # 6 cost more than 8, 12 more than 16
+    # a step of 5-6 rows now replays the 8-row graph, of 9-12 rows the 16-row one
+    assert kv._decode_graph(6, 4).rows == 8 and kv._decode_graph(10, 4).rows == 16
+
+
 def test_plan_pieces_takes_the_cheapest_first_piece():
     """PagedKV.plan_pieces over replay costs by captured length: a chunk runs whole (padded to the
     next captured length) unless pieces cost less in all."""

@@ -7,9 +7,9 @@ Every step it
 3. runs up to `prefill_chunk` prompt tokens of admitted requests (chunked prefill: a long prompt
    enters over several steps, between the running requests' decode steps), each request alone
    (B = 1, as `dsq run` prefills). With captured steps of more rows than sequences (a GPU, a
-   model without routed experts, DSQ_SERVE_MIXED=1: mixed_sizes), every prompt token goes into
-   step 4 instead, a row a token, up to prefill_chunk tokens a step: one pass over the weights a
-   step. With captured decode steps alone, a remainder of up to PACK_TOKENS tokens (a repeated
+   model without routed experts: mixed_sizes; DSQ_SERVE_MIXED=0 turns them off), every prompt
+   token goes into step 4 instead, a row a token, up to prefill_chunk tokens a step: one pass
+   over the weights a step. With captured decode steps alone, a remainder of up to PACK_TOKENS tokens (a repeated
    prompt past the prefix cache's blocks, a short prompt) goes so; with captured prompt chunks, a
    chunk runs as the pieces whose replays the warm-up timed cheapest in all (PagedKV.plan_pieces:
    300 tokens as 256 + 44 rather than padded to 512);
@@ -185,9 +185,10 @@ class Engine:
         up to max_seqs) and prompt chunks of lengths 2^i and 2^i + 1 up to prefill_chunk, on blocks
         taken from the pool and given back, before the first request; then, where it can
         (graphable), capture the decode step of each batch size and, for a model without routed
-        experts, steps of more rows that carry prompt tokens too (mixed_sizes, with
-        DSQ_SERVE_MIXED=1) and prompt chunks of 16, 32, ... tokens up to prefill_chunk, each
-        length's replay timed to plan how chunks split (PagedKV.time_chunks). On a GPU each new row bucket
+        experts, steps of more rows that carry prompt tokens too (mixed_sizes; DSQ_SERVE_MIXED=0:
+        not) and prompt chunks of 16, 32, ... tokens up to prefill_chunk, each length's replay
+        timed to plan how chunks split (PagedKV.time_chunks); each captured step's replay is timed
+        too, and a step that costs more than one of more rows is dropped (PagedKV.time_graphs). On a GPU each new row bucket
         autotunes its Triton kernels, compiling every candidate on a cold cache: inside the
         first requests that took minutes, so every request timed out or waited (docs/benchmarks.md
         #dsq-serve). Returns the batch sizes and chunk lengths run, and the sizes captured. Call
@@ -228,10 +229,13 @@ class Engine:
                 # MoE passes past PAIRS_ROWS tokens sync with the host (the grouped expert loop):
                 # no mixed steps and no prompt chunks captured for them
                 dense = not any(hasattr(layer.mlp, "experts") for layer in self.model.model.layers)
-                # mixed steps are opt-in until a served race measures them (docs/benchmarks.md#dsq-serve)
-                mixed = dense and os.environ.get("DSQ_SERVE_MIXED", "0") == "1"
-                graphs = self.kv.capture(sizes + (self.mixed_sizes(top) if mixed else []), seqs=self.max_seqs)
+                # mixed steps: 2.4x llama-server's output at 32 requests, against 1.9x without
+                # (docs/benchmarks.md#dsq-serve)
+                mixed = dense and os.environ.get("DSQ_SERVE_MIXED", "1") != "0"
+                self.kv.capture(sizes + (self.mixed_sizes(top) if mixed else []), seqs=self.max_seqs)
                 seconds["decode graphs"] = lap()
+                graphs = sorted(self.kv.time_graphs())
+                seconds["timing steps"] = lap()
                 if dense:
                     lengths = sorted({1 << i for i in range(4, top.bit_length()) if 1 << i < top} | {top})
                     chunk_graphs = self.kv.capture_chunks(lengths)
