@@ -26,6 +26,27 @@ import triton.language as tl
 from dsq.kernels.triton_common import INTERPRET, sm_count
 
 
+@triton.jit
+def _online(q, k, v, ok, m_i, l_i, acc, scale, F32: tl.constexpr):
+    """One tile of slots into the running softmax: q (L, D) lines against k, v (BS, D), ok (L or
+    1, BS) the slots each line may see; returns the new max m (L,), sum l (L,) and acc (L, D)."""
+    if F32:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # (L, BS), fp32 accumulation
+    s = tl.where(ok, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a line with nothing seen yet: no NaN
+    p = tl.exp(s - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if F32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc
+
+
 ROWS = os.environ.get("DSQ_PAGED_ROWS", "1") != "0"  # one sequence's rows of a step read its cache together
 ROW_LINES = 64  # query lines (rows x heads of one KV head) an `_attn_rows` program takes: the MMA's 64-row side
 
@@ -83,22 +104,8 @@ def _attn_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, seq_ptr, acc_ptr, ml_pt
             blk = b
             row = offs
         k = tl.load(k_ptr + (blk * s_kn + hk * s_kh + row * s_ks)[:, None] + d[None, :], mask=ok[:, None], other=0)
-        if F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # (RP, BS), fp32 accumulation
-        s = tl.where(ok[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing seen yet: no NaN
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + (blk * s_vn + hk * s_vh + row * s_vs)[:, None] + d[None, :], mask=ok[:, None], other=0)
-        if F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
+        m_i, l_i, acc = _online(q, k, v, ok[None, :], m_i, l_i, acc, scale, F32)
     out = (bh * tl.num_programs(1) + sp) * REP + r  # the real heads only (RP pads REP up to a dot's 16)
     tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=rm[:, None])
     tl.store(ml_ptr + out * 2, m_i, mask=rm)
@@ -147,22 +154,8 @@ def _attn_rows(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, seq_ptr, acc_ptr, ml_pt
         ok = tl.load(m_ptr + rc[:, None] * s_mb + offs[None, :], mask=lm[:, None] & (offs[None, :] < ln[:, None]),
                      other=0) != 0  # (M, BS)
         k = tl.load(k_ptr + (blk * s_kn + hk * s_kh + row * s_ks)[:, None] + d[None, :], mask=inb[:, None], other=0)
-        if F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # (M, BS), fp32 accumulation
-        s = tl.where(ok, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + (blk * s_vn + hk * s_vh + row * s_vs)[:, None] + d[None, :], mask=inb[:, None], other=0)
-        if F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
+        m_i, l_i, acc = _online(q, k, v, ok, m_i, l_i, acc, scale, F32)
     out = ((rc * HK + hk) * tl.num_programs(1) + sp) * REP + h
     tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=lm[:, None])
     tl.store(ml_ptr + out * 2, m_i, mask=lm)
