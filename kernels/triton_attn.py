@@ -48,7 +48,8 @@ def _online(q, k, v, ok, m_i, l_i, acc, scale, F32: tl.constexpr):
 
 
 ROWS = os.environ.get("DSQ_PAGED_ROWS", "1") != "0"  # one sequence's rows of a step read its cache together
-ROW_LINES = 64  # query lines (rows x heads of one KV head) an `_attn_rows` program takes: the MMA's 64-row side
+# query lines (rows x heads of a KV head) an `_attn_rows` program takes: one MMA side (docs/benchmarks.md#dsq-serve)
+ROW_LINES = 64
 
 
 @triton.jit
