@@ -12,8 +12,7 @@ Achieved bandwidth = bytes that must be read (codes + scales + x) / time. A form
 included; "+tc" the bf16
 tensor-core kernel for a few rows (kernels/triton_mma.py, int4 M <= 64), "+tcs" its variant with the
 weights scaled before the MMA (Q4_0, Q4_K, any int4 group), x's preparation included in both;
-"+dq" writes the weight out in bf16 and multiplies with cuBLAS (prefill), the writing included
-("+dq16": in pieces of ~16 MiB, each multiplied while it may sit in L2; any size in MiB);
+"+dq" writes the weight out in bf16 and multiplies with cuBLAS (prefill), the writing included;
 "+rows" runs the one-row int8-x GEMV once a row (Q6_K at 2-4 rows).
 """
 
@@ -76,15 +75,9 @@ def bench_shape(fmt: str, N: int, K: int, M: int) -> dict:
     from dsq.kernels.packed import linear_ref, linear_ref_q8
 
     base, _, suffix = fmt.partition("+")
-    if suffix.startswith("dq") and suffix[2:].isdigit():
-        piece = int(suffix[2:]) << 20
-        suffix = "dq"
-        kern_dq = lambda x, p, out=None: triton_dequant.dequant_linear(x, p, out=out, piece_bytes=piece)  # noqa: E731
-    else:
-        kern_dq = triton_dequant.dequant_linear
     kern = {"": triton_gemm.packed_linear, "q8": triton_gemv_q8.q8_linear, "rows": triton_gemv_q8.q8_rows_linear,
             "tc": triton_mma.mma_linear, "tcs": triton_mma.mma_linear_scaled,
-            "dq": kern_dq}[suffix]
+            "dq": triton_dequant.dequant_linear}[suffix]
     q8 = suffix in ("q8", "rows")  # x rounded to int8: its own reference
     p0 = random_packed(base, N, K)
     ps = weight_copies(p0)  # copies at other addresses, so the graph's calls read HBM, not L2

@@ -64,16 +64,6 @@ class Packed:
         kw = {k: v.to(device) for k, v in self.tensors().items()}
         return Packed(self.fmt, self.N, self.K, **kw)
 
-    def row_slice(self, n0: int, n1: int) -> Packed:
-        """Rows n0 .. n1 of the weight (views of its planes); both on the format's row blocks
-        (sc_rows) or n1 its end."""
-        r = self.fmt.sc_rows
-        if n0 % r or (n1 % r and n1 != self.N) or not 0 <= n0 < n1 <= self.N:
-            raise ValueError(f"rows {n0}..{n1} of {self.N} do not fall on blocks of {r}")
-        kw = {k: t[n0 // r:-(-n1 // r)] if k in ("sc", "zp") else t[n0:n1]
-              for k, t in self.tensors().items() if k != "perm"}
-        return Packed(self.fmt, n1 - n0, self.K, perm=self.perm, **kw)
-
     def nbytes(self) -> int:
         """Bytes a matmul must read (everything but the permutation)."""
         return sum(t.numel() * t.element_size() for k, t in self.tensors().items() if k != "perm")

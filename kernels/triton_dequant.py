@@ -6,19 +6,11 @@ outweighs writing W once (docs/benchmarks.md#prefill). Its tiles are the tl.dot 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from dsq.kernels.packed import Packed
 from dsq.kernels.triton_common import dequant_tile, fmt_flags, plane_args, tiles_ok, x_rows
-
-
-# DSQ_DEQUANT_PIECE_MB: write the weight out and multiply it in pieces of about this many MiB, each read back by
-# cuBLAS while it may still sit in L2, instead of all of it through HBM (0, the default: whole; not yet measured
-# faster, docs/benchmarks.md#prefill)
-PIECE_BYTES = int(os.environ.get("DSQ_DEQUANT_PIECE_MB", "0") or 0) << 20
 
 
 @triton.jit
@@ -52,29 +44,11 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor
 
 
 def dequant_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None, piece_bytes: int | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) by writing W out in x's dtype (`dequantize`) and one cuBLAS GEMM: for
     many rows of x (prefill), where the GEMM's arithmetic outweighs writing W once. `out` (M, N)
-    may be given. piece_bytes (default PIECE_BYTES; 0: whole): W in pieces of rows about that
-    large, each written into one reused buffer and multiplied before the next."""
+    may be given."""
     x2 = x_rows(x, p)
-    step = _piece_rows(p, x.dtype, PIECE_BYTES if piece_bytes is None else piece_bytes)
-    if step >= p.N:
-        wt = dequantize(p, x.dtype).t()
-        y = torch.mm(x2, wt, out=out) if bias is None else torch.addmm(bias.to(x.dtype), x2, wt, out=out)
-        return y.reshape(*x.shape[:-1], p.N)
-    y = out if out is not None else torch.empty(x2.shape[0], p.N, dtype=x.dtype, device=x.device)
-    w = torch.empty(step, p.K, dtype=x.dtype, device=x.device)
-    for n0 in range(0, p.N, step):
-        n1 = min(p.N, n0 + step)
-        wt = dequantize(p.row_slice(n0, n1), x.dtype, out=w[:n1 - n0]).t()
-        y[:, n0:n1] = torch.mm(x2, wt) if bias is None else torch.addmm(bias[n0:n1].to(x.dtype), x2, wt)
+    wt = dequantize(p, x.dtype).t()
+    y = torch.mm(x2, wt, out=out) if bias is None else torch.addmm(bias.to(x.dtype), x2, wt, out=out)
     return y.reshape(*x.shape[:-1], p.N)
-
-
-def _piece_rows(p: Packed, dtype: torch.dtype, piece_bytes: int) -> int:
-    """Rows of W a piece of about piece_bytes holds in dtype: a multiple of 128 (FP8's row blocks,
-    and whole tiles of dequantize's); all of them when piece_bytes is 0."""
-    if not piece_bytes:
-        return p.N
-    return max(128, piece_bytes // (p.K * dtype.itemsize) // 128 * 128)
