@@ -12,8 +12,8 @@
 #                                        # peaks against the device's (benchmarks/load_vram.py), then the same with
 #                                        # expandable segments. ~2 min
 #   bash benchmarks/h200_moe.sh profile  # all-GPU V2-Lite decode: llama-bench, dsq bench with and without --compile,
-#                                        # the captured step's top kernels at 1 and 8 rows (benchmarks/serve_step.py).
-#                                        # ~4 min
+#                                        # the captured decode step's top GPU kernels (benchmarks/decode_profile.py),
+#                                        # then dsq serve's paged step at 1 and 8 rows (benchmarks/serve_step.py). ~5 min
 #   bash benchmarks/h200_moe.sh v3slice  # random V3-width slice (1 dense + 1 MoE layer of 256 experts,
 #                                        # ~7 GB): per-layer and per-part times with the experts in RAM
 #                                        # and on the GPU, and the full 61-layer projection
@@ -83,6 +83,9 @@ if [ "$PART" = profile ]; then  # where all-GPU V2-Lite decode's 6.3 ms go (llam
       --repeat 2 --threads "$THREADS" $c --json "$D/dsq_gpu$c.json" --force 2>&1 | grep -v -i warn |
       tee "$D/dsq_gpu$c.log" | grep -E "^\||native|compile|fail" | tail -6
   done
+  # the captured decode step's GPU kernels (dsq bench's path), then dsq serve's paged step (gathers its latent blocks)
+  timeout 200 python3 -m benchmarks.decode_profile "$GGUF" --gpu-layers all --experts gpu --steps 8 --rows 28 \
+    2>&1 | grep -v -i "warn\|USDT\|profiler" | cut -c1-200 | tail -40
   timeout 200 python3 -m benchmarks.serve_step "$GGUF" --rows 1,8 --ctx 64 --steps 8 --profile 1 \
     --json "$D/serve_step.json" > "$D/serve_step.log" 2>&1
   grep -v -i warn "$D/serve_step.log" | cut -c1-160 | head -60
