@@ -74,7 +74,7 @@ def _mixed(nm, R: int, ctx: int, prompts: list[int], dev) -> list[dict]:
     per, pp = -(-(ctx + 1) // bs), -(-(ctx + top) // bs)
     kv = PagedKV(nm.model, R * per + pp + 2, bs, ctx + top + bs)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(R)] + [list(range(R * per, R * per + pp))]
-    recs = []
+    recs, rows_kernel = [], triton_attn.ROWS
     print(f"\n| prompt rows (+{R} decode) | mixed, tiles ms | mixed, row by row ms | decode + chunk ms | "
           "tiles / separate |\n|---|---|---|---|---|")
     for P in prompts:
@@ -86,7 +86,7 @@ def _mixed(nm, R: int, ctx: int, prompts: list[int], dev) -> list[dict]:
             kv.graphs.clear()
             kv.capture([R + P], seqs=R + 1)
             rec[name] = round(_timed(lambda: kv.forward_rows(ids, starts, seq, tables, keep), dev, 5), 2)
-        triton_attn.ROWS = True
+        triton_attn.ROWS = rows_kernel
         kv.graphs.clear()
         kv.chunk_graphs.clear()
         kv.capture([R])

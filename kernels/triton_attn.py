@@ -94,7 +94,7 @@ def _attn_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, seq_ptr, acc_ptr, ml_pt
     if RT > 0:
         skip = _shared_tile(seq_ptr, (b // RT) * RT, B, RT)
         hi = tl.where(skip, 0, hi)
-        rm = tl.where(skip, 0, rm.to(tl.int32)) != 0
+        rm = tl.where(skip, 0, rm.to(tl.int32)) != 0  # (through int32: a bool where fails the interpreter's store)
     for t in range(0, hi, BS):
         offs = s0 + t + tl.arange(0, BS)
         ok = tl.load(m_ptr + b * s_mb + offs, mask=offs < end, other=0) != 0  # masked or past the end: not loaded

@@ -334,7 +334,8 @@ def test_a_prompt_one_token_short_is_decoded_once(builtin, monkeypatch, mixed):
     bs = 16
     words = ("The history of the Roman Empire runs from the founding of the city to the fall of the east, "
              "through republic, empire and the long decline that followed the reign of the last emperors").split()
-    text = next(t for t in (" ".join(words[:k]) for k in range(len(words))) if len(encode_prompt(builtin, t)) == 2 * bs + 1)
+    text = next(t for t in (" ".join(words[:k]) for k in range(len(words)))
+                if len(encode_prompt(builtin, t)) == 2 * bs + 1)
     prompt = encode_prompt(builtin, text)
     ref = generate(builtin, text, max_tokens=6, temperature=0).text
     texts, _, eng, reqs = _run_engine(builtin, [prompt, prompt], 6, kv_tokens=1024, max_seqs=1, block_size=bs,
@@ -371,20 +372,14 @@ def test_a_captured_step_dearer_than_a_larger_one_is_dropped(tmp_path, monkeypat
     kv = PagedKV(nm.model, 32, 4, 64)
     assert kv.capture([1, 2, 4, 6, 8, 12, 16], seqs=4) == [1, 2, 4, 6, 8, 12, 16]
     cost = {1: 1.0, 2: 1.1, 4: 1.5, 6: 2.5, 8: 2.0, 12: 3.0, 16: 2.9}
-    replayed = []
+    replayed = []  # the rows of each graph replayed
+    for rows, g in kv.graphs.items():
+        g.replay = lambda values, rows=rows, real=g.replay: (replayed.append(rows), real(values))[1]
 
-    def fake_timed(run, device):
-        before = {rows: g.replays for rows, g in seen.items()}
+    def fake_timed(run, device):  # the replayed graph's cost
         run()
-        rows = next(r for r, g in seen.items() if g.replays > before[r])
-        replayed.append(rows)
-        return cost[rows]
+        return cost[replayed[-1]]
 
-    seen = kv.graphs
-    for g in seen.values():
-        g.replays = 0
-        real = g.replay
-        g.replay = lambda values, g=g, real=real: (setattr(g, "replays", g.replays + 1), real(values))[1]
     monkeypatch.setattr(paged, "_timed", fake_timed)
     kept = kv.time_graphs(repeat=2)
     assert sorted(replayed) == sorted(list(cost) * 2)  # every step, twice, all rows padding

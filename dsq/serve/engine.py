@@ -9,10 +9,10 @@ Every step it
    (B = 1, as `dsq run` prefills). With captured steps of more rows than sequences (a GPU, a
    model without routed experts: mixed_sizes; DSQ_SERVE_MIXED=0 turns them off), every prompt
    token goes into step 4 instead, a row a token, up to prefill_chunk tokens a step: one pass
-   over the weights a step. With captured decode steps alone, a remainder of up to PACK_TOKENS tokens (a repeated
-   prompt past the prefix cache's blocks, a short prompt) goes so; with captured prompt chunks, a
-   chunk runs as the pieces whose replays the warm-up timed cheapest in all (PagedKV.plan_pieces:
-   300 tokens as 256 + 44 rather than padded to 512);
+   over the weights a step. With captured decode steps alone, a remainder of up to PACK_TOKENS
+   tokens (a repeated prompt past the prefix cache's blocks, a short prompt) goes so; with
+   captured prompt chunks, a chunk runs as the pieces whose replays the warm-up timed cheapest in
+   all (PagedKV.plan_pieces: 300 tokens as 256 + 44 rather than padded to 512);
 4. runs one decode step for every request past its prompt, together (B = rows), after giving
    each the block its next token needs; when the pool is empty the newest request is preempted
    (its blocks freed, its prompt and generated tokens recomputed when it is admitted again: its

@@ -358,10 +358,10 @@ class PagedKV:
         21.8: docs/benchmarks.md#dsq-serve). The largest always stays."""
         best = float("inf")
         for rows in sorted(self.graphs, reverse=True):
-            if rows in cost and cost[rows] >= best:
+            if cost[rows] >= best:
                 del self.graphs[rows]
             else:
-                best = min(best, cost.get(rows, best))
+                best = cost[rows]
 
     def plan_pieces(self, cost: dict[int, float]) -> None:
         """first_piece[L] for every chunk of L tokens up to the longest captured length: the first
