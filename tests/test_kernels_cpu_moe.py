@@ -63,9 +63,13 @@ def test_moe_experts_matches_reference(isa, qtypes, M):
     same = _per_expert(x, ids, w, g, u, d, qtypes, lib)
     scale = float(same.abs().max())
     assert float((y - same).abs().max()) <= 1e-5 * scale
-    ref = moe_experts_ref(x, ids, w, g, u, d, qtypes)
-    int8 = any(int8_x(isa, q, 1) for q in qtypes)  # x rounded to int8 per 32 values at M = 1 (avx2)
-    assert float((y - ref).abs().max()) <= (3e-2 if int8 else 1e-4) * float(ref.abs().max())
+    # Where a build rounds a projection's input to int8 per 32 values (avx2, an expert with one
+    # row), the reference rounds it the same way: then they agree to ~1e-6 of the output's largest.
+    # Rarely a value of h sits on a rounding tie and lands one int8 step (1/127 of its block's
+    # largest) apart, which moved the output by up to 2.2e-3 of its largest in 240 draws: 1e-2.
+    ref = moe_experts_ref(x, ids, w, g, u, d, qtypes, int8=lambda q, rows: int8_x(isa, q, rows))
+    int8 = any(int8_x(isa, q, 1) for q in qtypes)
+    assert float((y - ref).abs().max()) <= (1e-2 if int8 else 1e-4) * float(ref.abs().max())
 
 
 def test_moe_experts_threads_split_across_experts():
