@@ -143,6 +143,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y if y is not None else torch.rms_norm(x, weight.shape, weight, eps)
 
 
+# DSQ_GPU_ELEMENTWISE=0 keeps a GPU step's norms, ropes and activations as torch ops (the A/B of
+# docs/benchmarks.md#gpu-decode)
+GPU_ELEMENTWISE = os.environ.get("DSQ_GPU_ELEMENTWISE", "1") != "0"
+
+
+def _elementwise_gpu(*ts: torch.Tensor) -> bool:
+    """Whether an eager GPU step's small elementwise ops go to kernels/triton_elementwise.py:
+    CUDA tensors, outside torch.compile (inductor fuses the torch ops itself) and autograd."""
+    return (GPU_ELEMENTWISE and ts[0].device.type == "cuda" and not torch.compiler.is_compiling()
+            and not _reference() and _triton_ok()
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)))
+
+
+def rms_norm_gpu(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                 add: torch.Tensor | None = None):
+    """base.RMSNorm on a GPU as one launch (with `add`: (x + add, its norm)), or None: the
+    caller then runs torch."""
+    if not _elementwise_gpu(x, weight) or weight.device != x.device:
+        return None
+    from dsq.kernels import triton_elementwise
+
+    return triton_elementwise.rms_norm(x, weight, eps, offset, add)
+
+
+def rope_gpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
+    """base.apply_rope / apply_rope_interleaved on a GPU as one launch, or None."""
+    if not _elementwise_gpu(x) or cos.device != x.device:
+        return None
+    from dsq.kernels import triton_elementwise
+
+    return triton_elementwise.rope(x, cos, sin, interleaved)
+
+
+def act_mul(g: torch.Tensor, u: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(g) * u, silu or tanh-approximated gelu: one launch on a GPU, torch elsewhere."""
+    if _elementwise_gpu(g, u):
+        from dsq.kernels import triton_elementwise
+
+        y = triton_elementwise.act_mul(g, u, gelu)
+        if y is not None:
+            return y
+    return (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u
+
+
 def attn_decode_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                     scale: float) -> torch.Tensor | None:
     """The C decode attention (kernels/cpu.py attn_decode: q (B, 1, H, D) contiguous, k/v cache

@@ -148,6 +148,8 @@ def rope_tables(rope: dict, dim: int, length: int, device) -> tuple[torch.Tensor
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (B, T, H, D); cos/sin (B, T, 1, D) float32."""
+    if (y := dispatch.rope_gpu(x, cos, sin, interleaved=False)) is not None:
+        return y
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rot = torch.cat((-x2, x1), dim=-1)
@@ -159,6 +161,8 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     rope): x (..., D), cos/sin (..., D) as rope_tables lays them out. The result holds the
     rotated even elements, then the odd ones (transformers' DeepSeek-V3 order): queries and keys
     get the same order, so their dot products are those of the interleaved layout."""
+    if (y := dispatch.rope_gpu(x, cos, sin, interleaved=True)) is not None:
+        return y
     half = x.shape[-1] // 2
     xf = x.float()
     c, s = cos[..., :half], sin[..., :half]
@@ -245,11 +249,20 @@ class RMSNorm(nn.Module):
             # on the CPU torch.rms_norm computes x * rsqrt(mean(x^2) + eps) * w bit for bit as the
             # lines below do in float32, in one call (a decode step runs ~100 norms)
             return _cast(dispatch.rms_norm(x.float(), self.scale_weight(), self.eps), x.dtype)
+        if (y := dispatch.rms_norm_gpu(x, self.weight, self.eps, self.offset)) is not None:
+            return y
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:  # Gemma: scale in float32, then cast
             return (xf * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)  # Llama: cast, then scale
+
+    def add_norm(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + a, the norm of it): a residual sum and the next norm, one launch on a GPU."""
+        if x.dtype == a.dtype and (both := dispatch.rms_norm_gpu(x, self.weight, self.eps, self.offset, add=a)) is not None:
+            return both
+        x = x + a
+        return x, self(x)
 
 
 class Attention(nn.Module):
@@ -342,6 +355,17 @@ class Attention(nn.Module):
         return self.q_norm.scale_weight(), self.k_norm.scale_weight(), self.q_norm.eps
 
 
+def gelu_tanh(t: torch.Tensor) -> torch.Tensor:
+    return F.gelu(t, approximate="tanh")
+
+
+def act_mul(act, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """act(g) * u for an MLP's activation (F.silu or gelu_tanh): one launch on a GPU."""
+    if act is F.silu or act is gelu_tanh:
+        return dispatch.act_mul(g, u, gelu=act is gelu_tanh)
+    return act(g) * u
+
+
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
@@ -349,7 +373,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, f, bias=args.mlp_bias)
         self.up_proj = nn.Linear(h, f, bias=args.mlp_bias)
         self.down_proj = nn.Linear(f, h, bias=args.mlp_bias)
-        self.act = (lambda t: F.gelu(t, approximate="tanh")) if args.hidden_act == "gelu_tanh" else F.silu
+        self.act = gelu_tanh if args.hidden_act == "gelu_tanh" else F.silu
 
     def fuse(self) -> bool:
         """Replace gate/up by one projection when both are float, or quantized modules of one
@@ -374,8 +398,8 @@ class MLP(nn.Module):
     def forward(self, x):
         if "gate_up_proj" in self._modules:
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(self.act(g) * u)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(act_mul(self.act, g, u))
+        return self.down_proj(act_mul(self.act, self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -400,10 +424,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, mask, cache, slots, kv_len):
         a = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, slots, kv_len)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(a)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x, h = self.pre_feedforward_layernorm.add_norm(x, self.post_attention_layernorm(a))
+            return x + self.post_feedforward_layernorm(self.mlp(h))
+        x, h = self.post_attention_layernorm.add_norm(x, a)
+        return x + self.mlp(h)
 
 
 class Backbone(nn.Module):

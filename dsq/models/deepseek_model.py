@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsq.kernels import dispatch, packed
-from dsq.models.base import (MLP, DecoderLayer, KVCache, ModelArgs, RMSNorm, Transformer, apply_rope,
+from dsq.models.base import (MLP, DecoderLayer, KVCache, ModelArgs, RMSNorm, Transformer, act_mul, apply_rope,
                              apply_rope_interleaved)
 
 # transformers builds the q_a / kv_a latent norms with its RMSNorm default eps, not rms_norm_eps
@@ -321,7 +321,7 @@ class GPUStackedExperts(nn.Module):
         else:
             g = dispatch.packed_experts(x, self.weight("gate"), ids, E)
             u = dispatch.packed_experts(x, self.weight("up"), ids, E)
-        y = dispatch.packed_experts(self.act(g) * u, self.weight("down"), ids, E)  # (T * k, H)
+        y = dispatch.packed_experts(act_mul(self.act, g, u), self.weight("down"), ids, E)  # (T * k, H)
         return (y.view(T, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
 
     def _mlp(self, x: torch.Tensor, e: int) -> torch.Tensor:
@@ -329,7 +329,7 @@ class GPUStackedExperts(nn.Module):
             g, u = dispatch.packed_linear(x, self.expert("gate_up", e)).chunk(2, dim=-1)
         else:
             g, u = dispatch.packed_linear(x, self.expert("gate", e)), dispatch.packed_linear(x, self.expert("up", e))
-        return dispatch.packed_linear(self.act(g) * u, self.expert("down", e))
+        return dispatch.packed_linear(act_mul(self.act, g, u), self.expert("down", e))
 
 
 class _Pinned:

@@ -1,0 +1,178 @@
+"""One-launch Triton kernels for a GPU decode step's small elementwise work, which torch runs as
+several kernels each: an RMS norm is ~7 (cast, square, mean, add, rsqrt, multiply, cast), a rope
+~7, an activation times up 2. A decode step's tensors are a few thousand values, so each of those
+kernels costs its launch (~2-3 us inside a CUDA graph) and little else; one launch per op instead
+takes a Llama layer from ~40 kernels to ~15 (docs/benchmarks.md#gpu-decode).
+
+Each function computes what its torch twin in dsq/models/base.py computes, rounding where that
+rounds (to the input's dtype between steps), in float32 otherwise; they differ by float32
+summation order and exp's last bits, i.e. at most one step of a bf16 result now and then
+(tests/test_elementwise_triton.py). `rms_norm_ref`, `act_mul_ref` and `rope_ref` are the torch
+references. Runs under TRITON_INTERPRET=1 on the CPU (the CI tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# a row longer than this (hidden sizes are <= 8192 in the models we run) stays with torch: one
+# program holds a whole row in registers
+MAX_ROW = 16384
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """x (..., R1, N) with a unit last stride as (R0, R1, stride0, stride1): its rows as a
+    two-level grid (a q/k view out of a fused projection is strided per head and per token), or
+    None when its leading dims do not flatten to one stride."""
+    if x.stride(-1) != 1 or x.dim() < 2:
+        return None
+    try:
+        v = x.view(-1, x.shape[-2], x.shape[-1])
+    except RuntimeError:
+        return None
+    return v.shape[0], v.shape[1], v.stride(0), v.stride(1)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, R1, N, sx0, sx1, sa0, sa1, ss0, ss1, eps, offset,
+                     HAS_ADD: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    r0, r1 = r // R1, r % R1
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    x = tl.load(x_ptr + r0 * sx0 + r1 * sx1 + cols, mask=m, other=0.0)
+    if HAS_ADD:  # the residual sum, rounded to x's dtype as torch's add rounds it
+        x = (x.to(tl.float32) + tl.load(a_ptr + r0 * sa0 + r1 * sa1 + cols, mask=m, other=0.0).to(tl.float32)
+             ).to(x.dtype)
+        tl.store(s_ptr + r0 * ss0 + r1 * ss1 + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0)
+    if OFFSET:  # Gemma: scale by offset + weight in float32, then cast
+        y = xf * inv * (offset + w.to(tl.float32))
+    else:  # Llama: cast, then scale by the weight in the product's dtype
+        y = (xf * inv).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(y_ptr + r * N + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+             add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
+    """The RMS norm over x's last dim as base.RMSNorm computes it: with `offset` (Gemma)
+    x * rsqrt(mean(x^2) + eps) * (offset + weight) in float32, cast to x's dtype; without, that
+    product cast to x's dtype, then times weight (in their promoted dtype). With `add`, the norm of
+    s = x + add (rounded to x's dtype) and s itself: returns (s, norm). None when the shapes do
+    not fit one launch (the caller then runs torch)."""
+    N = x.shape[-1]
+    if N > MAX_ROW or weight.shape != (N,) or not weight.is_contiguous() or x.numel() == 0:
+        return None
+    rx = _rows(x)
+    ra = _rows(add) if add is not None else rx
+    if rx is None or ra is None or (add is not None and (add.shape != x.shape or add.dtype != x.dtype)):
+        return None
+    out_dtype = x.dtype if offset else torch.promote_types(x.dtype, weight.dtype)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    s = torch.empty_like(x, memory_format=torch.contiguous_format) if add is not None else y
+    rs = _rows(s) if add is not None else rx
+    R0, R1 = rx[0], rx[1]
+    _rms_norm_kernel[(R0 * R1,)](x, add if add is not None else x, weight, y, s, R1, N, rx[2], rx[3], ra[2], ra[3],
+                                 rs[2], rs[3], float(eps), float(offset), HAS_ADD=add is not None,
+                                 OFFSET=bool(offset), BLOCK=triton.next_power_of_2(N),
+                                 num_warps=4 if N <= 4096 else 8)
+    return (s, y) if add is not None else y
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """base.RMSNorm.forward's torch ops (its GPU path)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (xf * (offset + weight.float())).to(x.dtype)
+    return weight * xf.to(x.dtype)
+
+
+@triton.jit
+def _act_mul_kernel(g_ptr, u_ptr, y_ptr, R1, F, sg0, sg1, su0, su1, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    r0, r1 = r // R1, r % R1
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < F
+    g = tl.load(g_ptr + r0 * sg0 + r1 * sg1 + cols, mask=m, other=0.0)
+    u = tl.load(u_ptr + r0 * su0 + r1 * su1 + cols, mask=m, other=0.0)
+    gf = g.to(tl.float32)
+    if GELU:  # torch's tanh approximation: 0.5 x (1 + tanh(t)) = x / (1 + e^-2t), exact, and no cancellation
+        t = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
+        a = gf / (1.0 + tl.exp(-2.0 * t))
+    else:
+        a = gf / (1.0 + tl.exp(-gf))
+    a = a.to(g.dtype).to(tl.float32)  # torch rounds the activation to g's dtype before the product
+    tl.store(y_ptr + r * F + cols, (a * u.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def act_mul(g: torch.Tensor, u: torch.Tensor, gelu: bool = False) -> torch.Tensor | None:
+    """act(g) * u (silu, or gelu with the tanh approximation) as one launch: g, u (..., F) of one
+    dtype with unit last strides (the two halves of a fused gate/up projection are fine). None
+    when they do not fit (the caller then runs torch)."""
+    rg, ru = _rows(g), _rows(u)
+    if rg is None or ru is None or g.shape != u.shape or g.dtype != u.dtype or g.numel() == 0:
+        return None
+    F_ = g.shape[-1]
+    y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    BLOCK = min(1024, triton.next_power_of_2(F_))
+    _act_mul_kernel[(rg[0] * rg[1], triton.cdiv(F_, BLOCK))](g, u, y, rg[1], F_, rg[2], rg[3], ru[2], ru[3],
+                                                             GELU=gelu, BLOCK=BLOCK, num_warps=4)
+    return y
+
+
+def act_mul_ref(g: torch.Tensor, u: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    return (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u
+
+
+@triton.jit
+def _rope_kernel(x_ptr, c_ptr, s_ptr, y_ptr, H, sx0, sx1, sc0, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    r = tl.program_id(0)  # one (token, head) row; cos/sin rows are per token
+    t, h = r // H, r % H
+    i = tl.arange(0, HALF)
+    base = x_ptr + t * sx0 + h * sx1
+    if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...: the rotated even elements, then the odd ones
+        x1 = tl.load(base + 2 * i)
+        x2 = tl.load(base + 2 * i + 1)
+    else:  # halves
+        x1 = tl.load(base + i)
+        x2 = tl.load(base + HALF + i)
+    c1 = tl.load(c_ptr + t * sc0 + i)
+    s1 = tl.load(s_ptr + t * sc0 + i)
+    if INTERLEAVED:  # both halves turn by the first half's angles
+        c2, s2 = c1, s1
+    else:
+        c2 = tl.load(c_ptr + t * sc0 + HALF + i)
+        s2 = tl.load(s_ptr + t * sc0 + HALF + i)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    out = y_ptr + r * (2 * HALF)
+    tl.store(out + i, (f1 * c1 - f2 * s1).to(y_ptr.dtype.element_ty))
+    tl.store(out + HALF + i, (f2 * c2 + f1 * s2).to(y_ptr.dtype.element_ty))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor | None:
+    """base.apply_rope (halves) or apply_rope_interleaved (pairs) as one launch: x (B, T, H, D)
+    with unit last stride, cos / sin (B, T, 1, D) float32 with their rows contiguous (one row per
+    token). Returns a contiguous (B, T, H, D) in x's dtype, or None when the layouts do not fit."""
+    if x.dim() != 4 or cos.shape != (*x.shape[:2], 1, x.shape[-1]) or sin.shape != cos.shape:
+        return None
+    D = x.shape[-1]
+    if D % 2 or (D // 2) & (D // 2 - 1) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        return None
+    rx = _rows(x)
+    try:
+        c, s = cos.view(-1, D), sin.view(-1, D)
+    except RuntimeError:
+        return None
+    if rx is None or c.stride(1) != 1 or c.stride() != s.stride() or x.numel() == 0:
+        return None
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    H = x.shape[2]
+    _rope_kernel[(rx[0] * H,)](x, c, s, y, H, rx[2], rx[3], c.stride(0), HALF=D // 2, INTERLEAVED=interleaved,
+                               num_warps=1)
+    return y

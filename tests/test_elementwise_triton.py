@@ -1,0 +1,127 @@
+"""The one-launch GPU norm, rope and activation kernels (kernels/triton_elementwise.py) against
+the torch ops they replace, on fresh random inputs in the layouts a decode step hands over
+(strided views out of fused projections, the two halves of gate/up), float32 and bf16. Under
+TRITON_INTERPRET=1 without a GPU; with one, also a tiny model's logits with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interp import CUDA, DEV
+
+from dsq.kernels import triton_elementwise as te  # noqa: E402
+from dsq.models.base import apply_rope, apply_rope_interleaved  # noqa: E402
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-6, steps: torch.dtype | None = None) -> None:
+    """float32: equal within float32 rounding; bf16: within one bf16 step, and on a GPU only a few
+    values apart at all (summation order and exp's last bits can move a rounding). The
+    interpreter casts float32 to bf16 by truncation, not to nearest: there about half differ, by
+    up to two steps where two casts follow each other. `steps`: a float32 result of a value rounded
+    to bf16 on the way (held to bf16's tolerance)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    g, w = got.float().cpu(), want.float().cpu()
+    if want.dtype == torch.float32 and steps is None:
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=atol)
+        return
+    torch.testing.assert_close(g, w, rtol=2 ** -7 if CUDA else 2 ** -6, atol=atol)  # two truncations: two steps
+    if CUDA:
+        assert float((g != w).float().mean()) < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (2, 3, 96), (3, 40)])
+def test_rms_norm_equals_torch(dtype, offset, shape):
+    x = (torch.randn(shape) * 3).to(dtype)
+    w = (torch.randn(shape[-1]) * 0.5).to(dtype)
+    want = te.rms_norm_ref(x, w, 1e-6, offset)
+    _close(te.rms_norm(x.to(DEV), w.to(DEV), 1e-6, offset), want)
+    a = torch.randn(shape).to(dtype)
+    s, y = te.rms_norm(x.to(DEV), w.to(DEV), 1e-6, offset, add=a.to(DEV))
+    if CUDA:
+        assert torch.equal(s.cpu(), x + a)  # the residual sum rounds as torch's add does
+    _close(s, x + a)
+    _close(y, te.rms_norm_ref(s.cpu(), w, 1e-6, offset))  # the norm of the sum it wrote
+
+
+def test_rms_norm_of_strided_heads_and_a_float32_weight():
+    """q/k norms run over (B, T, H, D) views out of a fused q/k/v projection; a float32 weight on
+    bf16 x gives a float32 product, as torch's promotion does."""
+    qkv = torch.randn(2, 3, 8 * 32 + 2 * 2 * 32).bfloat16()
+    q = qkv[..., :256].view(2, 3, 8, 32)
+    w = torch.randn(32)
+    got = te.rms_norm(q.to(DEV), w.to(DEV), 1e-5)
+    assert got.dtype == torch.float32
+    _close(got, te.rms_norm_ref(q, w, 1e-5), steps=torch.bfloat16)
+
+
+def test_rms_norm_refuses_what_one_launch_cannot_hold():
+    assert te.rms_norm(torch.randn(1, te.MAX_ROW + 1), torch.ones(te.MAX_ROW + 1), 1e-6) is None
+    assert te.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-6) is None
+    x = torch.randn(2, 3, 4, 8).transpose(0, 1)  # leading dims that do not flatten to one stride
+    assert te.rms_norm(x, torch.ones(8), 1e-6) is None
+    x = torch.randn(4, 6, 8).transpose(0, 1)  # two levels of rows, each strided: one launch
+    _close(te.rms_norm(x.to(DEV), torch.ones(8, device=DEV), 1e-6), te.rms_norm_ref(x, torch.ones(8), 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_act_mul_equals_torch(dtype, gelu):
+    gu = (torch.randn(2, 1, 2 * 1500) * 4).to(dtype)  # F = 1500: two column blocks, the second partial
+    g, u = gu.chunk(2, dim=-1)
+    # atol: where torch's tanh rounds to -1, its gelu is 0 and ours the tiny x / (1 + e^-2t)
+    _close(te.act_mul(g.to(DEV), u.to(DEV), gelu), te.act_mul_ref(g, u, gelu), atol=1e-5)
+    g2, u2 = torch.randn(5, 64).to(dtype), torch.randn(5, 64).to(dtype)
+    _close(te.act_mul(g2.to(DEV), u2.to(DEV), gelu), te.act_mul_ref(g2, u2, gelu), atol=1e-5)
+
+
+def _tables(B, T, D, interleaved):
+    pos = torch.randint(0, 500, (B, T))
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    f = pos[..., None].float() * inv
+    emb = torch.cat((f, f), -1)
+    return emb.cos()[:, :, None] * 1.1, emb.sin()[:, :, None] * 1.1  # an attention factor, as YaRN's
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_equals_torch(dtype, interleaved):
+    B, T, H, Hk, D = 2, 3, 6, 2, 64
+    ref = apply_rope_interleaved if interleaved else apply_rope
+    cos, sin = _tables(B, T, D, interleaved)
+    qkv = torch.randn(B, T, (H + 2 * Hk) * D).to(dtype)
+    q = qkv[..., :H * D].view(B, T, H, D)  # strided per token, as split out of the fused projection
+    k = qkv[..., H * D:(H + Hk) * D].view(B, T, Hk, D)
+    for x in (q, k):
+        _close(te.rope(x.to(DEV), cos.to(DEV), sin.to(DEV), interleaved), ref(x, cos, sin))
+    # DeepSeek's shared rope key: (B, T) rows of one wide projection, one head
+    kv = torch.randn(B, T, 512 + 32).to(dtype)
+    kr = kv[..., 512:][:, :, None]
+    c2, s2 = _tables(B, T, 32, interleaved)
+    _close(te.rope(kr.to(DEV), c2.to(DEV), s2.to(DEV), interleaved), ref(kr, c2, s2))
+
+
+def test_rope_refuses_what_it_cannot_run():
+    cos, sin = _tables(1, 1, 24, False)
+    assert te.rope(torch.randn(1, 1, 2, 24), cos, sin) is None  # half a head (12) not a power of two
+    cos, sin = _tables(1, 2, 32, False)
+    assert te.rope(torch.randn(1, 1, 2, 32), cos, sin) is None  # tables for another shape
+    assert te.rope(torch.randn(1, 2, 2, 32), cos.double(), sin.double()) is None
+
+
+@pytest.mark.skipif(not CUDA, reason="the model sends only CUDA tensors to these kernels (run on the device)")
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "deepseek_v3"])
+def test_a_gpu_models_logits_with_and_without_them(kind, tiny_dir, monkeypatch):
+    """fp32 on the GPU, so that only float32 rounding separates the two."""
+    import numpy as np
+
+    from dsq.kernels import dispatch
+    from dsq.runtime.native import NativeModel
+
+    ids = [5, 17, 99, 250, 31, 7, 400, 12, 3, 77] * 3
+    m = NativeModel(tiny_dir(kind), "hf", n_ctx=64, gpu_layers=-1, dtype="fp32")
+    on = m.logits(ids)
+    monkeypatch.setattr(dispatch, "GPU_ELEMENTWISE", False)
+    off = m.logits(ids)
+    assert np.abs(on - off).max() < 1e-4 * np.abs(off).max()
