@@ -80,7 +80,7 @@ def _as_on_a_gpu():
     from dsq.runtime import native_loader
 
     saved = {k: getattr(dispatch, k) for k in ("use_triton", "_elementwise_gpu", "packed_linear", "packed_experts",
-                                                "attention", "attention_step")}
+                                                "attention", "attention_step", "mla_decode")}
     stack_on = native_loader.STACK_ON
     native_loader.STACK_ON = ("cuda", "cpu")  # routed experts stacked, as on a GPU
     plain_attention, plain_linear, plain_experts = dispatch.attention, dispatch.packed_linear, dispatch.packed_experts
@@ -106,7 +106,17 @@ def _as_on_a_gpu():
     dispatch.use_triton = lambda device: True
     dispatch._elementwise_gpu = lambda *ts: dispatch.GPU_ELEMENTWISE and not torch.is_grad_enabled()
     dispatch.packed_linear, dispatch.packed_experts = packed_linear, packed_experts
-    dispatch.attention, dispatch.attention_step = attention, lambda *a, **k: None
+    def mla_decode(q_lat, q_rope, c, mask, scale, table=None, lens=None):
+        if not triton_attn.mla_supported(q_lat, q_rope, c, mask):
+            return None
+        return triton_attn.mla_decode(q_lat, q_rope, c, mask, scale, table=table, lens=lens)
+
+    def attention_step(q, k, v, norms, cos, sin, k_cache, v_cache, slots, kv_len, mask, scale, softcap):
+        if q.shape[1] != 1 or mask is None or softcap:
+            return None
+        return dispatch._attention_step_gpu(q, k, v, norms, cos, sin, k_cache, v_cache, slots, kv_len, mask, scale)
+
+    dispatch.attention, dispatch.attention_step, dispatch.mla_decode = attention, attention_step, mla_decode
     try:
         yield
     finally:

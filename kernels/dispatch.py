@@ -224,6 +224,21 @@ def attn_decode_gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return triton_attn.attn_decode(q, k, v, mask, scale)
 
 
+def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, mask: torch.Tensor, scale: float,
+               table: torch.Tensor | None = None, lens: torch.Tensor | None = None) -> torch.Tensor | None:
+    """DeepSeek MLA's absorbed decode attention on a GPU (triton_attn.mla_decode: the latent rows
+    read in place, once for a program's heads), as (B, 1, H, R); None where it does not apply
+    (the caller then attends with `attention`)."""
+    if (q_lat.device.type != "cuda" or not TRITON_ATTN or _reference() or not _triton_ok()
+            or torch.compiler.is_compiling() or (torch.is_grad_enabled() and q_lat.requires_grad)):
+        return None
+    from dsq.kernels import triton_attn
+
+    if not triton_attn.mla_supported(q_lat, q_rope, c, mask):
+        return None
+    return triton_attn.mla_decode(q_lat, q_rope, c, mask, scale, table=table, lens=lens)
+
+
 def attn_step_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                   k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, S: int,
@@ -255,19 +270,36 @@ def attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms, cos
                    mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor | None:
     """A decode step's q/k norm, rope, KV cache write and attention as one call where one
     implementation does all four: the C kernels in an eager CPU decode step without a softcap and
-    with a mask (attn_step_cpu). q (B, 1, H, D), k/v (B, 1, Hk, D) before norm and rope, k_cache /
+    with a mask (attn_step_cpu); on a GPU, outside torch.compile, for layers without q/k norms,
+    the rope and the cache write in one launch, then the Triton attention (_attention_step_gpu). q (B, 1, H, D), k/v (B, 1, Hk, D) before norm and rope, k_cache /
     v_cache the layer's whole cache (B, Hk, S, D), written at `slots`; attention over its first
     kv_len slots (all when None). norms(): (q weight, k weight, eps), (None, None, 0.0) without
     q/k norms, or None when they cannot be fused. Returns (B, 1, H * D), or None: the caller
     then runs the four itself and calls `attention`."""
-    if (q.shape[1] != 1 or mask is None or softcap or not q.is_cpu or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()):
+    if q.shape[1] != 1 or mask is None or softcap or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
+    if not q.is_cpu:
+        return _attention_step_gpu(q, k, v, norms, cos, sin, k_cache, v_cache, slots, kv_len, mask, scale)
     n = norms()
     if n is None:
         return None
     S = kv_len if kv_len is not None else k_cache.shape[2]
     return attn_step_cpu(q, k, v, *n, cos, sin, k_cache, v_cache, slots, S, mask, scale)
+
+
+def _attention_step_gpu(q, k, v, norms, cos, sin, k_cache, v_cache, slots, kv_len, mask, scale):
+    """attention_step on a GPU for layers without q/k norms: the rope of q and k and the cache
+    write as one launch (triton_elementwise.rope_write), then `attention` over the cache."""
+    n = norms()
+    if n is None or n[0] is not None or n[1] is not None or not _elementwise_gpu(q):
+        return None
+    from dsq.kernels import triton_elementwise
+
+    qr = triton_elementwise.rope_write(q, k, v, cos, sin, k_cache, v_cache, slots)
+    if qr is None:
+        return None
+    S = kv_len if kv_len is not None else k_cache.shape[2]
+    return attention(qr, k_cache[:, :, :S], v_cache[:, :, :S], mask, scale)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

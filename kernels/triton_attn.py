@@ -27,13 +27,24 @@ from dsq.kernels.triton_common import INTERPRET, sm_count
 
 
 @triton.jit
+def _scores(q, k, F32: tl.constexpr):
+    """q (L, D) against k (BS, D): (L, BS) in float32."""
+    if F32:
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    return tl.dot(q, tl.trans(k.to(q.dtype)))  # fp32 accumulation
+
+
+@triton.jit
 def _online(q, k, v, ok, m_i, l_i, acc, scale, F32: tl.constexpr):
     """One tile of slots into the running softmax: q (L, D) lines against k, v (BS, D), ok (L or
     1, BS) the slots each line may see; returns the new max m (L,), sum l (L,) and acc (L, D)."""
-    if F32:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # (L, BS), fp32 accumulation
+    return _online_s(_scores(q, k, F32), v, ok, m_i, l_i, acc, scale, q.dtype, F32)
+
+
+@triton.jit
+def _online_s(s, v, ok, m_i, l_i, acc, scale, dt: tl.constexpr, F32: tl.constexpr):
+    """_online from the tile's scores s (L, BS) (before scaling); dt: the dtype p and v meet in
+    on the tensor cores (without F32)."""
     s = tl.where(ok, s * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a line with nothing seen yet: no NaN
@@ -43,7 +54,7 @@ def _online(q, k, v, ok, m_i, l_i, acc, scale, F32: tl.constexpr):
     if F32:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(dt), v.to(dt))
     return m_new, l_i, acc
 
 
@@ -240,6 +251,118 @@ def paged_attn_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     assert lens is None or (lens.shape == (B,) and lens.is_contiguous())
     assert seq is None or (lens is not None and seq.shape == (B,) and seq.is_contiguous())
     return _decode(q, k_pool, v_pool, table, mask, scale, nsplit, block, paged=True, lens=lens, seq=seq)
+
+
+@triton.jit
+def _mla_part(ql_ptr, qr_ptr, c_ptr, t_ptr, m_ptr, l_ptr, acc_ptr, ml_ptr, S, G, scale,
+              s_lb, s_lh, s_rb, s_rh, s_cn, s_cs, s_tb, s_mb, BLK, SPLIT,
+              HG: tl.constexpr, HP: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BS: tl.constexpr,
+              F32: tl.constexpr, PAGED: tl.constexpr, LENS: tl.constexpr):
+    """MLA's absorbed decode attention, program (b * G + g, split): query heads g * HG .. + HG of
+    sequence b, their latent part ql (HG, R) and rope part qr (HG, P), against latent rows
+    [c (R) | k_rope (P)] of cache slots split * SPLIT .. + SPLIT: scores ql c + qr k_rope, values
+    c. Writes _attn_part's partial results (acc (HG, R), m, l), heads grouped by G as its KV heads.
+    Slots, PAGED and LENS as in _attn_part."""
+    bg = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = bg // G
+    g = bg % G
+    h = tl.arange(0, HP)
+    hm = h < HG
+    r = tl.arange(0, R)
+    pr = tl.arange(0, P)
+    ql = tl.load(ql_ptr + b * s_lb + (g * HG + h)[:, None] * s_lh + r[None, :], mask=hm[:, None], other=0)
+    qr = tl.load(qr_ptr + b * s_rb + (g * HG + h)[:, None] * s_rh + pr[None, :], mask=hm[:, None], other=0)
+    m_i = tl.full((HP,), float("-inf"), tl.float32)
+    l_i = tl.zeros((HP,), tl.float32)
+    acc = tl.zeros((HP, R), tl.float32)
+    s0 = sp * SPLIT
+    hi = SPLIT
+    end = S
+    if LENS:
+        end = tl.minimum(S, tl.load(l_ptr + b).to(tl.int32))
+        hi = tl.minimum(SPLIT, end - s0)
+    for t in range(0, hi, BS):
+        offs = s0 + t + tl.arange(0, BS)
+        ok = tl.load(m_ptr + b * s_mb + offs, mask=offs < end, other=0) != 0
+        if PAGED:
+            blk = tl.load(t_ptr + b * s_tb + offs // BLK, mask=ok, other=0).to(tl.int64)
+            row = blk * s_cn + (offs % BLK) * s_cs
+        else:
+            row = b * s_cn + offs * s_cs
+        c = tl.load(c_ptr + row[:, None] + r[None, :], mask=ok[:, None], other=0)  # (BS, R): keys and values
+        kr = tl.load(c_ptr + row[:, None] + R + pr[None, :], mask=ok[:, None], other=0)  # (BS, P)
+        sc = _scores(ql, c, F32) + _scores(qr, kr, F32)
+        m_i, l_i, acc = _online_s(sc, c, ok[None, :], m_i, l_i, acc, scale, ql.dtype, F32)
+    out = (bg * tl.num_programs(1) + sp) * HG + h
+    tl.store(acc_ptr + out[:, None] * R + r[None, :], acc, mask=hm[:, None])
+    tl.store(ml_ptr + out * 2, m_i, mask=hm)
+    tl.store(ml_ptr + out * 2 + 1, l_i, mask=hm)
+
+
+# MLA query heads a program takes (tl.dot's smallest M): V3's 128 heads are 8 programs a sequence,
+# each reading the latent rows (from L2 after the first) and holding a (16, 512) float32 result
+MLA_HEADS = 16
+
+
+def mla_supported(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, mask: torch.Tensor) -> bool:
+    """q_lat (B, 1, H, R) and q_rope (B, 1, H, P), R and P powers of two from 16, unit last
+    strides; c (B or blocks, 1, S or block, R + P) with a unit last stride; mask (B, 1, 1, S) bool."""
+    B, T, H, R = q_lat.shape
+    P = q_rope.shape[-1]
+    return (T == 1 and q_rope.shape[:3] == (B, 1, H) and c.dim() == 4 and c.shape[1] == 1 and c.shape[-1] == R + P
+            and all(16 <= n <= 1024 and n & (n - 1) == 0 for n in (R, P)) and q_lat.stride(-1) == 1
+            and q_rope.stride(-1) == 1 and c.stride(-1) == 1 and mask.dtype == torch.bool and mask.dim() == 4
+            and mask.shape[:3] == (B, 1, 1) and mask.stride(-1) == 1 and q_lat.dtype == q_rope.dtype
+            and q_lat.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
+def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, mask: torch.Tensor, scale: float,
+               table: torch.Tensor | None = None, lens: torch.Tensor | None = None, nsplit: int | None = None,
+               block: int = 32) -> torch.Tensor:
+    """DeepSeek MLA's absorbed decode attention over its latent cache, for one query token a
+    sequence: softmax((q_lat c^T + q_rope k_rope^T) scale, masked) c, where each cached row is
+    [c (R) | k_rope (P)]. q_lat (B, 1, H, R), q_rope (B, 1, H, P); c (B, 1, S, R + P), or with
+    `table` (B, n) a paged pool (NB, 1, BLK, R + P) read through it (as paged_attn_decode, `lens`
+    optional); mask (B, 1, 1, S) bool. Returns o_lat (B, 1, H, R) in q_lat's dtype (rows with
+    nothing to attend 0). The latent rows are read once for all heads of a program."""
+    B, _, H, R = q_lat.shape
+    P = q_rope.shape[-1]
+    S = mask.shape[-1]
+    hg = min(MLA_HEADS, triton.next_power_of_2(H))
+    if H % hg:
+        hg = H  # (a head count that is no multiple of 16: one group, padded)
+    G = H // hg
+    tiles = triton.cdiv(S, block)
+    if nsplit is None:
+        nsplit = max(1, min(tiles, triton.cdiv(2 * sm_count(q_lat.device), B * G)))
+    split = triton.cdiv(tiles, nsplit) * block
+    nsplit = triton.cdiv(S, split)
+    acc = torch.empty(B * G * nsplit * hg, R, dtype=torch.float32, device=q_lat.device)
+    ml = torch.empty(B * G * nsplit * hg, 2, dtype=torch.float32, device=q_lat.device)
+    f32 = q_lat.dtype == torch.float32 or INTERPRET
+    paged = table is not None
+    t, s_tb, blk = (table, table.stride(0), c.shape[2]) if paged else (mask, 0, 1)
+    _mla_part[(B * G, nsplit)](q_lat, q_rope, c, t, mask, lens if lens is not None else mask, acc, ml, S, G, scale,
+                               q_lat.stride(0), q_lat.stride(2), q_rope.stride(0), q_rope.stride(2), c.stride(0),
+                               c.stride(2), s_tb, mask.stride(0), blk, split, HG=hg, HP=max(16, triton.next_power_of_2(hg)), R=R, P=P,
+                               BS=block, F32=f32, PAGED=paged, LENS=lens is not None, num_warps=8)
+    o = torch.empty(B, 1, H, R, dtype=q_lat.dtype, device=q_lat.device)
+    _attn_combine[(B * H,)](acc, ml, o, H, o.stride(0), o.stride(2), nsplit, REP=hg, D=R,
+                            NSP=triton.next_power_of_2(nsplit), num_warps=4)
+    return o
+
+
+def mla_decode_ref(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """mla_decode's oracle over a contiguous cache c (B, 1, S, R + P), in float64: (B, 1, H, R)."""
+    R = q_lat.shape[-1]
+    k = c[:, 0].double()  # (B, S, R + P)
+    q = torch.cat((q_lat, q_rope), -1)[:, 0].double()  # (B, H, R + P)
+    s = (q @ k.transpose(-1, -2)) * scale  # (B, H, S)
+    s = s.masked_fill(~mask[:, 0], float("-inf"))
+    p = torch.nan_to_num(s.softmax(-1), nan=0.0)
+    return (p @ k[..., :R])[:, None]
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:

@@ -176,3 +176,68 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     _rope_kernel[(rx[0] * H,)](x, c, s, y, H, rx[2], rx[3], c.stride(0), HALF=D // 2, INTERLEAVED=interleaved,
                                num_warps=1)
     return y
+
+
+@triton.jit
+def _rope_halves(x_ptr, c_ptr, s_ptr, i, HALF: tl.constexpr):
+    """One head's rope (halves): x (2 HALF) at x_ptr, cos / sin rows at c_ptr / s_ptr; the two
+    rotated halves in float32."""
+    x1 = tl.load(x_ptr + i).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
+    c1 = tl.load(c_ptr + i)
+    s1 = tl.load(s_ptr + i)
+    c2 = tl.load(c_ptr + HALF + i)
+    s2 = tl.load(s_ptr + HALF + i)
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
+def _rope_write_kernel(q_ptr, k_ptr, v_ptr, c_ptr, s_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, H, HK,
+                       sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sc_b, skc_b, skc_h, skc_s, svc_b, svc_h, svc_s,
+                       HALF: tl.constexpr):
+    b = tl.program_id(0)
+    j = tl.program_id(1)  # q heads, then k heads, then v heads
+    i = tl.arange(0, HALF)
+    c_row, s_row = c_ptr + b * sc_b, s_ptr + b * sc_b
+    slot = tl.load(slot_ptr)
+    if j < H:
+        y1, y2 = _rope_halves(q_ptr + b * sq_b + j * sq_h, c_row, s_row, i, HALF)
+        out = qo_ptr + (b * H + j) * (2 * HALF)
+        tl.store(out + i, y1.to(qo_ptr.dtype.element_ty))
+        tl.store(out + HALF + i, y2.to(qo_ptr.dtype.element_ty))
+    elif j < H + HK:
+        hk = j - H
+        y1, y2 = _rope_halves(k_ptr + b * sk_b + hk * sk_h, c_row, s_row, i, HALF)
+        out = kc_ptr + b * skc_b + hk * skc_h + slot * skc_s
+        tl.store(out + i, y1.to(kc_ptr.dtype.element_ty))
+        tl.store(out + HALF + i, y2.to(kc_ptr.dtype.element_ty))
+    else:
+        hk = j - H - HK
+        d = tl.arange(0, 2 * HALF)
+        tl.store(vc_ptr + b * svc_b + hk * svc_h + slot * svc_s + d, tl.load(v_ptr + b * sv_b + hk * sv_h + d))
+
+
+def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+    """A decode step's rope of q and k (halves) and its KV cache write, as one launch: q (B, 1, H,
+    D), k / v (B, 1, Hk, D) with unit last strides (views out of a fused projection are fine),
+    cos / sin (B, 1, 1, D) float32; k rotated and v written into k_cache / v_cache (B, Hk, S, D),
+    of q's dtype, at slots[0] (the one slot every row writes, as KVCache.update writes it).
+    Returns the rotated q (B, 1, H, D), or None when the shapes do not fit."""
+    B, T, H, D = q.shape
+    Hk = k.shape[2]
+    if (T != 1 or k.shape != (B, 1, Hk, D) or v.shape != k.shape or D % 2 or (D // 2) & (D // 2 - 1)
+            or cos.shape != (B, 1, 1, D) or sin.shape != cos.shape or cos.dtype != torch.float32
+            or sin.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
+            or k_cache.dim() != 4 or k_cache.shape[:2] != (B, Hk) or k_cache.shape[-1] != D
+            or v_cache.shape != k_cache.shape or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
+            or k.dtype != q.dtype or v.dtype != q.dtype or slots.numel() < 1
+            or any(t.stride(-1) != 1 for t in (q, k, v, k_cache, v_cache))):
+        return None
+    qo = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device)
+    _rope_write_kernel[(B, H + 2 * Hk)](q, k, v, cos, sin, qo, k_cache, v_cache, slots, H, Hk, q.stride(0),
+                                        q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
+                                        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), HALF=D // 2,
+                                        num_warps=1)
+    return qo

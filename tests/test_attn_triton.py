@@ -211,3 +211,59 @@ def test_paged_rows_of_one_sequence_read_the_cache_together(H, HK, D, lines, dty
         assert got.shape == (B, 1, H * D) and got.dtype == dtype
         err = (got.double().cpu() - want).norm(dim=-1) / want.norm(dim=-1)
         assert float(err.max()) < tol, (kw.keys(), err)
+
+
+def _mla_case(B, H, S, R, P, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(B, 1, H, R + P + 8, generator=g).to(dtype)  # q_lat and q_rope as views of one tensor
+    c = torch.randn(B, 1, S, R + P, generator=g).to(dtype)
+    mask = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+    mask[0, ..., : S - 3] = True
+    if B > 1:
+        mask[1, ..., 2: S // 2] = True
+        mask[1, ..., 9:12] = False
+    return wide[..., :R], wide[..., R:R + P], c, mask
+
+
+@pytest.mark.parametrize("H", [4, 16, 32, 20])  # one padded group, one group, two groups, a count no multiple of 16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_equals_its_reference(H, dtype):
+    B, S, R, P = 2, 70, 64, 32
+    ql, qr, c, mask = _mla_case(B, H, S, R, P, dtype, seed=H)
+    assert ta.mla_supported(ql, qr, c, mask)
+    want = ta.mla_decode_ref(ql, qr, c, mask, 0.1)
+    got = ta.mla_decode(ql.to(DEV), qr.to(DEV), c.to(DEV), mask.to(DEV), 0.1, nsplit=3, block=16)
+    assert got.shape == (B, 1, H, R) and got.dtype == dtype
+    err = float((got.double().cpu() - want).norm() / want.norm())
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+
+
+def test_mla_decode_over_paged_blocks():
+    """The latent rows in a pool of blocks, each sequence's through its row of a block table (in
+    no particular order), lens cutting the walk short; a row with nothing to attend is 0."""
+    B, H, S, R, P, BLK = 3, 16, 40, 32, 16, 8
+    ql, qr, c, _ = _mla_case(B, H, S, R, P, torch.float32, seed=7)
+    nb = S // BLK
+    perm = torch.randperm(B * nb + 2)[:B * nb]
+    pool = torch.randn(B * nb + 2, 1, BLK, R + P)
+    table = perm.view(B, nb)
+    for b in range(B):
+        for j in range(nb):
+            pool[table[b, j], 0] = c[b, 0, j * BLK:(j + 1) * BLK]
+    lens = torch.tensor([S, 23, 5])
+    mask = torch.arange(S)[None, :] < lens[:, None]
+    mask[2] = False
+    mask = mask[:, None, None]
+    want = ta.mla_decode_ref(ql, qr, c, mask, 0.2)
+    got = ta.mla_decode(ql.to(DEV), qr.to(DEV), pool.to(DEV), mask.to(DEV), 0.2, table=table.to(DEV),
+                        lens=lens.to(DEV), nsplit=2, block=8).cpu()
+    assert float(got[2].abs().max()) == 0.0
+    assert float((got.double() - want).norm() / want.norm()) < 1e-5
+
+
+def test_mla_decode_refuses_what_it_cannot_run():
+    ql, qr, c, mask = _mla_case(1, 4, 16, 48, 16, torch.float32, seed=0)  # R = 48: no power of two
+    assert not ta.mla_supported(ql, qr, c, mask)
+    ql, qr, c, mask = _mla_case(1, 4, 16, 32, 16, torch.float32, seed=0)
+    assert not ta.mla_supported(ql, qr, c[..., :-1], mask)  # rows of another width
+    assert not ta.mla_supported(ql, qr, c, mask.float())

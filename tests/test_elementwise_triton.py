@@ -125,3 +125,67 @@ def test_a_gpu_models_logits_with_and_without_them(kind, tiny_dir, monkeypatch):
     monkeypatch.setattr(dispatch, "GPU_ELEMENTWISE", False)
     off = m.logits(ids)
     assert np.abs(on - off).max() < 1e-4 * np.abs(off).max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_equals_rope_then_the_cache_write(dtype):
+    """q and k rotated, k and v written at the step's slot of every row's cache, the rest of the
+    cache untouched: as apply_rope and KVCache.update do it, from views of one fused projection."""
+    B, H, Hk, D, S, slot = 2, 6, 2, 32, 12, 7
+    qkv = torch.randn(B, 1, (H + 2 * Hk) * D).to(dtype)
+    q, k, v = qkv.split((H * D, Hk * D, Hk * D), -1)
+    q, k, v = q.view(B, 1, H, D), k.view(B, 1, Hk, D), v.view(B, 1, Hk, D)
+    cos, sin = _tables(B, 1, D, False)
+    kc, vc = torch.randn(B, Hk, S, D).to(dtype), torch.randn(B, Hk, S, D).to(dtype)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k[:, :, slot] = apply_rope(k, cos, sin)[:, 0]
+    want_v[:, :, slot] = v[:, 0]
+    kd, vd = kc.to(DEV), vc.to(DEV)
+    got = te.rope_write(q.to(DEV), k.to(DEV), v.to(DEV), cos.to(DEV), sin.to(DEV), kd, vd,
+                        torch.tensor([slot], device=DEV))
+    _close(got, apply_rope(q, cos, sin))
+    _close(kd, want_k)
+    assert torch.equal(vd.cpu(), want_v)
+    assert te.rope_write(q[:, :, :, :24], k[..., :24], v[..., :24], cos[..., :24], sin[..., :24], kc[..., :24],
+                         vc[..., :24], torch.tensor([slot])) is None  # half a head (12) no power of two
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_decode_steps_through_the_gpu_step_on_the_cpu(kind, tiny_dir, monkeypatch):
+    """The GPU's decode step (one-launch norms, activations, rope with the cache write, the Triton
+    attention), run here under the interpreter in place of the torch ops: the same logits."""
+    from dsq.kernels import dispatch
+    from dsq.kernels import triton_attn as ta
+    from dsq.runtime.native import NativeModel
+
+    m = NativeModel(tiny_dir(kind), "hf", n_ctx=32, dtype="bf16", cuda_graph=False).model
+    ids = torch.randint(0, m.args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        cache = m.make_cache(2, 32, torch.bfloat16)
+        pad = torch.tensor([0, 3])
+        with torch.inference_mode():
+            out = [m(ids[:, :8], torch.arange(8), cache, pad, kv_len=8, last_only=True)]
+            out += [m(ids[:, t:t + 1], torch.tensor([t]), cache, pad, kv_len=t + 1) for t in range(8, 12)]
+        return torch.cat(out, 1).float()
+
+    want = run()
+    steps = []
+    attention = dispatch.attention
+
+    def step(q, k, v, norms, cos, sin, kc, vc, slots, kv_len, mask, scale, softcap):
+        o = dispatch._attention_step_gpu(q, k, v, norms, cos, sin, kc, vc, slots, kv_len, mask, scale)
+        steps.append(o is not None)  # the prefill's 8 tokens are not its to take
+        return o
+
+    def attend(q, k, v, mask, scale, softcap=None):
+        if q.shape[1] == 1 and mask is not None and ta.supported(q.transpose(1, 2), k, v, mask):
+            return ta.attn_decode(q.transpose(1, 2), k, v, mask, scale)
+        return attention(q, k, v, mask, scale, softcap)
+
+    monkeypatch.setattr(dispatch, "_elementwise_gpu", lambda *ts: True)
+    monkeypatch.setattr(dispatch, "attention_step", step)
+    monkeypatch.setattr(dispatch, "attention", attend)
+    got = run()
+    assert sum(steps) == 4 * m.args.num_hidden_layers
+    assert float((got - want).abs().max()) <= 3e-2 * float(want.abs().max())  # bf16, and the interpreter's truncation

@@ -112,6 +112,12 @@ class MLAttention(nn.Module):
         q_rope = self.rotate(q_rope, cos, sin)
         k_rope = self.rotate(k_rope[:, :, None], cos, sin)[:, :, 0]
         latent = torch.cat((self.kv_a_layernorm(c), k_rope), dim=-1)[:, None]  # (B, 1, T, rank + rope)
+        if T == 1 and self.absorb is not False and getattr(cache, "attends_latent", None) is not None \
+                and cache.attends_latent(self.layer, x.dtype):  # dsq serve's blocks, read in place
+            o = self._absorbed(q_nope, q_rope, None, mask, lambda ql, qr: cache.attend_latent(
+                self.layer, latent, ql, qr, mask, self.scale))
+            if o is not None:
+                return self.o_proj(o)
         kc, _ = cache.update(self.layer, latent, latent[..., :0], slots)
         if kv_len is not None:
             kc = kc[:, :, :kv_len]
@@ -146,14 +152,22 @@ class MLAttention(nn.Module):
         k = torch.cat((k_nope, kc[:, :, :, self.rank:].expand(B, self.n_head, S, self.rope)), dim=-1)
         return dispatch.attention(torch.cat((q_nope, q_rope), dim=-1), k, v, mask, self.scale)
 
-    def _absorbed(self, q_nope, q_rope, kc, mask) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_rope, kc, mask, attend=None) -> torch.Tensor | None:
+        """Attention at the latent width: W_UK folded into the queries, W_UV into the output.
+        One token on a GPU: the MLA decode kernel over kc, or `attend(q_lat, q_rope)` (a paged
+        cache's own, None when it cannot: then so is this)."""
         B, T = q_nope.shape[:2]
         w_uk, w_uv = self.absorb_weights(q_nope.dtype, q_nope.device)
         if self.tap is not None:
             self.tap("attn_k_b", q_nope)
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
-        o = dispatch.attention(torch.cat((q_lat, q_rope), dim=-1).contiguous(), kc, kc, mask, self.scale)
-        o_lat = o.view(B, T, self.n_head, self.rank + self.rope)[..., :self.rank]
+        if attend is not None:
+            o_lat = attend(q_lat, q_rope)
+            if o_lat is None:
+                return None
+        elif T != 1 or (o_lat := dispatch.mla_decode(q_lat, q_rope, kc, mask, self.scale)) is None:
+            o = dispatch.attention(torch.cat((q_lat, q_rope), dim=-1).contiguous(), kc, kc, mask, self.scale)
+            o_lat = o.view(B, T, self.n_head, self.rank + self.rope)[..., :self.rank]
         if self.tap is not None:
             self.tap("attn_v_b", o_lat)
         return torch.einsum("bthr,hvr->bthv", o_lat, w_uv).reshape(B, T, self.n_head * self.v_dim)

@@ -161,6 +161,21 @@ class _StepCache:
         return triton_attn.paged_attn_decode(q.transpose(1, 2), kp, vp, self.gather, mask, scale, lens=self.lens,
                                              seq=self.seq)
 
+    def attends_latent(self, layer: int, dtype: torch.dtype) -> bool:
+        """Whether attend_latent can run for MLA queries of `dtype` (the Triton paged kernels on)."""
+        return self.kv.paged_kernel and self.kv.k[layer].dtype == dtype
+
+    def attend_latent(self, layer: int, latent: torch.Tensor, q_lat: torch.Tensor, q_rope: torch.Tensor,
+                      mask: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """MLA's absorbed decode attention straight over the latent blocks (no gathered copy of the
+        step's span), after writing latent (B, 1, 1, R + P): (B, 1, H, R), or None where the
+        kernel does not take these shapes (the layer then calls update)."""
+        kp = self.kv.k[layer]
+        bs = kp.shape[2]
+        blk, off = self.write_at // bs, self.write_at % bs
+        kp[blk, :, off] = latent.permute(0, 2, 1, 3).reshape(-1, 1, latent.shape[-1])
+        return dispatch.mla_decode(q_lat, q_rope, kp, mask, scale, table=self.gather, lens=self.lens)
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots):
         """k, v (B, Hk, T, D): written at the step's flat slots; returns (B, Hk, S, D) gathered
         (values of width 0, MLA's: nothing stored, an empty (B, Hv, S, 0) back)."""
