@@ -35,7 +35,7 @@ llama_bins || exit 1  # llama-bench, and the library dsq's GGUF tokenizer loads
 if [ "$PART" = tests ]; then
   timeout 400 python3 -m pytest -q --timeout 150 --tb=short -rfEs -p no:cacheprovider tests/test_deepseek_experts_cpu.py tests/test_deepseek.py -k "cuda or stand_in" \
     2>&1 | tail -15
-  timeout 300 python3 -m pytest -q --timeout 150 --tb=short -rfEs -p no:cacheprovider tests/test_deepseek_experts_gpu.py tests/test_kernels_triton_experts.py \
+  timeout 300 python3 -m pytest -q --timeout 150 --tb=short -rfEs -p no:cacheprovider tests/test_deepseek_experts_gpu.py tests/test_kernels_triton_experts.py tests/test_elementwise_triton.py tests/test_serve_deepseek.py \
     2>&1 | tail -15
   exit 0
 fi

@@ -46,7 +46,7 @@ if [ "$PART" = fused ]; then  # (llama.cpp: the GGUF tokenizer)
   exit 0
 fi
 if [ "$PART" = tests ]; then
-  timeout 300 python3 -m pytest -q --timeout 150 --tb=short -rfE -p no:cacheprovider tests/test_native_cuda.py ${TESTS:+-k "$TESTS"} 2>&1 | tail -15
+  timeout 300 python3 -m pytest -q --timeout 150 --tb=short -rfE -p no:cacheprovider tests/test_native_cuda.py tests/test_elementwise_triton.py tests/test_attn_triton.py ${TESTS:+-k "$TESTS"} 2>&1 | tail -15
   exit 0
 fi
 GGUF=${GGUF:-/tmp/r8b.gguf}

@@ -17,6 +17,7 @@ quantized modules call these functions, never a kernel directly.
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -148,6 +149,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 GPU_ELEMENTWISE = os.environ.get("DSQ_GPU_ELEMENTWISE", "1") != "0"
 
 
+# kernel families turned off in this process because their first build or launch failed: family -> the error
+FAILED: dict[str, str] = {}
+
+
+def _guarded(family: str, fn, *args):
+    """fn(*args), or None once `family`'s kernels have failed here: a Triton build that fails on
+    some GPU or Triton version turns that family off with a warning, and the torch ops run
+    instead of the process ending. While a CUDA graph is being captured the error propagates."""
+    if family in FAILED:
+        return None
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - any failure of an optional kernel: keep torch's ops
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise
+        FAILED[family] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        warnings.warn(f"dsq: the {family} GPU kernels failed here ({FAILED[family]}); running torch's ops "
+                      "instead (please report it)", RuntimeWarning, stacklevel=2)
+        return None
+
+
 def _elementwise_gpu(*ts: torch.Tensor) -> bool:
     """Whether an eager GPU step's small elementwise ops go to kernels/triton_elementwise.py:
     CUDA tensors, outside torch.compile (inductor fuses the torch ops itself) and autograd."""
@@ -164,7 +186,7 @@ def rms_norm_gpu(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: floa
         return None
     from dsq.kernels import triton_elementwise
 
-    return triton_elementwise.rms_norm(x, weight, eps, offset, add)
+    return _guarded("elementwise", triton_elementwise.rms_norm, x, weight, eps, offset, add)
 
 
 def rope_gpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
@@ -173,7 +195,7 @@ def rope_gpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved:
         return None
     from dsq.kernels import triton_elementwise
 
-    return triton_elementwise.rope(x, cos, sin, interleaved)
+    return _guarded("elementwise", triton_elementwise.rope, x, cos, sin, interleaved)
 
 
 def act_mul(g: torch.Tensor, u: torch.Tensor, gelu: bool) -> torch.Tensor:
@@ -181,7 +203,7 @@ def act_mul(g: torch.Tensor, u: torch.Tensor, gelu: bool) -> torch.Tensor:
     if _elementwise_gpu(g, u):
         from dsq.kernels import triton_elementwise
 
-        y = triton_elementwise.act_mul(g, u, gelu)
+        y = _guarded("elementwise", triton_elementwise.act_mul, g, u, gelu)
         if y is not None:
             return y
     return (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u
@@ -236,7 +258,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, mask:
 
     if not triton_attn.mla_supported(q_lat, q_rope, c, mask):
         return None
-    return triton_attn.mla_decode(q_lat, q_rope, c, mask, scale, table=table, lens=lens)
+    return _guarded("MLA attention", triton_attn.mla_decode, q_lat, q_rope, c, mask, scale, table, lens)
 
 
 def attn_step_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
@@ -295,7 +317,7 @@ def _attention_step_gpu(q, k, v, norms, cos, sin, k_cache, v_cache, slots, kv_le
         return None
     from dsq.kernels import triton_elementwise
 
-    qr = triton_elementwise.rope_write(q, k, v, cos, sin, k_cache, v_cache, slots)
+    qr = _guarded("elementwise", triton_elementwise.rope_write, q, k, v, cos, sin, k_cache, v_cache, slots)
     if qr is None:
         return None
     S = kv_len if kv_len is not None else k_cache.shape[2]
