@@ -72,6 +72,41 @@ def _shared_tile(seq_ptr, b0, B, RT: tl.constexpr):
 
 
 @triton.jit
+def _span(l_ptr, b, sp, SPLIT, S, LENS: tl.constexpr):
+    """The cache slots program `sp` of sequence b visits: (the first, how many, the sequence's
+    end: S, or with LENS its length l[b])."""
+    s0 = sp * SPLIT
+    hi = SPLIT
+    end = S
+    if LENS:
+        end = tl.minimum(S, tl.load(l_ptr + b).to(tl.int32))
+        hi = tl.minimum(SPLIT, end - s0)
+    return s0, hi, end
+
+
+@triton.jit
+def _slots(t_ptr, m_ptr, b, offs, end, s_tb, s_mb, BLK, PAGED: tl.constexpr):
+    """Slots offs of sequence b: which may be seen (ok: masked or past the end are not loaded),
+    and where each is: (block, row), the block the batch row b itself unless PAGED."""
+    ok = tl.load(m_ptr + b * s_mb + offs, mask=offs < end, other=0) != 0
+    if PAGED:
+        blk = tl.load(t_ptr + b * s_tb + offs // BLK, mask=ok, other=0).to(tl.int64)
+        row = offs % BLK
+    else:
+        blk = b
+        row = offs
+    return ok, blk, row
+
+
+@triton.jit
+def _store_part(acc_ptr, ml_ptr, out, acc, m_i, l_i, keep, D: tl.constexpr):
+    """A program's partial results for its lines `out` where `keep`: acc (L, D), max and sum (L,)."""
+    tl.store(acc_ptr + out[:, None] * D + tl.arange(0, D)[None, :], acc, mask=keep[:, None])
+    tl.store(ml_ptr + out * 2, m_i, mask=keep)
+    tl.store(ml_ptr + out * 2 + 1, l_i, mask=keep)
+
+
+@triton.jit
 def _attn_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, seq_ptr, acc_ptr, ml_ptr, B, S, HK, scale,
                s_qb, s_qh, s_kn, s_kh, s_ks, s_vn, s_vh, s_vs, s_tb, s_mb, BLK,
                SPLIT, REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, F32: tl.constexpr,
@@ -96,32 +131,18 @@ def _attn_part(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, seq_ptr, acc_ptr, ml_pt
     m_i = tl.full((RP,), float("-inf"), tl.float32)
     l_i = tl.zeros((RP,), tl.float32)
     acc = tl.zeros((RP, D), tl.float32)
-    s0 = sp * SPLIT
-    hi = SPLIT
-    end = S
-    if LENS:
-        end = tl.minimum(S, tl.load(l_ptr + b).to(tl.int32))
-        hi = tl.minimum(SPLIT, end - s0)
+    s0, hi, end = _span(l_ptr, b, sp, SPLIT, S, LENS)
     if RT > 0:
         skip = _shared_tile(seq_ptr, (b // RT) * RT, B, RT)
         hi = tl.where(skip, 0, hi)
         rm = tl.where(skip, 0, rm.to(tl.int32)) != 0  # (through int32: a bool where fails the interpreter's store)
     for t in range(0, hi, BS):
-        offs = s0 + t + tl.arange(0, BS)
-        ok = tl.load(m_ptr + b * s_mb + offs, mask=offs < end, other=0) != 0  # masked or past the end: not loaded
-        if PAGED:
-            blk = tl.load(t_ptr + b * s_tb + offs // BLK, mask=ok, other=0).to(tl.int64)
-            row = offs % BLK
-        else:
-            blk = b
-            row = offs
+        ok, blk, row = _slots(t_ptr, m_ptr, b, s0 + t + tl.arange(0, BS), end, s_tb, s_mb, BLK, PAGED)
         k = tl.load(k_ptr + (blk * s_kn + hk * s_kh + row * s_ks)[:, None] + d[None, :], mask=ok[:, None], other=0)
         v = tl.load(v_ptr + (blk * s_vn + hk * s_vh + row * s_vs)[:, None] + d[None, :], mask=ok[:, None], other=0)
         m_i, l_i, acc = _online(q, k, v, ok[None, :], m_i, l_i, acc, scale, F32)
     out = (bh * tl.num_programs(1) + sp) * REP + r  # the real heads only (RP pads REP up to a dot's 16)
-    tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=rm[:, None])
-    tl.store(ml_ptr + out * 2, m_i, mask=rm)
-    tl.store(ml_ptr + out * 2 + 1, l_i, mask=rm)
+    _store_part(acc_ptr, ml_ptr, out, acc, m_i, l_i, rm, D)
 
 
 @triton.jit
@@ -169,9 +190,7 @@ def _attn_rows(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, seq_ptr, acc_ptr, ml_pt
         v = tl.load(v_ptr + (blk * s_vn + hk * s_vh + row * s_vs)[:, None] + d[None, :], mask=inb[:, None], other=0)
         m_i, l_i, acc = _online(q, k, v, ok, m_i, l_i, acc, scale, F32)
     out = ((rc * HK + hk) * tl.num_programs(1) + sp) * REP + h
-    tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=lm[:, None])
-    tl.store(ml_ptr + out * 2, m_i, mask=lm)
-    tl.store(ml_ptr + out * 2 + 1, l_i, mask=lm)
+    _store_part(acc_ptr, ml_ptr, out, acc, m_i, l_i, lm, D)
 
 
 @triton.jit
@@ -197,6 +216,20 @@ def _attn_combine(acc_ptr, ml_ptr, o_ptr, H, s_ob, s_oh, NSPLIT, REP: tl.constex
     tl.store(o_ptr + b * s_ob + h * s_oh + d, o.to(o_ptr.dtype.element_ty))
 
 
+def _partials(S: int, block: int, nsplit: int | None, programs: int, lines: int, D: int, device):
+    """Slices of S cache slots for `programs` programs a slice (default: about two programs per
+    SM in all), whole tiles of `block` each, and the partial results' buffers of `lines` lines a
+    program: (slots a slice, slices, acc (.., D), ml (.., 2)) in float32."""
+    tiles = triton.cdiv(S, block)
+    if nsplit is None:
+        nsplit = max(1, min(tiles, triton.cdiv(2 * sm_count(device), programs)))
+    split = triton.cdiv(tiles, nsplit) * block
+    nsplit = triton.cdiv(S, split)
+    acc = torch.empty(programs * nsplit * lines, D, dtype=torch.float32, device=device)
+    ml = torch.empty(programs * nsplit * lines, 2, dtype=torch.float32, device=device)
+    return split, nsplit, acc, ml
+
+
 def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool, lens=None, seq=None) -> torch.Tensor:
     """Both public entries: the partial results over `nsplit` slices of the cache (default: about
     two programs per SM), then their combination. With `seq` (paged, with lens), tiles of rows
@@ -206,13 +239,7 @@ def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool, lens=None, 
     S = mask.shape[-1]
     rep = H // HK
     rp = max(16, triton.next_power_of_2(rep))  # tl.dot's smallest M
-    tiles = triton.cdiv(S, block)
-    if nsplit is None:
-        nsplit = max(1, min(tiles, triton.cdiv(2 * sm_count(q.device), B * HK)))
-    split = triton.cdiv(tiles, nsplit) * block
-    nsplit = triton.cdiv(S, split)
-    acc = torch.empty(B * HK * nsplit * rep, D, dtype=torch.float32, device=q.device)
-    ml = torch.empty(B * HK * nsplit * rep, 2, dtype=torch.float32, device=q.device)
+    split, nsplit, acc, ml = _partials(S, block, nsplit, B * HK, rep, D, q.device)
     f32 = q.dtype == torch.float32 or INTERPRET
     t, s_tb, blk = (table, table.stride(0), k.shape[2]) if paged else (mask, 0, 1)
     ln = mask if lens is None else lens  # (a pointer the kernel does not read without LENS)
@@ -276,28 +303,15 @@ def _mla_part(ql_ptr, qr_ptr, c_ptr, t_ptr, m_ptr, l_ptr, acc_ptr, ml_ptr, S, G,
     m_i = tl.full((HP,), float("-inf"), tl.float32)
     l_i = tl.zeros((HP,), tl.float32)
     acc = tl.zeros((HP, R), tl.float32)
-    s0 = sp * SPLIT
-    hi = SPLIT
-    end = S
-    if LENS:
-        end = tl.minimum(S, tl.load(l_ptr + b).to(tl.int32))
-        hi = tl.minimum(SPLIT, end - s0)
+    s0, hi, end = _span(l_ptr, b, sp, SPLIT, S, LENS)
     for t in range(0, hi, BS):
-        offs = s0 + t + tl.arange(0, BS)
-        ok = tl.load(m_ptr + b * s_mb + offs, mask=offs < end, other=0) != 0
-        if PAGED:
-            blk = tl.load(t_ptr + b * s_tb + offs // BLK, mask=ok, other=0).to(tl.int64)
-            row = blk * s_cn + (offs % BLK) * s_cs
-        else:
-            row = b * s_cn + offs * s_cs
+        ok, blk, slot = _slots(t_ptr, m_ptr, b, s0 + t + tl.arange(0, BS), end, s_tb, s_mb, BLK, PAGED)
+        row = blk * s_cn + slot * s_cs
         c = tl.load(c_ptr + row[:, None] + r[None, :], mask=ok[:, None], other=0)  # (BS, R): keys and values
         kr = tl.load(c_ptr + row[:, None] + R + pr[None, :], mask=ok[:, None], other=0)  # (BS, P)
         sc = _scores(ql, c, F32) + _scores(qr, kr, F32)
         m_i, l_i, acc = _online_s(sc, c, ok[None, :], m_i, l_i, acc, scale, ql.dtype, F32)
-    out = (bg * tl.num_programs(1) + sp) * HG + h
-    tl.store(acc_ptr + out[:, None] * R + r[None, :], acc, mask=hm[:, None])
-    tl.store(ml_ptr + out * 2, m_i, mask=hm)
-    tl.store(ml_ptr + out * 2 + 1, l_i, mask=hm)
+    _store_part(acc_ptr, ml_ptr, (bg * tl.num_programs(1) + sp) * HG + h, acc, m_i, l_i, hm, R)
 
 
 # MLA query heads a program takes (tl.dot's smallest M): V3's 128 heads are 8 programs a sequence,
@@ -333,13 +347,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, mask:
     if H % hg:
         hg = H  # (a head count that is no multiple of 16: one group, padded)
     G = H // hg
-    tiles = triton.cdiv(S, block)
-    if nsplit is None:
-        nsplit = max(1, min(tiles, triton.cdiv(2 * sm_count(q_lat.device), B * G)))
-    split = triton.cdiv(tiles, nsplit) * block
-    nsplit = triton.cdiv(S, split)
-    acc = torch.empty(B * G * nsplit * hg, R, dtype=torch.float32, device=q_lat.device)
-    ml = torch.empty(B * G * nsplit * hg, 2, dtype=torch.float32, device=q_lat.device)
+    split, nsplit, acc, ml = _partials(S, block, nsplit, B * G, hg, R, q_lat.device)
     f32 = q_lat.dtype == torch.float32 or INTERPRET
     paged = table is not None
     t, s_tb, blk = (table, table.stride(0), c.shape[2]) if paged else (mask, 0, 1)
