@@ -9,10 +9,12 @@ seconds for one quantized GEMV. A decode step that is captured as a CUDA graph r
 few thousand values a launch costs ~2-3 us whatever it does, so their count is what bounds such
 a step (docs/benchmarks.md#gpu-decode). Counts only: timings need the GPU.
 
-    python -m benchmarks.step_kernels [--shape tiny,tiny-deepseek-v2] [--mix Q4_K_M] [--list]
+    python -m benchmarks.step_kernels [--shape tiny,tiny-deepseek-v2] [--mix Q4_K_M] [--layers N] [--list]
 
 Prints, per shape, the launches per decode step with the one-launch elementwise kernels
-(kernels/triton_elementwise.py) and without (DSQ_GPU_ELEMENTWISE=0), and per layer.
+(kernels/triton_elementwise.py) and without (DSQ_GPU_ELEMENTWISE=0), and per layer. --layers
+gives the tiny widths a real model's depth (32: Llama-3-8B's, 27: DeepSeek-V2-Lite's), whose type
+mix then varies by layer as the real file's does.
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="tiny,tiny-deepseek-v2")
     ap.add_argument("--mix", default="Q4_K_M")
+    ap.add_argument("--layers", type=int, default=None, help="layers (default: the shape's)")
     ap.add_argument("--list", action="store_true", help="every launch by name, not only the totals")
     a = ap.parse_args(argv)
 
@@ -159,7 +162,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as d:
         for shape in a.shape.split(","):
             path = Path(d) / f"{shape}.gguf"
-            write_random_gguf(path, shape=shape, mix=a.mix)
+            write_random_gguf(path, shape=shape, mix=a.mix, layers=a.layers)
             on, n = step_launches(path, True)
             off, _ = step_launches(path, False)
             t_on, t_off = sum(on.values()), sum(off.values())
