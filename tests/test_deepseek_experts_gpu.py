@@ -10,6 +10,8 @@ check the captured step against the eager one."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from triton_interp import CUDA
@@ -112,9 +114,11 @@ def test_stacked_experts_equal_routed_experts(kind, qtype, q8, tiny_gguf, monkey
 
 @pytest.mark.skipif(CUDA, reason="the CPU stand-in for the loader's GPU path")
 def test_loading_stacks_each_layers_experts_as_soon_as_it_is_converted(tiny_gguf, monkeypatch):
-    """The loader stacks a layer's experts right after converting that layer, before the next one
-    (so the next layer's per-expert weights reuse the freed blocks instead of all layers' sitting
-    beside their stacks); the model loaded so equals the one with its experts one module each.
+    """The loader stacks a layer's experts right after converting that layer, before the next one,
+    and the per-expert weights are freed then (nothing else holds them: the loader's map of the
+    model's modules did, which doubled a V2-Lite load's peak VRAM); so the next layer's per-expert
+    weights reuse the freed blocks instead of all layers' sitting beside their stacks. The model
+    loaded so equals the one with its experts one module each.
     CPU tensors stand in for the GPU's (STACK_ON), the GPU's packed layout made as on a GPU."""
     from types import SimpleNamespace
 
@@ -125,6 +129,7 @@ def test_loading_stacks_each_layers_experts_as_soon_as_it_is_converted(tiny_gguf
     path = tiny_gguf("deepseek_v2", "Q4_K_M")
     want = torch.as_tensor(_cpu_model(path).logits(IDS[:12]))
     events: list = []
+    freed: list[bool] = []
     convert, stack = native_loader.prepare_kernels, ex.stack_experts
 
     def converting(module):
@@ -134,8 +139,11 @@ def test_loading_stacks_each_layers_experts_as_soon_as_it_is_converted(tiny_gguf
         events.append(("convert", id(module)))
 
     def stacking(layer, on=("cuda",)):
+        old = weakref.ref(layer.mlp.experts) if isinstance(layer.mlp, MoE) else None
         done = stack(layer, on)
         events.append(("stack", id(layer)) if done else ("plain", id(layer)))
+        if done:  # the per-expert weights go as the stack replaces them, not when the load ends
+            freed.append(old() is None)
         return done
 
     monkeypatch.setattr(native_loader, "prepare_kernels", converting)
@@ -149,6 +157,7 @@ def test_loading_stacks_each_layers_experts_as_soon_as_it_is_converted(tiny_gguf
     for lid in moe:  # its stack comes right after its own conversion
         i = events.index(("convert", lid))
         assert events[i + 1] == ("stack", lid), events
+    assert freed == [True] * len(moe)
     _interpreted(monkeypatch, [])
     got = torch.as_tensor(m.logits(IDS[:12]))
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()

@@ -182,12 +182,17 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.
     tensors = _GGUFTensors(g, model, dtype)
     for made in gguf_plan(g, arch, cfg):
         tensors.add(made)
-    sd = tensors.sd
+    sd, shown = tensors.sd, tensors.shown
+    # its map of the model's modules as they were would keep each MoE layer's routed experts alive
+    # after placing stacks them: on a GPU, the experts twice at the load's peak
+    del tensors
     if args.tie_word_embeddings and "model.embed_tokens.weight" in sd:
         sd.pop("lm_head.weight", None)
-    _check_shapes(model, sd, path.name, tensors.shown)
+    _check_shapes(model, sd, path.name, shown)
     model.load_state_dict(sd, strict=False, assign=True)
-    if "model.embed_tokens.weight" in sd:
+    embed_float = "model.embed_tokens.weight" in sd
+    del sd  # the model holds what it needs; the float copies of layers going to the GPU can go
+    if embed_float:
         model.tie_weights()
     _place_experts_and_layers(model, experts, gpu_layers, gpu)
     return model.eval(), cfg
