@@ -209,6 +209,16 @@ def act_mul(g: torch.Tensor, u: torch.Tensor, gelu: bool) -> torch.Tensor:
     return (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u
 
 
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, add: torch.Tensor | None = None):
+    """(y.view(T, k, H) * weights[..., None]).sum(1).to(dtype), plus `add`: one launch on a GPU, or
+    None (the caller then runs torch)."""
+    if not _elementwise_gpu(y):
+        return None
+    from dsq.kernels import triton_elementwise
+
+    return _guarded("elementwise", triton_elementwise.moe_combine, y, weights, dtype, add)
+
+
 def attn_decode_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                     scale: float) -> torch.Tensor | None:
     """The C decode attention (kernels/cpu.py attn_decode: q (B, 1, H, D) contiguous, k/v cache

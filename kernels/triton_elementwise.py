@@ -241,3 +241,37 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
                                         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), HALF=D // 2,
                                         num_warps=1)
     return qo
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, w_ptr, a_ptr, o_ptr, H, K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)  # one token: its K choices' outputs, weighted and summed
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < H
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in range(K):
+        w = tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += tl.load(y_ptr + (t * K + j) * H + cols, mask=m, other=0.0).to(tl.float32) * w
+    out = acc.to(o_ptr.dtype.element_ty)
+    if HAS_ADD:  # the shared experts' output, added in the output's dtype as torch's add rounds it
+        out = (out.to(tl.float32) + tl.load(a_ptr + t * H + cols, mask=m, other=0.0).to(tl.float32)
+               ).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + t * H + cols, out, mask=m)
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+                add: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A MoE layer's routed output per token as one launch: y (T * k, H) the (token, choice)
+    pairs' outputs, weights (T, k) -> sum_j weights[t, j] y[t k + j] in float32, cast to `dtype`,
+    plus `add` (T, H) of `dtype` when given (the shared experts). None when the layouts do not
+    fit (the caller then runs torch)."""
+    T, k = weights.shape
+    H = y.shape[-1]
+    if (y.shape != (T * k, H) or not y.is_contiguous() or not weights.is_contiguous() or T == 0
+            or (add is not None and (add.shape != (T, H) or add.dtype != dtype or not add.is_contiguous()))):
+        return None
+    o = torch.empty(T, H, dtype=dtype, device=y.device)
+    BLOCK = min(1024, triton.next_power_of_2(H))
+    _moe_combine_kernel[(T, triton.cdiv(H, BLOCK))](y, weights, add if add is not None else o, o, H, K=k,
+                                                   HAS_ADD=add is not None, BLOCK=BLOCK, num_warps=4)
+    return o

@@ -71,6 +71,7 @@ def _no_host_sync(monkeypatch):
 def test_stacked_experts_equal_routed_experts(kind, qtype, q8, tiny_gguf, monkeypatch):
     """Float x: within 1e-4 of the largest output; x rounded to int8 per 32 elements (the GPU's
     default, as llama.cpp's): within 4e-2."""
+    from dsq.kernels import dispatch
     from dsq.models.deepseek_model import GPUStackedExperts, MoE, RoutedExperts
     from dsq.runtime.experts import experts_to_gpu
 
@@ -103,6 +104,11 @@ def test_stacked_experts_equal_routed_experts(kind, qtype, q8, tiny_gguf, monkey
             assert calls == [T * k, T * k]  # gate/up, down: every pair in one launch each
             assert got.dtype == x.dtype
             assert (got - want).abs().max() <= tol * want.abs().max(), (T, (got - want).abs().max())
+            with monkeypatch.context() as mp:  # as on a GPU: the weighted sum and the shared add in one launch
+                mp.setattr(dispatch, "_elementwise_gpu", lambda *ts: True)
+                shared = torch.randn(T, H)
+                got = moe.experts(x, ids, w, add=shared)
+            assert (got - (want + shared)).abs().max() <= tol * (want + shared).abs().max()
         with monkeypatch.context() as mp:  # past PAIRS_ROWS tokens: the grouped loop (prompt chunks)
             mp.setattr(GPUStackedExperts, "PAIRS_ROWS", 2)
             x = torch.randn(5, H)

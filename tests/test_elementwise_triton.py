@@ -76,6 +76,24 @@ def test_act_mul_equals_torch(dtype, gelu):
     _close(te.act_mul(g2.to(DEV), u2.to(DEV), gelu), te.act_mul_ref(g2, u2, gelu), atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_combine_equals_torch(dtype, shared):
+    """A MoE layer's (token, choice) outputs weighed by the router's float32 weights and summed per
+    token, cast, plus the shared experts' output: as torch computes it."""
+    T, k, H = 3, 6, 1500  # H: two column blocks, the second partial
+    y = torch.randn(T * k, H).to(dtype)
+    w = torch.rand(T, k)
+    add = torch.randn(T, H).to(dtype) if shared else None
+    want = (y.view(T, k, H) * w[..., None]).sum(dim=1).to(dtype)
+    if shared:
+        want = want + add
+    got = te.moe_combine(y.to(DEV), w.to(DEV), dtype, add.to(DEV) if shared else None)
+    # with the shared add, two roundings: a step of the operands' size, where the sum may cancel
+    _close(got, want, atol=1e-5 if dtype == torch.float32 or not shared else 2 ** -6 * float(want.abs().max()))
+    assert te.moe_combine(y[:-1], w, dtype) is None  # pairs that are not T * k rows
+
+
 def _tables(B, T, D, interleaved):
     pos = torch.randint(0, 500, (B, T))
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))

@@ -324,11 +324,14 @@ class GPUStackedExperts(nn.Module):
         return (f"{self.n_expert} experts stacked ({', '.join(self._names)}), {self.source}, hidden={self.hidden}, "
                 f"inter={self.inter}")
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x (T, H), ids and weights (T, k) -> (T, H) in x's dtype."""
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, H), ids and weights (T, k) -> (T, H) in x's dtype, plus `add` (T, H) when given
+        (the shared experts' output: on a GPU added in the launch that weighs and sums the pairs)."""
         T, k = ids.shape
         if T > self.PAIRS_ROWS:
-            return _each_expert_once(x, ids, weights, self._mlp)
+            y = _each_expert_once(x, ids, weights, self._mlp)
+            return y + add if add is not None else y
         E = self.n_expert
         if "gate_up" in self._fmts:
             g, u = dispatch.packed_experts(x, self.weight("gate_up"), ids, E).chunk(2, dim=-1)
@@ -336,7 +339,11 @@ class GPUStackedExperts(nn.Module):
             g = dispatch.packed_experts(x, self.weight("gate"), ids, E)
             u = dispatch.packed_experts(x, self.weight("up"), ids, E)
         y = dispatch.packed_experts(act_mul(self.act, g, u), self.weight("down"), ids, E)  # (T * k, H)
-        return (y.view(T, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
+        out = dispatch.moe_combine(y, weights, x.dtype, add)
+        if out is not None:
+            return out
+        y = (y.view(T, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
+        return y + add if add is not None else y
 
     def _mlp(self, x: torch.Tensor, e: int) -> torch.Tensor:
         if "gate_up" in self._fmts:
@@ -486,6 +493,9 @@ class MoE(nn.Module):
             shared = self.shared_experts(x) if self.shared_experts is not None else None
             y = self.experts.receive(sent).view_as(x)
             return y + shared if shared is not None else y
+        if isinstance(self.experts, GPUStackedExperts) and self.shared_experts is not None:
+            shared = self.shared_experts(x).reshape(flat.shape)
+            return self.experts(flat, ids, weights, add=shared).view_as(x)
         y = self.experts(flat, ids, weights).view_as(x)
         return y + self.shared_experts(x) if self.shared_experts is not None else y
 
