@@ -5,9 +5,9 @@ quantized GEMVs, the decode attention, the elementwise kernels), and every launc
 Triton kernel, and each torch op that launches one on a GPU (view and allocation ops do not).
 
 Triton launches are recorded, not run: the counts need no values, and the interpreter takes
-seconds for one quantized GEMV. A decode step that is captured as a CUDA graph replays exactly these launches, and at decode's
-few thousand values a launch costs ~2-3 us whatever it does, so their count is what bounds such
-a step (docs/benchmarks.md#gpu-decode). Counts only: timings need the GPU.
+seconds for one quantized GEMV. A decode step that is captured as a CUDA graph replays exactly
+these launches, and at decode's few thousand values a launch costs ~2-3 us whatever it does, so
+their count is what bounds such a step (docs/benchmarks.md#gpu-decode). Counts only: timings need the GPU.
 
     python -m benchmarks.step_kernels [--shape tiny,tiny-deepseek-v2] [--mix Q4_K_M] [--layers N] [--list]
 
@@ -101,8 +101,9 @@ def _as_on_a_gpu():
         return plain_experts(x, p, ids, n_expert)
 
     def attention(q, k, v, mask, scale, softcap=None):
-        if q.shape[1] == 1 and mask is not None and not softcap and triton_attn.supported(q.transpose(1, 2), k, v, mask):
-            return triton_attn.attn_decode(q.transpose(1, 2), k, v, mask, scale)
+        qt = q.transpose(1, 2)
+        if q.shape[1] == 1 and mask is not None and not softcap and triton_attn.supported(qt, k, v, mask):
+            return triton_attn.attn_decode(qt, k, v, mask, scale)
         return plain_attention(q, k, v, mask, scale, softcap)
 
     dispatch.use_triton = lambda device: True

@@ -303,10 +303,11 @@ def attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms, cos
     """A decode step's q/k norm, rope, KV cache write and attention as one call where one
     implementation does all four: the C kernels in an eager CPU decode step without a softcap and
     with a mask (attn_step_cpu); on a GPU, outside torch.compile, for layers without q/k norms,
-    the rope and the cache write in one launch, then the Triton attention (_attention_step_gpu). q (B, 1, H, D), k/v (B, 1, Hk, D) before norm and rope, k_cache /
-    v_cache the layer's whole cache (B, Hk, S, D), written at `slots`; attention over its first
-    kv_len slots (all when None). norms(): (q weight, k weight, eps), (None, None, 0.0) without
-    q/k norms, or None when they cannot be fused. Returns (B, 1, H * D), or None: the caller
+    the rope and the cache write in one launch, then the Triton attention (_attention_step_gpu).
+    q (B, 1, H, D), k/v (B, 1, Hk, D) before norm and rope, k_cache / v_cache the layer's whole
+    cache (B, Hk, S, D), written at `slots`; attention over its first kv_len slots (all when
+    None). norms(): (q weight, k weight, eps), (None, None, 0.0) without q/k norms, or None when
+    they cannot be fused. Returns (B, 1, H * D), or None: the caller
     then runs the four itself and calls `attention`."""
     if q.shape[1] != 1 or mask is None or softcap or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None

@@ -353,8 +353,9 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, mask:
     t, s_tb, blk = (table, table.stride(0), c.shape[2]) if paged else (mask, 0, 1)
     _mla_part[(B * G, nsplit)](q_lat, q_rope, c, t, mask, lens if lens is not None else mask, acc, ml, S, G, scale,
                                q_lat.stride(0), q_lat.stride(2), q_rope.stride(0), q_rope.stride(2), c.stride(0),
-                               c.stride(2), s_tb, mask.stride(0), blk, split, HG=hg, HP=max(16, triton.next_power_of_2(hg)), R=R, P=P,
-                               BS=block, F32=f32, PAGED=paged, LENS=lens is not None, num_warps=8)
+                               c.stride(2), s_tb, mask.stride(0), blk, split, HG=hg,
+                               HP=max(16, triton.next_power_of_2(hg)), R=R, P=P, BS=block, F32=f32, PAGED=paged,
+                               LENS=lens is not None, num_warps=8)
     o = torch.empty(B, 1, H, R, dtype=q_lat.dtype, device=q_lat.device)
     _attn_combine[(B * H,)](acc, ml, o, H, o.stride(0), o.stride(2), nsplit, REP=hg, D=R,
                             NSP=triton.next_power_of_2(nsplit), num_warps=4)

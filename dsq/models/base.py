@@ -259,7 +259,8 @@ class RMSNorm(nn.Module):
 
     def add_norm(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + a, the norm of it): a residual sum and the next norm, one launch on a GPU."""
-        if x.dtype == a.dtype and (both := dispatch.rms_norm_gpu(x, self.weight, self.eps, self.offset, add=a)) is not None:
+        both = dispatch.rms_norm_gpu(x, self.weight, self.eps, self.offset, add=a) if x.dtype == a.dtype else None
+        if both is not None:
             return both
         x = x + a
         return x, self(x)
