@@ -10,7 +10,11 @@ quantized modules call these functions, never a kernel directly.
 - A generation's prefill runs inside `int8_prefill()`: on the avx2 build, GGUF weights at M > 1
   then round x to int8 as its decode does.
 - Attention (`attention_step`, `attention`) and the CPU RMS norm (`rms_norm`): the C kernels for
-  an eager CPU decode step, the Triton decode kernel for a GPU one, SDPA otherwise.
+  an eager CPU decode step, the Triton decode kernel for a GPU one, SDPA otherwise; DeepSeek MLA's
+  decode attention (`mla_decode`) over its latent rows on a GPU.
+- An eager GPU step's norms, ropes, activations and MoE sums (`rms_norm_gpu`, `rope_gpu`,
+  `act_mul_gpu`, `moe_combine`): one Triton launch each (kernels/triton_elementwise.py); a family
+  whose kernels fail to build turns itself off (`_guarded`).
 - DSQ_KERNELS=reference forces the torch reference everywhere.
 """
 
@@ -198,15 +202,13 @@ def rope_gpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved:
     return _guarded("elementwise", triton_elementwise.rope, x, cos, sin, interleaved)
 
 
-def act_mul(g: torch.Tensor, u: torch.Tensor, gelu: bool) -> torch.Tensor:
-    """act(g) * u, silu or tanh-approximated gelu: one launch on a GPU, torch elsewhere."""
-    if _elementwise_gpu(g, u):
-        from dsq.kernels import triton_elementwise
+def act_mul_gpu(g: torch.Tensor, u: torch.Tensor, gelu: bool) -> torch.Tensor | None:
+    """base.act_mul (silu or tanh-approximated gelu of g, times u) on a GPU as one launch, or None."""
+    if not _elementwise_gpu(g, u):
+        return None
+    from dsq.kernels import triton_elementwise
 
-        y = _guarded("elementwise", triton_elementwise.act_mul, g, u, gelu)
-        if y is not None:
-            return y
-    return (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u
+    return _guarded("elementwise", triton_elementwise.act_mul, g, u, gelu)
 
 
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, add: torch.Tensor | None = None):

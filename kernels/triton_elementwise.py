@@ -1,20 +1,20 @@
 """One-launch Triton kernels for a GPU decode step's small elementwise work, which torch runs as
 several kernels each: an RMS norm is ~7 (cast, square, mean, add, rsqrt, multiply, cast), a rope
 ~7, an activation times up 2. A decode step's tensors are a few thousand values, so each of those
-kernels costs its launch (~2-3 us inside a CUDA graph) and little else; one launch per op instead
-takes a Llama layer from ~40 kernels to ~15 (docs/benchmarks.md#gpu-decode).
+kernels costs its launch (~2-3 us inside a CUDA graph) and little else; with these a Llama
+layer's step launches ~16 kernels instead of ~48 (counted: benchmarks/step_kernels.py,
+docs/benchmarks.md#gpu-decode).
 
-Each function computes what its torch twin in dsq/models/base.py computes, rounding where that
-rounds (to the input's dtype between steps), in float32 otherwise; they differ by float32
+Each function computes what its torch twin in dsq/models/base.py computes (rms_norm_torch,
+act_mul's torch ops, apply_rope / apply_rope_interleaved: the tests' references), rounding where
+that rounds (to the input's dtype between steps), in float32 otherwise; they differ by float32
 summation order and exp's last bits, i.e. at most one step of a bf16 result now and then
-(tests/test_elementwise_triton.py). `rms_norm_ref`, `act_mul_ref` and `rope_ref` are the torch
-references. Runs under TRITON_INTERPRET=1 on the CPU (the CI tests).
+(tests/test_elementwise_triton.py). Runs under TRITON_INTERPRET=1 on the CPU (the CI tests).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -84,15 +84,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     return (s, y) if add is not None else y
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """base.RMSNorm.forward's torch ops (its GPU path)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if offset:
-        return (xf * (offset + weight.float())).to(x.dtype)
-    return weight * xf.to(x.dtype)
-
-
 @triton.jit
 def _act_mul_kernel(g_ptr, u_ptr, y_ptr, R1, F, sg0, sg1, su0, su1, GELU: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
@@ -126,8 +117,17 @@ def act_mul(g: torch.Tensor, u: torch.Tensor, gelu: bool = False) -> torch.Tenso
     return y
 
 
-def act_mul_ref(g: torch.Tensor, u: torch.Tensor, gelu: bool = False) -> torch.Tensor:
-    return (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u
+@triton.jit
+def _rope_halves(x_ptr, c_ptr, s_ptr, i, HALF: tl.constexpr):
+    """One head's rope (halves): x (2 HALF) at x_ptr, cos / sin rows at c_ptr / s_ptr; the two
+    rotated halves in float32."""
+    x1 = tl.load(x_ptr + i).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
+    c1 = tl.load(c_ptr + i)
+    s1 = tl.load(s_ptr + i)
+    c2 = tl.load(c_ptr + HALF + i)
+    s2 = tl.load(s_ptr + HALF + i)
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
 
 
 @triton.jit
@@ -136,23 +136,17 @@ def _rope_kernel(x_ptr, c_ptr, s_ptr, y_ptr, H, sx0, sx1, sc0, HALF: tl.constexp
     t, h = r // H, r % H
     i = tl.arange(0, HALF)
     base = x_ptr + t * sx0 + h * sx1
-    if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...: the rotated even elements, then the odd ones
-        x1 = tl.load(base + 2 * i)
-        x2 = tl.load(base + 2 * i + 1)
-    else:  # halves
-        x1 = tl.load(base + i)
-        x2 = tl.load(base + HALF + i)
-    c1 = tl.load(c_ptr + t * sc0 + i)
-    s1 = tl.load(s_ptr + t * sc0 + i)
-    if INTERLEAVED:  # both halves turn by the first half's angles
-        c2, s2 = c1, s1
+    if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...: the rotated even elements, then the odd ones,
+        f1 = tl.load(base + 2 * i).to(tl.float32)  # both turned by the first half's angles
+        f2 = tl.load(base + 2 * i + 1).to(tl.float32)
+        c = tl.load(c_ptr + t * sc0 + i)
+        s = tl.load(s_ptr + t * sc0 + i)
+        y1, y2 = f1 * c - f2 * s, f2 * c + f1 * s
     else:
-        c2 = tl.load(c_ptr + t * sc0 + HALF + i)
-        s2 = tl.load(s_ptr + t * sc0 + HALF + i)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        y1, y2 = _rope_halves(base, c_ptr + t * sc0, s_ptr + t * sc0, i, HALF)
     out = y_ptr + r * (2 * HALF)
-    tl.store(out + i, (f1 * c1 - f2 * s1).to(y_ptr.dtype.element_ty))
-    tl.store(out + HALF + i, (f2 * c2 + f1 * s2).to(y_ptr.dtype.element_ty))
+    tl.store(out + i, y1.to(y_ptr.dtype.element_ty))
+    tl.store(out + HALF + i, y2.to(y_ptr.dtype.element_ty))
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor | None:
@@ -176,19 +170,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     _rope_kernel[(rx[0] * H,)](x, c, s, y, H, rx[2], rx[3], c.stride(0), HALF=D // 2, INTERLEAVED=interleaved,
                                num_warps=1)
     return y
-
-
-@triton.jit
-def _rope_halves(x_ptr, c_ptr, s_ptr, i, HALF: tl.constexpr):
-    """One head's rope (halves): x (2 HALF) at x_ptr, cos / sin rows at c_ptr / s_ptr; the two
-    rotated halves in float32."""
-    x1 = tl.load(x_ptr + i).to(tl.float32)
-    x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
-    c1 = tl.load(c_ptr + i)
-    s1 = tl.load(s_ptr + i)
-    c2 = tl.load(c_ptr + HALF + i)
-    s2 = tl.load(s_ptr + HALF + i)
-    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
 
 
 @triton.jit

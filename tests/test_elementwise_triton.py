@@ -10,7 +10,12 @@ import torch
 from triton_interp import CUDA, DEV
 
 from dsq.kernels import triton_elementwise as te  # noqa: E402
-from dsq.models.base import apply_rope, apply_rope_interleaved  # noqa: E402
+from dsq.models.base import act_mul, apply_rope, apply_rope_interleaved, gelu_tanh, rms_norm_torch  # noqa: E402
+
+
+def _act_mul_torch(g, u, gelu):
+    """The model's activation times up as torch runs it (base.act_mul on CPU tensors)."""
+    return act_mul(gelu_tanh if gelu else torch.nn.functional.silu, g, u)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-6, steps: torch.dtype | None = None) -> None:
@@ -35,14 +40,14 @@ def _close(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-6, steps: tor
 def test_rms_norm_equals_torch(dtype, offset, shape):
     x = (torch.randn(shape) * 3).to(dtype)
     w = (torch.randn(shape[-1]) * 0.5).to(dtype)
-    want = te.rms_norm_ref(x, w, 1e-6, offset)
+    want = rms_norm_torch(x, w, 1e-6, offset)
     _close(te.rms_norm(x.to(DEV), w.to(DEV), 1e-6, offset), want)
     a = torch.randn(shape).to(dtype)
     s, y = te.rms_norm(x.to(DEV), w.to(DEV), 1e-6, offset, add=a.to(DEV))
     if CUDA:
         assert torch.equal(s.cpu(), x + a)  # the residual sum rounds as torch's add does
     _close(s, x + a)
-    _close(y, te.rms_norm_ref(s.cpu(), w, 1e-6, offset))  # the norm of the sum it wrote
+    _close(y, rms_norm_torch(s.cpu(), w, 1e-6, offset))  # the norm of the sum it wrote
 
 
 def test_rms_norm_of_strided_heads_and_a_float32_weight():
@@ -53,7 +58,7 @@ def test_rms_norm_of_strided_heads_and_a_float32_weight():
     w = torch.randn(32)
     got = te.rms_norm(q.to(DEV), w.to(DEV), 1e-5)
     assert got.dtype == torch.float32
-    _close(got, te.rms_norm_ref(q, w, 1e-5), steps=torch.bfloat16)
+    _close(got, rms_norm_torch(q, w, 1e-5), steps=torch.bfloat16)
 
 
 def test_rms_norm_refuses_what_one_launch_cannot_hold():
@@ -62,7 +67,7 @@ def test_rms_norm_refuses_what_one_launch_cannot_hold():
     x = torch.randn(2, 3, 4, 8).transpose(0, 1)  # leading dims that do not flatten to one stride
     assert te.rms_norm(x, torch.ones(8), 1e-6) is None
     x = torch.randn(4, 6, 8).transpose(0, 1)  # two levels of rows, each strided: one launch
-    _close(te.rms_norm(x.to(DEV), torch.ones(8, device=DEV), 1e-6), te.rms_norm_ref(x, torch.ones(8), 1e-6))
+    _close(te.rms_norm(x.to(DEV), torch.ones(8, device=DEV), 1e-6), rms_norm_torch(x, torch.ones(8), 1e-6))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -71,9 +76,9 @@ def test_act_mul_equals_torch(dtype, gelu):
     gu = (torch.randn(2, 1, 2 * 1500) * 4).to(dtype)  # F = 1500: two column blocks, the second partial
     g, u = gu.chunk(2, dim=-1)
     # atol: where torch's tanh rounds to -1, its gelu is 0 and ours the tiny x / (1 + e^-2t)
-    _close(te.act_mul(g.to(DEV), u.to(DEV), gelu), te.act_mul_ref(g, u, gelu), atol=1e-5)
+    _close(te.act_mul(g.to(DEV), u.to(DEV), gelu), _act_mul_torch(g, u, gelu), atol=1e-5)
     g2, u2 = torch.randn(5, 64).to(dtype), torch.randn(5, 64).to(dtype)
-    _close(te.act_mul(g2.to(DEV), u2.to(DEV), gelu), te.act_mul_ref(g2, u2, gelu), atol=1e-5)
+    _close(te.act_mul(g2.to(DEV), u2.to(DEV), gelu), _act_mul_torch(g2, u2, gelu), atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

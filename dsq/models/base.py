@@ -223,6 +223,16 @@ class PassThroughCache:
 
 
 # -- blocks ---------------------------------------------------------------------------------
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) scaled by the norm's weight, in torch ops: the norm everywhere
+    neither the CPU's C kernel nor the GPU's one launch (RMSNorm.forward) takes it."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:  # Gemma: scale in float32, then cast
+        return (xf * (offset + weight.float())).to(x.dtype)
+    return weight * xf.to(x.dtype)  # Llama: cast, then scale
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -251,11 +261,7 @@ class RMSNorm(nn.Module):
             return _cast(dispatch.rms_norm(x.float(), self.scale_weight(), self.eps), x.dtype)
         if (y := dispatch.rms_norm_gpu(x, self.weight, self.eps, self.offset)) is not None:
             return y
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:  # Gemma: scale in float32, then cast
-            return (xf * (self.offset + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)  # Llama: cast, then scale
+        return rms_norm_torch(x, self.weight, self.eps, self.offset)
 
     def add_norm(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + a, the norm of it): a residual sum and the next norm, one launch on a GPU."""
@@ -363,7 +369,9 @@ def gelu_tanh(t: torch.Tensor) -> torch.Tensor:
 def act_mul(act, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """act(g) * u for an MLP's activation (F.silu or gelu_tanh): one launch on a GPU."""
     if act is F.silu or act is gelu_tanh:
-        return dispatch.act_mul(g, u, gelu=act is gelu_tanh)
+        y = dispatch.act_mul_gpu(g, u, gelu=act is gelu_tanh)
+        if y is not None:
+            return y
     return act(g) * u
 
 

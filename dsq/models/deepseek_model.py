@@ -112,7 +112,7 @@ class MLAttention(nn.Module):
         q_rope = self.rotate(q_rope, cos, sin)
         k_rope = self.rotate(k_rope[:, :, None], cos, sin)[:, :, 0]
         latent = torch.cat((self.kv_a_layernorm(c), k_rope), dim=-1)[:, None]  # (B, 1, T, rank + rope)
-        if T == 1 and self.absorb is not False and getattr(cache, "attends_latent", None) is not None \
+        if T == 1 and getattr(cache, "attends_latent", None) is not None and self._absorbs(T, mask.shape[-1]) \
                 and cache.attends_latent(self.layer, x.dtype):  # dsq serve's blocks, read in place
             o = self._absorbed(q_nope, q_rope, None, mask, lambda ql, qr: cache.attend_latent(
                 self.layer, latent, ql, qr, mask, self.scale))

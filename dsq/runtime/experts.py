@@ -132,8 +132,8 @@ def experts_to_gpu(model, on: tuple[str, ...] = ("cuda",)) -> int:
 
 def stack_experts(layer, on: tuple[str, ...] = ("cuda",)) -> bool:
     """experts_to_gpu for one layer, after prepare_kernels(layer): its per-expert weights are freed
-    as its stack is made (nothing else may hold the old experts module: tests/
-    test_deepseek_experts_gpu.py checks it). The loader stacks each layer as soon as it is
+    as its stack is made (nothing else may hold the old experts module:
+    tests/test_deepseek_experts_gpu.py checks it). The loader stacks each layer as soon as it is
     converted, so the next layer's per-expert weights (the same sizes) can reuse the blocks this
     layer's free. Returns whether it changed."""
     import torch
