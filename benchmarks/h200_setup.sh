@@ -17,6 +17,8 @@ setup_python() {  # dsq importable in place, with the carried wheels and llama_c
   mkdir -p /tmp/llpy && ln -sfn /tmp/ll/llama_cpp_py /tmp/llpy/llama_cpp
   export PYTHONPATH=$ROOT:/tmp/llpy:/tmp/site
   export LLAMA_CPP_LIB_PATH=$LL/build/bin
+  # the carried libraries' RUNPATH names the dev machine's build folder: their ggml siblings are found here
+  export LD_LIBRARY_PATH=$LL/build/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 }
 
 llama_bins() {  # llama.cpp's CUDA libraries and llama-bench: unpack the carried ones, or build them

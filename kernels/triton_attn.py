@@ -343,6 +343,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, mask:
     B, _, H, R = q_lat.shape
     P = q_rope.shape[-1]
     S = mask.shape[-1]
+    assert block >= 16 and block & (block - 1) == 0, "block: a power of two of at least 16 (tl.dot's least tile)"
     hg = min(MLA_HEADS, triton.next_power_of_2(H))
     if H % hg:
         hg = H  # (a head count that is no multiple of 16: one group, padded)
