@@ -205,16 +205,21 @@ def linear_ref_q8(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None) 
 
 # -- packing from each source format ---------------------------------------------------------------
 def _pairs(c: torch.Tensor) -> torch.Tensor:
+    """Codes (N, K), below 16 in their low nibble, -> (N, K/2) bytes: even elements low, odd high.
+    In place on uint8 temporaries: the conversion's intermediates stay ~3 bytes a weight."""
     c = c.to(torch.uint8)
-    return (c[:, 0::2] & 15 | ((c[:, 1::2] & 15) << 4)).contiguous()
+    out = (c[:, 1::2] & 15).bitwise_left_shift_(4)
+    return out.bitwise_or_(c[:, 0::2] & 15)
 
 
 def _plane(c: torch.Tensor, bits: int) -> torch.Tensor:
     """High bits (above the low 4) of codes (N, K) -> plane of `bits`-bit fields, 8/bits per byte."""
     per = 8 // bits
-    h = (c.to(torch.int32) >> 4).reshape(c.shape[0], -1, per)
-    shifts = torch.arange(per, device=c.device, dtype=torch.int32) * bits
-    return (h << shifts).sum(-1).to(torch.uint8).contiguous()
+    h = (c.to(torch.uint8) >> 4).reshape(c.shape[0], -1, per)
+    out = h[..., 0].clone()
+    for j in range(1, per):
+        out.bitwise_or_(h[..., j] << (j * bits))
+    return out
 
 
 def from_int(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
@@ -253,14 +258,20 @@ def _k_scales(s: torch.Tensor):
 
 
 def _nib(qs: torch.Tensor) -> torch.Tensor:
-    return torch.stack((qs & 0x0F, qs >> 4), dim=-2)
+    """Bytes (..., n) -> (..., 2, n): the low nibbles, then the high ones."""
+    out = torch.empty((*qs.shape[:-1], 2, qs.shape[-1]), dtype=torch.uint8, device=qs.device)
+    torch.bitwise_and(qs, 0x0F, out=out[..., 0, :])
+    torch.bitwise_right_shift(qs, 4, out=out[..., 1, :])
+    return out
 
 
 def from_gguf(raw: torch.Tensor, qtype: str, K: int, chunk: int = 1 << 24) -> Packed:
     """GGUF blocks (N, row_bytes) uint8 -> Packed, on raw's device. Codes are unsigned (with the
     format's offset) except Q8_0 (int8). Converted about `chunk` weights at a time into outputs
-    allocated once: the intermediate codes take ~20 bytes a weight, which for a Q6_K output head
-    of 128256 x 4096 would take 11 GB beside its 0.43 GB (on the GPU, where the runtime converts)."""
+    allocated once: the intermediate codes take up to ~3 bytes a weight (uint8, in place), so a
+    chunk's transient is ~48 MB beside the output (on the GPU, where the runtime converts a layer's
+    weights at load and each streamed layer's at prefill; all at once, a Q6_K output head of
+    128256 x 4096 would take 1.6 GB beside its 0.43 GB)."""
     N = raw.shape[0]
     rows = max(1, chunk // K)
     if N <= rows:
@@ -286,8 +297,9 @@ def _from_gguf(raw: torch.Tensor, qtype: str, K: int) -> Packed:
         c = _nib(b[:, 2:18]).reshape(N, K)
         return Packed(Fmt(sub=32, zero=Z_CONST, offset=8), N, K, lo=_pairs(c), sc=_f16(b[:, 0:2]).reshape(N, -1))
     if qtype == "Q5_0":
-        hi = ((b[:, 2:6, None] >> torch.arange(8, dtype=torch.uint8, device=b.device)) & 1).reshape(nb, 32)
-        c = (_nib(b[:, 6:22]).reshape(nb, 32) | (hi << 4)).reshape(N, K)
+        hi = (b[:, 2:6, None] >> torch.arange(8, dtype=torch.uint8, device=b.device)).reshape(nb, 32)
+        c = _nib(b[:, 6:22]).reshape(nb, 32).bitwise_or_(hi.bitwise_and_(1).bitwise_left_shift_(4)).reshape(N, K)
+        del hi
         return Packed(Fmt(hi_bits=1, sub=32, zero=Z_CONST, offset=16), N, K, lo=_pairs(c), hi=_plane(c, 1),
                       sc=_f16(b[:, 0:2]).reshape(N, -1))
     if qtype == "Q8_0":
@@ -300,8 +312,9 @@ def _from_gguf(raw: torch.Tensor, qtype: str, K: int) -> Packed:
         else:
             qh = b[:, 16:48]
             lo = _nib(b[:, 48:176].reshape(nb, 4, 32)).reshape(nb, 8, 32)
-            hi = (qh[:, None, :] >> torch.arange(8, device=b.device, dtype=torch.uint8)[None, :, None]) & 1
-            c = (lo | (hi << 4)).reshape(N, K)
+            hi = (qh[:, None, :] >> torch.arange(8, device=b.device, dtype=torch.uint8)[None, :, None])
+            c = lo.bitwise_or_(hi.bitwise_and_(1).bitwise_left_shift_(4)).reshape(N, K)
+            del hi
         fmt = Fmt(hi_bits=0 if qtype == "Q4_K" else 1, sub=32, two_level=True, mins=True)
         return Packed(fmt, N, K, lo=_pairs(c), hi=None if qtype == "Q4_K" else _plane(c, 1),
                       sc=sc.reshape(N, -1).contiguous(), d=_f16(b[:, 0:2]).reshape(N, -1),
@@ -310,7 +323,8 @@ def _from_gguf(raw: torch.Tensor, qtype: str, K: int) -> Packed:
         ql = _nib(b[:, 0:128].reshape(nb, 2, 64)).reshape(nb, 8, 32)
         qh = b[:, 128:192].reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8,
                                                                  device=b.device).reshape(1, 1, 4, 1)
-        c = (ql | ((qh & 3).reshape(nb, 8, 32) << 4)).reshape(N, K)
+        c = ql.bitwise_or_(qh.bitwise_and_(3).bitwise_left_shift_(4).reshape(nb, 8, 32)).reshape(N, K)
+        del qh
         fmt = Fmt(hi_bits=2, sub=16, two_level=True, zero=Z_CONST, offset=32)
         return Packed(fmt, N, K, lo=_pairs(c), hi=_plane(c, 2), sc=b[:, 192:208].contiguous().view(torch.int8)
                       .reshape(N, -1), d=_f16(b[:, 208:210]).reshape(N, -1))
