@@ -86,11 +86,15 @@ class StreamedLayers:
         return staged, done
 
     def _twin(self, i: int, staged: dict) -> nn.Module:
-        """Layer i on the GPU: its module tree around the staged tensors, each quantized module
-        turned into the GPU kernels' layout."""
+        """Layer i on the GPU: its module tree around the staged tensors (taken out of `staged`),
+        each quantized module turned into the GPU kernels' layout. Nothing else holds the staged
+        blocks, so each module's are freed as it is converted."""
         from dsq.runtime.qmodules import prepare_kernels
 
-        twin = copy.deepcopy(self.layers[i], memo=dict(staged))
+        memo = dict(staged)
+        staged.clear()
+        twin = copy.deepcopy(self.layers[i], memo=memo)
+        del memo
         for m in twin.modules():
             if hasattr(m, "_scaled"):
                 m._scaled = None  # a norm's cached float32 weight belongs to the CPU layer
@@ -111,8 +115,7 @@ class StreamedLayers:
             torch.cuda.current_stream().wait_event(done)
             for t in staged.values():
                 t.record_stream(torch.cuda.current_stream())
-            twin = self._twin(i, staged)
-            staged.clear()  # the file's blocks now live on as the twin's kernel layout only
+            twin = self._twin(i, staged)  # the file's blocks live on as the twin's kernel layout only
             cos, sin, mask, sl = self.model.layer_context(i, self.gpu, slots_g, pad_g, kv_len, cache, memo)
             lc = self._layer_cache(cache, i, int(slots[0]), kv_len)
             x = twin(x, cos, sin, mask, lc, sl, kv_len)
