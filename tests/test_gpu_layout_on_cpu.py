@@ -86,17 +86,19 @@ def test_each_source_module_is_freed_before_the_next_converts():
 
 
 
-def test_streamed_layer_frees_each_modules_blocks_as_it_converts():
-    """A streamed prefill's layer on the GPU (StreamedLayers._twin) holds its staged blocks only
-    until each module is converted: the staged dict is emptied and nothing else keeps them."""
+def test_streamed_layer_holds_one_modules_blocks_at_a_time(monkeypatch):
+    """A streamed prefill builds each CPU layer's GPU twin module by module (StreamedLayers._stage):
+    a module's blocks are copied, converted and dropped before the next module's are copied, so
+    only one module's file blocks are alive at a time; the CPU layer keeps its own modules. (On the
+    CPU, with a clone standing in for the copy to the GPU.)"""
     import weakref
 
     import torch
     from torch import nn
 
-    from dsq.runtime.streamed import StreamedLayers
+    from dsq.runtime import streamed as st
 
-    seen = []
+    seen, copies = [], []
 
     class Source(nn.Module):
         def __init__(self):
@@ -104,18 +106,29 @@ def test_streamed_layer_frees_each_modules_blocks_as_it_converts():
             self.register_buffer("raw", torch.zeros(8, dtype=torch.uint8))
 
         def kernel_module(self):
-            seen.append(sum(r() is not None for r in refs))  # staged blocks still alive as this one converts
+            seen.append(sum(r() is not None and r().dtype == torch.uint8 for r in copies))  # blocks alive now
             return nn.Identity()
 
-    layer = nn.Sequential(Source(), nn.Sequential(Source(), Source()))
-    staged = {id(m.raw): m.raw.clone() for m in layer.modules() if isinstance(m, Source)}
-    refs = [weakref.ref(t) for t in staged.values()]
-    streamed = StreamedLayers.__new__(StreamedLayers)
-    streamed.layers = [layer]
-    twin = streamed._twin(0, staged)
-    assert not staged and seen == [3, 2, 1] and all(r() is None for r in refs)
-    assert all(not isinstance(m, Source) for m in twin.modules())
-    assert all(isinstance(m, Source) for m in (layer[0], layer[1][0]))  # the CPU layer is untouched
+    class Copy(st.StreamedLayers):
+        def _copy(self, t, is_param):
+            g = nn.Parameter(t.clone(), requires_grad=False) if is_param else t.clone()
+            copies.append(weakref.ref(g))
+            return g
+
+    class Event:
+        def record(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    layer = nn.Sequential(Source(), nn.Sequential(Source(), nn.LayerNorm(4)), Source())
+    streamed = Copy.__new__(Copy)
+    streamed.layers, streamed.copies, streamed.dtype = [layer], None, torch.float32
+    twin, _ = streamed._stage(0)
+    assert seen == [1, 1, 1] and sum(r() is not None for r in copies) == 2  # the LayerNorm's weight, bias
+    assert [type(m) for m in twin.modules()].count(nn.Identity) == 3
+    assert twin[1][1].weight is not layer[1][1].weight and torch.equal(twin[1][1].weight, layer[1][1].weight)
+    assert sum(isinstance(m, Source) for m in layer.modules()) == 3  # the CPU layer is untouched
+
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_repacking_transient_memory(qtype):

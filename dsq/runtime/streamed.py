@@ -72,34 +72,42 @@ class StreamedLayers:
         self.pinned = pin_layers(self.layers)
         self.copies = torch.cuda.Stream(gpu)
 
-    def _stage(self, i: int) -> tuple[dict, torch.cuda.Event]:
-        """Layer i's tensors copied to the GPU on the copy stream (float ones in the GPU's dtype)."""
-        staged = {}
+    def _stage(self, i: int) -> tuple[nn.Module, torch.cuda.Event]:
+        """Layer i on the GPU, built on the copy stream: a structural copy of the CPU layer whose
+        tensors are copied over (float ones in the GPU's dtype), each quantized module turned into
+        the GPU kernels' layout as soon as its blocks land. In stream order a module's blocks are
+        freed before the next module's are copied, so the file's layout of a layer never fills
+        the GPU beside its kernel layout; the event marks the layer ready."""
+        from dsq.runtime.qmodules import set_module
+
+        layer = self.layers[i]
+        twin = copy.deepcopy(layer, memo={id(t): t for _, _, t, _ in _tensors(layer)})  # shares the CPU tensors
+        moved: dict[int, torch.Tensor] = {}
         with torch.cuda.stream(self.copies):
-            for _, _, t, is_param in _tensors(self.layers[i]):
-                g = t.to(self.gpu, non_blocking=True)
-                if is_param and g.is_floating_point() and g.dtype != self.dtype:  # norms, biases, float weights
-                    g = g.to(self.dtype)
-                staged[id(t)] = nn.Parameter(g, requires_grad=False) if is_param else g
+            for name in [n for n, _ in twin.named_modules()][::-1]:  # children before their parents
+                mod = twin.get_submodule(name)  # by name: no list of the modules keeps a converted one alive
+                for tensors, is_param in ((mod._parameters, True), (mod._buffers, False)):
+                    for n, t in list(tensors.items()):
+                        if t is not None:
+                            tensors[n] = moved[id(t)] if id(t) in moved else self._copy(t, is_param)
+                            moved[id(t)] = tensors[n]
+                if hasattr(mod, "_scaled"):
+                    mod._scaled = None  # a norm's cached float32 weight belongs to the CPU layer
+                if name and hasattr(mod, "kernel_module"):
+                    new = mod.kernel_module()
+                    if new is not mod:
+                        set_module(twin, name, new)
+                        moved.clear()  # what this module held goes with it
+                del mod
             done = torch.cuda.Event()
             done.record()
-        return staged, done
+        return twin, done
 
-    def _twin(self, i: int, staged: dict) -> nn.Module:
-        """Layer i on the GPU: its module tree around the staged tensors (taken out of `staged`),
-        each quantized module turned into the GPU kernels' layout. Nothing else holds the staged
-        blocks, so each module's are freed as it is converted."""
-        from dsq.runtime.qmodules import prepare_kernels
-
-        memo = dict(staged)
-        staged.clear()
-        twin = copy.deepcopy(self.layers[i], memo=memo)
-        del memo
-        for m in twin.modules():
-            if hasattr(m, "_scaled"):
-                m._scaled = None  # a norm's cached float32 weight belongs to the CPU layer
-        prepare_kernels(twin)
-        return twin
+    def _copy(self, t: torch.Tensor, is_param: bool) -> torch.Tensor:
+        g = t.to(self.gpu, non_blocking=True)
+        if is_param and g.is_floating_point() and g.dtype != self.dtype:  # norms, biases, float weights
+            g = g.to(self.dtype)
+        return nn.Parameter(g, requires_grad=False) if is_param else g
 
     def run(self, x: torch.Tensor, slots: torch.Tensor, cache, pad: torch.Tensor, kv_len: int) -> torch.Tensor:
         """x (B, T, H) through layers 0..n-1 on the GPU; returns x there. Their new keys and values
@@ -109,18 +117,18 @@ class StreamedLayers:
         memo: dict = {}
         nxt = self._stage(0)
         for i in range(self.n):
-            staged, done = nxt
+            twin, done = nxt
             if i + 1 < self.n:
                 nxt = self._stage(i + 1)  # the next layer's copy overlaps this one's compute
-            torch.cuda.current_stream().wait_event(done)
-            for t in staged.values():
-                t.record_stream(torch.cuda.current_stream())
-            twin = self._twin(i, staged)  # the file's blocks live on as the twin's kernel layout only
+            compute = torch.cuda.current_stream()
+            compute.wait_event(done)
+            for t in _tensors(twin):
+                t[2].record_stream(compute)  # made on the copy stream: not reused there until compute is done
             cos, sin, mask, sl = self.model.layer_context(i, self.gpu, slots_g, pad_g, kv_len, cache, memo)
             lc = self._layer_cache(cache, i, int(slots[0]), kv_len)
             x = twin(x, cos, sin, mask, lc, sl, kv_len)
             self._keep(cache, i, lc, int(slots[0]), kv_len)
-            del twin, staged
+            del twin
         return x
 
     def _layer_cache(self, cache, i: int, start: int, kv_len: int) -> _LayerCache:
