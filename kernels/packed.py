@@ -265,25 +265,30 @@ def _nib(qs: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def from_gguf(raw: torch.Tensor, qtype: str, K: int, chunk: int = 1 << 24) -> Packed:
+def from_gguf(raw: torch.Tensor, qtype: str, K: int, chunk: int = 1 << 24,
+              device: torch.device | str | None = None) -> Packed:
     """GGUF blocks (N, row_bytes) uint8 -> Packed, on raw's device. Codes are unsigned (with the
     format's offset) except Q8_0 (int8). Converted about `chunk` weights at a time into outputs
     allocated once: the intermediate codes take up to ~3 bytes a weight (uint8, in place), so a
     chunk's transient is ~48 MB beside the output (on the GPU, where the runtime converts a layer's
     weights at load and each streamed layer's at prefill; all at once, a Q6_K output head of
-    128256 x 4096 would take 1.6 GB beside its 0.43 GB)."""
+    128256 x 4096 would take 1.6 GB beside its 0.43 GB). With `device`, the output is made there
+    and each chunk of raw's rows is copied over just before it is converted: the blocks as a whole
+    never sit on that device beside the output."""
     N = raw.shape[0]
     rows = max(1, chunk // K)
+    dev = raw.device if device is None else torch.device(device)
+    on = (lambda r: r) if dev == raw.device else (lambda r: r.to(dev))  # noqa: E731
     if N <= rows:
-        return _from_gguf(raw, qtype, K)
-    first = _from_gguf(raw[:rows], qtype, K)
+        return _from_gguf(on(raw), qtype, K)
+    first = _from_gguf(on(raw[:rows]), qtype, K)
     out = {k: torch.empty((N, *v.shape[1:]), dtype=v.dtype, device=v.device) for k, v in first.tensors().items()}
     for k, v in first.tensors().items():
         out[k][:rows] = v
     fmt = first.fmt
     del first
     for i in range(rows, N, rows):
-        for k, v in _from_gguf(raw[i:i + rows], qtype, K).tensors().items():
+        for k, v in _from_gguf(on(raw[i:i + rows]), qtype, K).tensors().items():
             out[k][i:i + rows] = v
     return Packed(fmt, N, K, **out)
 

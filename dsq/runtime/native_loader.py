@@ -17,7 +17,7 @@ from dsq.errors import BadModelFile
 from dsq.models.base import Transformer, module_device
 from dsq.models.registry import arch_for_gguf, build_args
 from dsq.runtime.gpu_layers import GpuLayers
-from dsq.runtime.qmodules import GGUFEmbedding, GGUFLinear, prepare_kernels, set_module
+from dsq.runtime.qmodules import GGUFEmbedding, GGUFLinear, prepare_kernels, set_module, to_device
 
 FLOAT_GGUF = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -48,8 +48,8 @@ def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None, 
     split = gpu is not None and gpu in per and torch.device("cpu") in per
     if gpu is not None and gpu in per:
         head = gpu
-    for layer, dev in zip(model.model.layers, per):
-        layer.to(dev)
+    for i, (layer, dev) in enumerate(zip(model.model.layers, per)):
+        layer = model.model.layers[i] = to_device(layer, dev)
         if split and dev.type == "cpu":
             _float32_params(layer)
         if each is not None:
@@ -63,7 +63,7 @@ def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None, 
         import copy
 
         model.lm_head = copy.deepcopy(model.lm_head)
-    model.lm_head.to(head)
+    model.lm_head = to_device(model.lm_head, head)
 
 
 STACK_ON = ("cuda",)  # the devices whose routed experts loading stacks (experts.stack_experts)

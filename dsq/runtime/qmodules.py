@@ -229,6 +229,24 @@ def _unpermute(w: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
     return w if perm is None else w[:, torch.argsort(perm)]
 
 
+def to_device(module: nn.Module, device: torch.device) -> nn.Module:
+    """module moved to `device` (returned: the module itself may be replaced). Where that device's
+    kernels are Triton's, each GGUF block module still on the CPU becomes its PackedLinear straight
+    from there, a chunk of rows at a time (packed.from_gguf): the GPU never holds a module's file
+    blocks beside its kernel layout, nor the conversion's transient of a whole module (an 8B
+    Q4_K_M GGUF's load peaked ~1.4 GB above what it kept, docs/benchmarks.md#split-between-gpu-and-cpu)."""
+    if dispatch.use_triton(device):
+        for name in [n for n, m in module.named_modules() if isinstance(m, GGUFLinear) and m.raw.device.type == "cpu"]:
+            m = module.get_submodule(name)
+            bias = None if m.bias is None else nn.Parameter(m.bias.to(device), requires_grad=False)
+            new = PackedLinear(packed.from_gguf(m.raw, m.qtype, m.in_features, device=device), bias, m.qtype)
+            if not name:
+                return new
+            set_module(module, name, new)
+            del m, new
+    return module.to(device)
+
+
 def prepare_kernels(model: nn.Module) -> int:
     """Replace each quantized module by the one its device's kernels read (after placement).
     Returns how many were replaced. Holds no module beyond its turn, so each one's source weights
