@@ -240,3 +240,37 @@ def test_gptq_graph_equals_eager(group):
     finally:
         Q.GPTQ_CUDA_GRAPHS = True
     assert torch.equal(graphed.q, eager.q) and torch.equal(graphed.scales, eager.scales)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
+def test_host_mapped_embedding(qtype, tiny_gguf, monkeypatch):
+    """All on the GPU, the token embedding stays in pinned RAM, read by the GPU at its host address
+    (runtime/host_mapped.py): it takes no VRAM, and greedy decode (the captured step looks the
+    token up) gives the same tokens and logits as with the table in VRAM."""
+    from dsq.runtime import native_loader
+    from dsq.runtime.native import NativeModel
+
+    path = tiny_gguf("llama", qtype)
+    runs = []
+    for mapped in (True, False):
+        with monkeypatch.context() as mp:
+            if not mapped:
+                mp.setattr(native_loader, "map_embedding", lambda embed, device: False)
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated()
+            m = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all")
+            held = torch.cuda.memory_allocated() - before
+            raw = m.model.model.embed_tokens.raw
+            assert raw.is_cuda
+            runs.append((held, raw.numel(), m.logits(IDS[:20]), _greedy(m, 12)))
+            del m
+    (held_m, n, logits_m, toks_m), (held_g, _, logits_g, toks_g) = runs
+    assert held_g - held_m >= n  # the table is not in VRAM
+    assert np.array_equal(logits_m, logits_g) and toks_m == toks_g
+
+
+def _greedy(m, n: int) -> list[int]:
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.sampling import SamplingParams
+
+    return [e.token_id for e in m.stream(IDS[:30], SamplingParams(temperature=0), n, GenStats(), ignore_eos=True)]

@@ -119,7 +119,7 @@ def h200():
 
 
 def test_native_plan_puts_the_head_with_the_first_layer():
-    """native: the output head on the GPU with any layer, the embedding only with all of them;
+    """native: the output head on the GPU with any layer, the embedding in RAM (host-mapped);
     a budget that holds the head but no layer beside it leaves everything on the CPU."""
     shape = llama3_8b_q4_k_m()
     one = plan_placement(shape, vram=0, ctx=512, backend="native", gpu_layers=1, bandwidths=h200())
@@ -133,7 +133,7 @@ def test_native_plan_puts_the_head_with_the_first_layer():
     assert llama.gpu_layers > 0 and llama.output_device == "CPU"  # llama.cpp: layers first, the head last
     full = plan_placement(shape, vram=64 * GiB, ctx=512, backend="native", bandwidths=h200())
     assert full.gpu_layers == shape.n_layer and full.gpu_layers_arg == "all"
-    assert full.embed_device == full.output_device == "GPU" and full.bytes_per_token_cpu == shape.misc_bytes
+    assert full.embed_device == "CPU" and full.output_device == "GPU" and full.bytes_per_token_cpu == shape.misc_bytes
     assert full.split_overhead_s == 0 and one.split_overhead_s == 50e-6
 
 

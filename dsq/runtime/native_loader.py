@@ -17,6 +17,7 @@ from dsq.errors import BadModelFile
 from dsq.models.base import Transformer, module_device
 from dsq.models.registry import arch_for_gguf, build_args
 from dsq.runtime.gpu_layers import GpuLayers
+from dsq.runtime.host_mapped import map_embedding
 from dsq.runtime.qmodules import GGUFEmbedding, GGUFLinear, prepare_kernels, set_module, to_device
 
 FLOAT_GGUF = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -40,9 +41,10 @@ def _check_shapes(model: nn.Module, sd: dict[str, torch.Tensor], where: str, sho
 
 def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None, each=None) -> None:
     """Layers on their devices (GpuLayers.devices: llama.cpp's last N layers). The native runtime
-    puts the output head on the GPU whenever any layer is there, and keeps the token embedding on
-    the CPU in a split (one row a token): the head is read every token, so it costs the most where
-    memory is slowest (docs/benchmarks.md#split-between-gpu-and-cpu). CPU layers of a split model
+    puts the output head on the GPU whenever any layer is there, and keeps the token embedding in
+    RAM (one row a token): on the CPU in a split, host-mapped for the GPU with every layer there
+    (runtime/host_mapped.py). The head is read every token, so it costs the most where memory is
+    slowest (docs/benchmarks.md#split-between-gpu-and-cpu). CPU layers of a split model
     compute in float32, the C kernels' dtype. `each(layer)` runs on each layer once it is in place."""
     per, head = gpu_layers.devices(model.args.num_hidden_layers, gpu)
     split = gpu is not None and gpu in per and torch.device("cpu") in per
@@ -54,7 +56,9 @@ def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None, 
             _float32_params(layer)
         if each is not None:
             each(layer)
-    model.model.embed_tokens.to(torch.device("cpu") if split else per[0] if per else head)
+    embed_on = torch.device("cpu") if split else per[0] if per else head
+    if embed_on.type != "cuda" or not map_embedding(model.model.embed_tokens, embed_on):
+        model.model.embed_tokens.to(embed_on)
     if split and hasattr(model.model.embed_tokens, "out_dtype"):  # GGUF rows straight to float32
         model.model.embed_tokens.out_dtype = torch.float32
     model.model.norm.to(head)

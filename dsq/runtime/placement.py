@@ -4,9 +4,9 @@ Bytes per layer come from the file itself (each tensor at its actual quant type)
 the context length, plus compute buffers. Each backend places a `--gpu-layers N` its own way:
 - llama.cpp: the last N layers on the GPU, and N = n_layer + 1 the output head too; the token
   embedding stays on the CPU. Its plan is the largest N that fits.
-- native: the last N layers, the output head whenever any layer is there, the token embedding only
-  with every layer; each layer's KV cache on its layer's device (float32 for the CPU layers of a
-  split). Its plan is the N that fits with the fastest predicted decode.
+- native: the last N layers, the output head whenever any layer is there; the token embedding in
+  RAM (with every layer on the GPU, host-mapped: runtime/host_mapped.py); each layer's KV cache on
+  its layer's device (float32 for the CPU layers of a split). Its plan is the N that fits with the fastest predicted decode.
 Decode speed is a bandwidth model: every weight byte is read once per token, GPU bytes at the GPU's
 bandwidth and CPU bytes at the CPU's (machine.Bandwidths, calibrated by `dsq offload --calibrate`),
 each scaled by the backend's achieved share of it, plus a split's per-token exchange.
@@ -149,7 +149,7 @@ def _option(shape: ModelShape, backend: str, n: int) -> _Option:
         return _Option(n, tuple(on), head, False)
     k = min(n, shape.n_layer)
     on = tuple(i >= shape.n_layer - k for i in range(shape.n_layer))
-    return _Option(k, on, k > 0, k > 0 and k == shape.n_layer)
+    return _Option(k, on, k > 0, False)
 
 
 def _options(shape: ModelShape, backend: str) -> list[_Option]:
