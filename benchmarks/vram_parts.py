@@ -4,7 +4,8 @@ layers, final norm + output head, KV cache) against torch's allocated and reserv
 device's used bytes; then one bench-shaped generation (prompt, then greedy tokens), with the peak
 allocated / reserved / device figures it reached. device - reserved is memory outside torch's
 allocator (kernel images, library workspaces); peak allocated - allocated after load is the
-prompt's and the step's transient buffers.
+prompt's and the step's transient buffers. A host-mapped embedding (runtime/host_mapped.py) counts
+in `embed` but not in VRAM.
 
     python -m benchmarks.vram_parts MODEL.gguf --gpu-layers 0,8,24,all [--prompt-tokens 64] [--json out.json]
 """
@@ -51,6 +52,7 @@ def one(model: str, gl: str, prompt_tokens: int, gen_tokens: int, threads: int |
                   gpu_layers=gl)
     torch.cuda.synchronize()
     rec = {"gpu_layers": gl, "load_peak_allocated": mib(torch.cuda.max_memory_allocated() - a0),
+           "load_peak_reserved": mib(torch.cuda.max_memory_reserved()),
            "load_peak_device": mib(lm.peak_gpu or 0), "allocated": mib(torch.cuda.memory_allocated() - a0),
            "reserved": mib(torch.cuda.memory_reserved()), "device": mib((gpu_used_bytes() or 0) - base)}
     rec.update({k: mib(v) for k, v in parts(nm).items()})

@@ -11,6 +11,11 @@ from dsq.runtime.threads import quiet_openmp as _quiet_openmp  # noqa: E402
 
 _quiet_openmp()  # before anything imports torch: OpenMP read its wait policy when it loads
 
+# torch's CUDA allocator (read when CUDA starts) grows its segments in place instead of caching
+# fixed ones, unless the user configured it: with fixed segments a split's streamed prefill left
+# 0.3-0.6 GB reserved beside what it had allocated (docs/benchmarks.md#split-between-gpu-and-cpu)
+__import__("os").environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 _API = {
     "resolve_model": "dsq.runtime.model_ref",
     "builtin_model_path": "dsq.runtime.builtin",
