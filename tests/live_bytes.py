@@ -27,7 +27,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+                  if isinstance(a, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue

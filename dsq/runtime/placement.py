@@ -6,7 +6,8 @@ the context length, plus compute buffers. Each backend places a `--gpu-layers N`
   embedding stays on the CPU. Its plan is the largest N that fits.
 - native: the last N layers, the output head whenever any layer is there; the token embedding in
   RAM (with every layer on the GPU, host-mapped: runtime/host_mapped.py); each layer's KV cache on
-  its layer's device (float32 for the CPU layers of a split). Its plan is the N that fits with the fastest predicted decode.
+  its layer's device (float32 for the CPU layers of a split). Its plan is the N that fits with the
+  fastest predicted decode.
 Decode speed is a bandwidth model: every weight byte is read once per token, GPU bytes at the GPU's
 bandwidth and CPU bytes at the CPU's (machine.Bandwidths, calibrated by `dsq offload --calibrate`),
 each scaled by the backend's achieved share of it, plus a split's per-token exchange.
