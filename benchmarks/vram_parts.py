@@ -66,7 +66,8 @@ def one(model: str, gl: str, prompt_tokens: int, gen_tokens: int, threads: int |
     rec.update({"gen_peak_allocated": mib(torch.cuda.max_memory_allocated() - a0),
                 "gen_peak_reserved": mib(torch.cuda.max_memory_reserved()), "gen_peak_device": mib(gm.peak_gpu or 0),
                 "after_allocated": mib(torch.cuda.memory_allocated() - a0),
-                "after_reserved": mib(torch.cuda.memory_reserved()), "after_device": mib((gpu_used_bytes() or 0) - base)})
+                "after_reserved": mib(torch.cuda.memory_reserved()),
+                "after_device": mib((gpu_used_bytes() or 0) - base)})
     del nm
     release_memory()
     return rec
