@@ -8,6 +8,8 @@
 #   bash benchmarks/h200_split.sh tests    # the CUDA tests of the native runtime
 #   bash benchmarks/h200_split.sh offload  # dsq offload --calibrate, then --measure at each split
 #   bash benchmarks/h200_split.sh bench    # dsq bench, both engines at each split with their ratio and plot
+#   bash benchmarks/h200_split.sh vram     # where each split's VRAM goes (benchmarks/vram_parts.py), with torch's
+#                                          # expandable segments (dsq's default) and with fixed ones
 #   bash benchmarks/h200_split.sh fused    # one C call per CPU layer against op by op: one 8B layer and a
 #                                          # synthetic 32-layer step, then the GGUF's decode step at each split
 #
@@ -65,6 +67,13 @@ if [ "$PART" = bench ]; then  # both engines through dsq bench: tok/s and peak V
   timeout 400 python3 -m dsq bench "$GGUF" --backend "${BACKENDS:-native,llama.cpp}" -g "${DSQ_SPLITS:-0,8,16,24,all}" \
     --prompt-tokens "${PROMPT:-64}" --gen-tokens "${GEN:-32}" --repeat 2 --threads "$THREADS" ${COMPILE:+--compile} \
     --json "$OUT/bench_${TAG:-split}.json" --plot "$OUT/bench_${TAG:-split}.png" 2>&1 | grep -v -i warn | tail -25
+  exit 0
+fi
+if [ "$PART" = vram ]; then  # VRAM by part at each split; the B run with the allocator's fixed segments
+  timeout 200 python3 -m benchmarks.vram_parts "$GGUF" --gpu-layers "${DSQ_SPLITS:-0,8,24,all}" --threads "$THREADS" \
+    --json "$OUT/vram_parts.json" 2>&1 | grep -v -i warn
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False timeout 200 python3 -m benchmarks.vram_parts "$GGUF" \
+    --gpu-layers "${DSQ_SPLITS:-0,8,24,all}" --threads "$THREADS" --json "$OUT/vram_parts_fixed.json" 2>&1 | grep -v -i warn
   exit 0
 fi
 if [ "$PART" = crossover ]; then  # prefill of a split: the CPU's kernels (DSQ_STREAM_ROWS=0) or streamed weights

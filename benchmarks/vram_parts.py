@@ -4,7 +4,8 @@ layers, final norm + output head, KV cache) against torch's allocated and reserv
 device's used bytes; then one bench-shaped generation (prompt, then greedy tokens), with the peak
 allocated / reserved / device figures it reached. device - reserved is memory outside torch's
 allocator (kernel images, library workspaces); peak allocated - allocated after load is the
-prompt's and the step's transient buffers. A host-mapped embedding (runtime/host_mapped.py) counts
+prompt's and the step's transient buffers; graph_pools_reserved is what the captured steps' private
+pools hold (after the generation). A host-mapped embedding (runtime/host_mapped.py) counts
 in `embed` but not in VRAM.
 
     python -m benchmarks.vram_parts MODEL.gguf --gpu-layers 0,8,24,all [--prompt-tokens 64] [--json out.json]
@@ -24,6 +25,15 @@ def _gpu_bytes(module) -> int:
             seen.add(t.data_ptr())
             n += t.numel() * t.element_size()
     return n
+
+
+def _private_pool_bytes() -> int:
+    """Bytes torch's allocator reserves in private pools (the captured CUDA graphs' memory), which
+    no allocation outside the graph can reuse."""
+    import torch
+
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", (0, 0)))
+               != (0, 0))
 
 
 def parts(nm) -> dict[str, int]:
@@ -63,6 +73,7 @@ def one(model: str, gl: str, prompt_tokens: int, gen_tokens: int, threads: int |
         nm.reset()
         _generate(nm, prompts, greedy, gen_tokens)
     torch.cuda.synchronize()
+    rec["graph_pools_reserved"] = mib(_private_pool_bytes())
     rec.update({"gen_peak_allocated": mib(torch.cuda.max_memory_allocated() - a0),
                 "gen_peak_reserved": mib(torch.cuda.max_memory_reserved()), "gen_peak_device": mib(gm.peak_gpu or 0),
                 "after_allocated": mib(torch.cuda.memory_allocated() - a0),
