@@ -46,7 +46,7 @@ def map_embedding(embed: nn.Module, device: torch.device) -> bool:
     try:
         mapped = {n: host_mapped(t, device) for n, t in list(embed.named_parameters(recurse=False))
                   + list(embed.named_buffers(recurse=False))}
-    except RuntimeError:
+    except (RuntimeError, TypeError, ValueError):  # no room to pin, or no mapping at the host address
         return False
     for n, t in mapped.items():
         if n in embed._parameters:
