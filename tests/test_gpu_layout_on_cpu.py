@@ -150,3 +150,26 @@ def test_gguf_repacking_transient_memory(qtype):
     assert live.now == 0
     assert out <= 1.03 * raw.numel()
     assert live.peak - out < 4 * chunk, (live.peak - out) / chunk
+
+
+def test_host_mapped_embedding_falls_back_where_it_cannot_map(monkeypatch):
+    """map_embedding leaves the embedding as it was (and says so) where its table cannot be pinned
+    and mapped (here: no GPU at all, or a pinning failure) and where DSQ_HOST_EMBED=0 asks for VRAM;
+    the loader then moves the module as before."""
+    import torch
+    from torch import nn
+
+    from dsq.runtime import host_mapped
+
+    emb = nn.Embedding(16, 4)
+    before = emb.weight
+    monkeypatch.setenv("DSQ_HOST_EMBED", "0")
+    assert not host_mapped.map_embedding(emb, torch.device("cuda"))
+    monkeypatch.delenv("DSQ_HOST_EMBED")
+
+    def no_pinning(t, device):
+        raise RuntimeError("cannot pin")
+
+    monkeypatch.setattr(host_mapped, "host_mapped", no_pinning)
+    assert not host_mapped.map_embedding(emb, torch.device("cuda"))
+    assert emb.weight is before and emb.weight.device.type == "cpu"
