@@ -1,6 +1,7 @@
 """Quantized modules. The loader builds the checkpoint's modules (GGUFLinear, AWQLinear, GPTQLinear,
-FP8Linear: tensors exactly as on disk), places them, then `prepare_kernels` turns each into what
-its device's kernels read: on a GPU one `PackedLinear` (kernels/packed.py, Triton) for every
+FP8Linear: tensors exactly as on disk), places them (`to_device`: GGUF blocks bound for a GPU are
+converted on the way, from the CPU), then `prepare_kernels` turns each into what its device's
+kernels read: on a GPU one `PackedLinear` (kernels/packed.py, Triton) for every
 format; on the CPU GGUF blocks and FP8 stay as they are and AWQ/GPTQ become `IntLinear` (dsq's
 internal int layout, C kernels). Every op goes through `dsq.kernels.dispatch`."""
 
