@@ -12,8 +12,8 @@ from dsq.runtime.threads import quiet_openmp as _quiet_openmp  # noqa: E402
 _quiet_openmp()  # before anything imports torch: OpenMP read its wait policy when it loads
 
 # torch's CUDA allocator (read when CUDA starts) grows its segments in place instead of caching
-# fixed ones, unless the user configured it: with fixed segments a split's streamed prefill left
-# 0.3-0.6 GB reserved beside what it had allocated (docs/benchmarks.md#split-between-gpu-and-cpu)
+# fixed ones, unless the user configured it: with fixed segments an 8B Q4_K_M load peaked 0.3-1.4 GB
+# higher on the device, at 8 layers to all (docs/benchmarks.md#split-between-gpu-and-cpu)
 __import__("os").environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 _API = {
