@@ -131,12 +131,12 @@ def _kv_len(ctx: int, swa: bool, window: int, n_ubatch: int = 512, swa_full: boo
 
 @dataclass(frozen=True)
 class _Option:
-    """One placement: per layer on the GPU?, the output head, the token embedding."""
+    """One placement: per layer on the GPU?, the output head (both backends keep the token
+    embedding in RAM)."""
 
     n: int  # the backend's --gpu-layers count for it
     on_gpu: tuple[bool, ...]
     head_gpu: bool
-    embed_gpu: bool
 
     @property
     def split(self) -> bool:
@@ -148,10 +148,10 @@ def _option(shape: ModelShape, backend: str, n: int) -> _Option:
     """The placement `--gpu-layers n` makes on `backend` (n counted as GpuLayers.count counts)."""
     if backend == "llama.cpp":
         on, head = GpuLayers(n).split(shape.n_layer)
-        return _Option(n, tuple(on), head, False)
+        return _Option(n, tuple(on), head)
     k = min(n, shape.n_layer)
     on = tuple(i >= shape.n_layer - k for i in range(shape.n_layer))
-    return _Option(k, on, k > 0, False)
+    return _Option(k, on, k > 0)
 
 
 def _options(shape: ModelShape, backend: str) -> list[_Option]:
@@ -213,16 +213,14 @@ class _Costs:
         layers = sum(w - self.experts[i] + self.layer_kv(i, True) for i, w in enumerate(self.weights)
                      if opt.on_gpu[i])
         head = s.output_bytes if opt.head_gpu else 0
-        embed = s.embed_bytes if opt.embed_gpu and not (s.tied and opt.head_gpu) else 0
-        return layers + head + embed + self.compute_gpu(opt) + self.reserve
+        return layers + head + self.compute_gpu(opt) + self.reserve
 
     def cpu_bytes(self, opt: _Option) -> int:
         s = self.shape
         layers = sum(w + self.layer_kv(i, False) for i, w in enumerate(self.cpu_weights) if not opt.on_gpu[i])
         layers += sum(e for i, e in enumerate(self.experts) if opt.on_gpu[i])
         head = s.output_bytes if not opt.head_gpu and not s.tied else 0
-        embed = 0 if opt.embed_gpu else s.embed_bytes
-        return layers + head + embed + s.misc_bytes + self.compute_cpu
+        return layers + head + s.embed_bytes + s.misc_bytes + self.compute_cpu
 
     def per_token(self, opt: _Option) -> tuple[int, int]:
         """(GPU bytes, CPU bytes) read per decoded token: every weight once (of routed experts,
@@ -366,7 +364,7 @@ def _plan(shape: ModelShape, costs: _Costs, opt: _Option, bw: Bandwidths, vram: 
                 costs.compute_cpu, gpu_total, cpu_total, bw.gpu, bw.cpu, tok_gpu, tok_cpu,
                 1.0 / t_roof if t_roof else 0.0, 1.0 / t_pred if t_pred else 0.0, fits_ram, notes,
                 backend=costs.backend, gpu_layers_arg="all" if everything else str(opt.n),
-                embed_device="GPU" if opt.embed_gpu else "CPU", min_gpu_bytes=min_gpu,
+                min_gpu_bytes=min_gpu,
                 split_overhead_s=costs.overhead(opt, bw), bandwidth_source=bw.source)
 
 

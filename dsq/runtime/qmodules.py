@@ -28,10 +28,16 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dispatch.gguf_linear(x, self.raw, self.qtype, self.in_features, self.bias)
 
-    def kernel_module(self) -> nn.Module:
-        if dispatch.use_triton(self.raw.device):
-            return PackedLinear(packed.from_gguf(self.raw, self.qtype, self.in_features), self.bias, self.qtype)
-        return self
+    def kernel_module(self, device: torch.device | None = None) -> nn.Module:
+        """The module its kernels read on `device` (default: where the blocks are): on a GPU the
+        PackedLinear, converted there from wherever the blocks are (packed.from_gguf)."""
+        dev = self.raw.device if device is None else torch.device(device)
+        if not dispatch.use_triton(dev):
+            return self
+        bias = self.bias
+        if bias is not None and bias.device != dev:
+            bias = nn.Parameter(bias.to(dev), requires_grad=False)
+        return PackedLinear(packed.from_gguf(self.raw, self.qtype, self.in_features, device=dev), bias, self.qtype)
 
     @staticmethod
     def fuse_rows(mods) -> GGUFLinear | None:
@@ -238,13 +244,11 @@ def to_device(module: nn.Module, device: torch.device) -> nn.Module:
     Q4_K_M GGUF's load peaked ~1.4 GB above what it kept, docs/benchmarks.md#split-between-gpu-and-cpu)."""
     if dispatch.use_triton(device):
         for name in [n for n, m in module.named_modules() if isinstance(m, GGUFLinear) and m.raw.device.type == "cpu"]:
-            m = module.get_submodule(name)
-            bias = None if m.bias is None else nn.Parameter(m.bias.to(device), requires_grad=False)
-            new = PackedLinear(packed.from_gguf(m.raw, m.qtype, m.in_features, device=device), bias, m.qtype)
+            new = module.get_submodule(name).kernel_module(device)
             if not name:
                 return new
             set_module(module, name, new)
-            del m, new
+            del new
     return module.to(device)
 
 
