@@ -86,11 +86,13 @@ def test_each_source_module_is_freed_before_the_next_converts():
 
 
 
-def test_streamed_layer_holds_one_modules_blocks_at_a_time(monkeypatch):
-    """A streamed prefill builds each CPU layer's GPU twin module by module (StreamedLayers._stage):
-    a module's blocks are copied, converted and dropped before the next module's are copied, so
-    only one module's file blocks are alive at a time; the CPU layer keeps its own modules. (On the
-    CPU, with a clone standing in for the copy to the GPU.)"""
+def test_streamed_layers_hold_a_few_modules_at_a_time(monkeypatch):
+    """A streamed prefill stages each CPU layer's quantized modules one by one (StreamedLayers.take):
+    while one computes, at most STREAM_AHEAD more are converted on the GPU, never two whole
+    layers; a module's file blocks are dropped once converted; after the first layer the modules
+    are staged in the order the layer calls them (fusing renames them out of that order); the
+    result is the CPU layer's; the CPU layers keep their own modules. (On the CPU: a clone stands
+    in for the copy to the GPU, events that are already done for the GPU's.)"""
     import weakref
 
     import torch
@@ -98,36 +100,83 @@ def test_streamed_layer_holds_one_modules_blocks_at_a_time(monkeypatch):
 
     from dsq.runtime import streamed as st
 
-    seen, copies = [], []
+    converted, blocks, alive, order = [], [], [], []
+
+    class Kernel(nn.Module):
+        def __init__(self, w, name):
+            super().__init__()
+            self.w, self.name = w, name
+
+        def forward(self, x):
+            return x * self.w
 
     class Source(nn.Module):
-        def __init__(self):
+        def __init__(self, w):
             super().__init__()
-            self.register_buffer("raw", torch.zeros(8, dtype=torch.uint8))
+            self.register_buffer("raw", torch.full((8,), w, dtype=torch.uint8))
 
         def kernel_module(self):
-            seen.append(sum(r() is not None and r().dtype == torch.uint8 for r in copies))  # blocks alive now
-            return nn.Identity()
+            blk = [r() for r in blocks if r() is not None and r().dtype == torch.uint8]
+            alive.append((1 + sum(r() is not None for r in converted), len(blk)))  # with this one
+            k = Kernel(float(self.raw[0]), self.tag)
+            converted.append(weakref.ref(k))
+            order.append(self.tag)
+            return k
+
+        def forward(self, x):
+            return x * float(self.raw[0])
+
+    class Layer(nn.Module):  # registered in another order than forward calls them
+        def __init__(self, i):
+            super().__init__()
+            self.down, self.up, self.qkv = Source(2 + i), Source(3), Source(5)
+            for name in ("down", "up", "qkv"):
+                getattr(self, name).tag = (i, name)
+            self.norm = nn.LayerNorm(4)
+
+        def forward(self, x):
+            return self.down(self.up(self.qkv(self.norm(x))))
+
+    class Done:
+        def record(self):
+            pass
+
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
 
     class Copy(st.StreamedLayers):
         def _copy(self, t, is_param):
             g = nn.Parameter(t.clone(), requires_grad=False) if is_param else t.clone()
-            copies.append(weakref.ref(g))
+            blocks.append(weakref.ref(g))
             return g
 
-    class Event:
-        def record(self):
+        def _event(self):
+            return Done()
+
+        @staticmethod
+        def _on_compute(mod, ready):
             pass
 
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    layer = nn.Sequential(Source(), nn.Sequential(Source(), nn.LayerNorm(4)), Source())
-    streamed = Copy.__new__(Copy)
-    streamed.layers, streamed.copies, streamed.dtype = [layer], None, torch.float32
-    twin, _ = streamed._stage(0)
-    assert seen == [1, 1, 1] and sum(r() is not None for r in copies) == 2  # the LayerNorm's weight, bias
-    assert [type(m) for m in twin.modules()].count(nn.Identity) == 3
-    assert twin[1][1].weight is not layer[1][1].weight and torch.equal(twin[1][1].weight, layer[1][1].weight)
-    assert sum(isinstance(m, Source) for m in layer.modules()) == 3  # the CPU layer is untouched
+    layers = [Layer(i) for i in range(4)]
+    s = Copy.__new__(Copy)
+    s.layers, s.copies, s.dtype = layers, None, torch.float32
+    s.order = [(i, n) for i, layer in enumerate(layers) for n, m in layer.named_modules()
+               if n and hasattr(m, "kernel_module")]
+    s._calls, s._ready, s._staged, s._used = [], {}, set(), []
+    x = torch.randn(2, 4)
+    for i, layer in enumerate(layers):
+        twin, _ = s._stage(i)
+        assert torch.allclose(twin(x), layer(x))
+        del twin
+        if i == 0:
+            s._learn_order()
+    assert len(order) == 12 and all(n <= st.STREAM_AHEAD + 1 and b <= 1 for n, b in alive), alive
+    assert max(n for n, _ in alive) == st.STREAM_AHEAD + 1  # the window is used, not just bounded
+    assert [n for i, n in order if i >= 1] == ["qkv", "up", "down"] * 3  # the call order, learned
+    assert all(isinstance(m, Source) for layer in layers for m in (layer.down, layer.up, layer.qkv))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
