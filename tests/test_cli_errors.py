@@ -213,3 +213,13 @@ def test_gpu_layers_past_the_last_layer_means_all(runner, tiny_gguf, tmp_path):
                             "--json", str(jp)])
     assert r.exit_code == 0, r.output
     assert [x["gpu_layers_effective"] for x in json.loads(jp.read_text())["runs"]] == [-1]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--head", "vram"], "--head takes gpu or cpu"),
+    (["--head", "cpu", "-b", "llama.cpp"], "apply to the native backend"),
+])
+def test_bad_head_placement(runner, tiny_gguf, args, needle):
+    """--head: gpu or cpu, and only the native backend places its head by it."""
+    path = tiny_gguf("llama", "Q8_0")
+    one_line_error(runner.invoke(app, ["run", str(path), "-p", "hi", "-n", "2"] + args), needle)

@@ -274,3 +274,27 @@ def _greedy(m, n: int) -> list[int]:
     from dsq.runtime.sampling import SamplingParams
 
     return [e.token_id for e in m.stream(IDS[:30], SamplingParams(temperature=0), n, GenStats(), ignore_eos=True)]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
+def test_split_head_in_ram(qtype, tiny_gguf):
+    """--head cpu: a split model keeps its output head in RAM (as llama.cpp does below 'all'). The
+    GPU layers are still one captured graph, the head then runs on the CPU's kernels: the VRAM the
+    head took is free, the step is still captured, and greedy decode gives the tokens the head on
+    the GPU gives, with logits within bf16-against-float32 rounding of the head's input."""
+    from dsq.runtime.native import NativeModel
+
+    path = tiny_gguf("llama", qtype)
+    runs = {}
+    for head in ("gpu", "cpu"):
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        m = NativeModel(path, "gguf", n_ctx=128, gpu_layers=1, head=head)
+        held = torch.cuda.memory_allocated() - before
+        assert m.head_device.type == ("cuda" if head == "gpu" else "cpu") and m._split is not None
+        runs[head] = (held, m.model.lm_head.raw.numel(), torch.from_numpy(m.logits(IDS[:20])), _greedy(m, 12))
+        del m
+    (held_g, n, logits_g, toks_g), (held_c, _, logits_c, toks_c) = runs["gpu"], runs["cpu"]
+    assert held_g - held_c >= n  # the head's blocks are not in VRAM
+    assert toks_c == toks_g
+    assert _rel(logits_c, logits_g) < 0.02

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Compile, Dtype, Experts, Force, KvDtype, ModelArg, Threads, backend_options
+from dsq.cli.options import Compile, Dtype, Experts, Force, Head, KvDtype, ModelArg, Threads, backend_options
 
 
 @command("bench", examples=[
@@ -43,6 +43,7 @@ def bench(
     kv_dtype: KvDtype = None,
     compile: Compile = False,
     experts: Experts = "auto",
+    head: Head = None,
     chat_turns: Annotated[int, typer.Option("--chat-turns", help="Instead: a chat of N turns, TTFT per turn "
                                                                   "(the prefix cache keeps it flat).")] = 0,
     serve: Annotated[Optional[str], typer.Option(
@@ -83,12 +84,14 @@ def bench(
     backends = _backends(ref, backend)
     sweep = _sweep(ref, gpu_layers, ctx, backends, con)
     opts = {b: backend_options(b, dtype if b == "native" else None, kv_dtype, compile and b == "native",
-                               experts if b == "native" or experts == "cpu" else "auto")
+                               experts if b == "native" or experts == "cpu" else "auto",
+                               head if b == "native" else None)
             for b in backends}
     if chat_turns:
         return _chat_bench(ref, backends, chat_turns, gen_tokens, threads, ctx, opts, json_path, con)
     settings = {"prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeat": repeat, "backends": backends,
-                "gpu_layers": [str(g) for g in sweep], "batch": list(batches), "experts": experts}
+                "gpu_layers": [str(g) for g in sweep], "batch": list(batches), "experts": experts,
+                "head": head or "gpu"}
     with status("benchmarking", con) as st:
         from dsq.bench.runner import run_bench
 

@@ -100,6 +100,17 @@ class GpuLayers:
         return [gpu if g else cpu for g in on], (gpu if head else cpu)
 
 
+HEAD_PLACES = ("gpu", "cpu")
+
+
+def parse_head(value: str | None) -> str:
+    """--head: where a split model's output head runs, "gpu" (the default) or "cpu"."""
+    head = (value or "gpu").strip().lower()
+    if head not in HEAD_PLACES:
+        raise DsqError(f"--head takes gpu or cpu, got {value!r}", "gpu reads it from VRAM; cpu leaves that VRAM free")
+    return head
+
+
 GpuLayers.NONE = GpuLayers(0, text="0")
 GpuLayers.ALL = GpuLayers(-1, text="all")
 

@@ -91,12 +91,18 @@ def _gpu_part(model, x, start: int, slot, cache, pad):
     return model.head(model.forward_layers(x, start, len(model.model.layers), slot, cache, pad), last_only=True)
 
 
+def _gpu_layers_part(model, x, start: int, slot, cache, pad):
+    """The GPU part of a split model whose head is in RAM: layers start.. (the hidden state)."""
+    return model.forward_layers(x, start, len(model.model.layers), slot, cache, pad)
+
+
 class _SplitStep:
     """The decode step of a model split between the CPU and one GPU: the embedding and the first
     `start` layers run eagerly on the CPU (the C kernels, float32), the rest of the layers, the
     final norm and the head are one CUDA graph (of the torch.compile'd part with `compile`). The
     hidden state crosses once per token, through pinned memory; the GPU's pad is copied only when
-    it changes."""
+    it changes. A head in RAM (--head cpu) runs after the graph, on the CPU: the hidden state then
+    comes back once more."""
 
     def __init__(self, model, cache, start: int, batch: int, compile_mode: str | None | bool = False):
         dev = torch.device("cuda")
@@ -107,11 +113,14 @@ class _SplitStep:
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)
         self.pad = torch.zeros(batch, dtype=torch.long, device=dev)
         self._pad_on_gpu = torch.zeros(batch, dtype=torch.long)
-        part = _gpu_part
+        from dsq.models.base import module_device
+
+        self.head_on_cpu = module_device(model.lm_head).type == "cpu"
+        part = _gpu_layers_part if self.head_on_cpu else _gpu_part
         if compile_mode is not False:
             # only the GPU part: the CPU layers compiled decoded slower on the H200 host's 16 cores
             # (docs/benchmarks.md#split-between-gpu-and-cpu)
-            part = torch.compile(_gpu_part, dynamic=False, mode=compile_mode)
+            part = torch.compile(part, dynamic=False, mode=compile_mode)
         self.graph, self.out = _graphed(lambda: part(model, self.x, start, self.slot, cache, self.pad))
 
     def __call__(self, tok: torch.Tensor, slot: int, pad: torch.Tensor) -> torch.Tensor:
@@ -125,6 +134,8 @@ class _SplitStep:
             self.pad.copy_(pad)
             self._pad_on_gpu = pad.clone()
         self.graph.replay()
+        if self.head_on_cpu:
+            return self.model.head(self.out.to("cpu"), last_only=True)
         return self.out
 
 
@@ -176,8 +187,9 @@ class NativeModel:
     def __init__(self, path: str | Path, kind: str, *, ref: ModelRef | None = None, n_ctx: int = 4096,
                  gpu_layers: GpuLayers | int | str = 0, dtype: str | None = None, kv_dtype: str | None = None,
                  threads: int | None = None, seed: int | None = None, cuda_graph: bool = True, fuse: bool = True,
-                 compile: bool | str = False, experts: str = "auto"):
+                 compile: bool | str = False, experts: str = "auto", head: str = "gpu"):
         from dsq.runtime.experts import parse_experts, resolve_experts
+        from dsq.runtime.gpu_layers import parse_head
         from dsq.runtime.native_loader import load_gguf, load_hf
 
         self.path = Path(path)
@@ -193,7 +205,7 @@ class NativeModel:
         placed = asked.resolve(file, n_ctx, experts=self.experts).on(gpu)
         dt = parse_dtype(dtype, torch.bfloat16 if placed.n_gpu_layers != 0 else torch.float32)
         loader = load_gguf if kind == "gguf" else load_hf
-        model, config = loader(self.path, dt, placed, gpu, experts=self.experts)
+        model, config = loader(self.path, dt, placed, gpu, experts=self.experts, head=parse_head(head))
         self._setup(model, config, _tokenizer(self.path, kind, config), ref=ref or ModelRef(kind, self.path),
                     n_ctx=n_ctx, gpu_layers=placed, kv_dtype=kv_dtype, seed=seed, cuda_graph=cuda_graph, fuse=fuse,
                     compile=compile)
@@ -259,9 +271,9 @@ class NativeModel:
             self._step = torch.compile(model, dynamic=False, mode=mode)
         self._graph = None
         self._split = None
-        split = set(devs) == {"cpu", "cuda:0"} and devs == sorted(devs) and str(self.head_device) == "cuda:0"
+        split = set(devs) == {"cpu", "cuda:0"} and devs == sorted(devs)
         self._batch = None  # (B, cache length, cache, captured step) of the last batch (generate_batch)
-        if cuda_graph and str(self.head_device) == "cuda:0":
+        if cuda_graph and (str(self.head_device) == "cuda:0" or split):
             if set(devs) == {"cuda:0"}:
                 self._graph = self._capture_moe(model) if self._moe else self._capture(self.cache, 1)
             elif split:

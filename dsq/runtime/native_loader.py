@@ -39,17 +39,19 @@ def _check_shapes(model: nn.Module, sd: dict[str, torch.Tensor], where: str, sho
                                f"{tuple(expected[n].shape)}", "the file is damaged or does not match its config")
 
 
-def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None, each=None) -> None:
+def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None, each=None, head: str = "gpu") -> None:
     """Layers on their devices (GpuLayers.devices: llama.cpp's last N layers). The native runtime
-    puts the output head on the GPU whenever any layer is there, and keeps the token embedding in
+    puts the output head on the GPU whenever any layer is there (head="gpu"; "cpu": where llama.cpp
+    puts it, on the GPU only with every layer there), and keeps the token embedding in
     RAM (one row a token): on the CPU in a split, host-mapped for the GPU with every layer there
     (runtime/host_mapped.py). The head is read every token, so it costs the most where memory is
     slowest (docs/benchmarks.md#split-between-gpu-and-cpu). CPU layers of a split model
     compute in float32, the C kernels' dtype. `each(layer)` runs on each layer once it is in place."""
-    per, head = gpu_layers.devices(model.args.num_hidden_layers, gpu)
+    per, head_on = gpu_layers.devices(model.args.num_hidden_layers, gpu)
     split = gpu is not None and gpu in per and torch.device("cpu") in per
-    if gpu is not None and gpu in per:
-        head = gpu
+    if gpu is not None and gpu in per and (head == "gpu" or not split):
+        head_on = gpu
+    head = head_on
     for i, (layer, dev) in enumerate(zip(model.model.layers, per)):
         layer = model.model.layers[i] = to_device(layer, dev)
         if split and dev.type == "cpu":
@@ -91,7 +93,7 @@ def _float32_params(module: nn.Module) -> None:
 
 
 def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None,
-            experts: str = "gpu"):
+            experts: str = "gpu", head: str = "gpu"):
     from dsq.formats.hf import HFModelDir
 
     hf = HFModelDir(path)
@@ -116,11 +118,11 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NO
     if not args.tie_word_embeddings and "lm_head.weight" not in sd:
         raise BadModelFile(f"{path} lacks lm_head.weight and does not tie embeddings", "fix tie_word_embeddings")
     model.tie_weights()
-    _place_experts_and_layers(model, experts, gpu_layers, gpu)  # HF experts in RAM: refused (not GGUF blocks)
+    _place_experts_and_layers(model, experts, gpu_layers, gpu, head)  # HF experts in RAM: refused (not GGUF blocks)
     return model.eval(), cfg
 
 
-def _place_experts_and_layers(model: nn.Module, experts: str, gpu_layers, gpu) -> None:
+def _place_experts_and_layers(model: nn.Module, experts: str, gpu_layers, gpu, head: str = "gpu") -> None:
     """Routed experts into RAM (--experts cpu), the layers onto the GPU, every quantized module into
     its kernels' layout, each layer's experts on a GPU stacked for the grouped GEMV as soon as it is
     converted (experts.stack_experts)."""
@@ -135,7 +137,7 @@ def _place_experts_and_layers(model: nn.Module, experts: str, gpu_layers, gpu) -
             stack_experts(layer, STACK_ON)
         _release_cached_memory(gpu)
 
-    _place(model, gpu_layers, gpu, convert)
+    _place(model, gpu_layers, gpu, convert, head)
     prepare_kernels(model)  # the head, norm and embedding
     if experts != "cpu":
         experts_to_gpu(model, STACK_ON)
@@ -173,7 +175,7 @@ def _swap_quantized(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor]
 
 
 def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None,
-              experts: str = "gpu"):
+              experts: str = "gpu", head: str = "gpu"):
     from dsq.convert.gguf_to_hf import gguf_plan, hf_config_from_gguf
     from dsq.formats.gguf_file import GGUFFile
 
@@ -198,7 +200,7 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.
     del sd  # the model holds what it needs; the float copies of layers going to the GPU can go
     if embed_float:
         model.tie_weights()
-    _place_experts_and_layers(model, experts, gpu_layers, gpu)
+    _place_experts_and_layers(model, experts, gpu_layers, gpu, head)
     return model.eval(), cfg
 
 
