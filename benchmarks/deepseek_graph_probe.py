@@ -43,6 +43,44 @@ def _record_routers() -> None:
     Router.forward = recorded
 
 
+_ATTN: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+_CALLS: dict[str, int] = {}
+
+
+def _record_attention() -> None:
+    """Each layer's attention output (o_proj's input) copied into a buffer per (module, shape), so
+    the captured step's are seen too; and a count of the MLA kernel's and the plain attention's
+    calls (the captured step's counted once, at capture)."""
+    from dsq.kernels import dispatch
+    from dsq.models.deepseek_model import MLAttention
+
+    for name in ("mla_decode", "attention"):
+        fn = getattr(dispatch, name)
+
+        def counted(*a, _fn=fn, _name=name, **k):
+            out = _fn(*a, **k)
+            key = _name + ("" if out is not None else " (declined)")
+            _CALLS[key] = _CALLS.get(key, 0) + 1
+            return out
+
+        setattr(dispatch, name, counted)
+    forward = MLAttention.forward
+
+    def recorded(self, *a, **k):
+        out = forward(self, *a, **k)
+        key = (id(self), tuple(out.shape))
+        if key not in _ATTN:
+            _ATTN[key] = torch.empty_like(out)
+        _ATTN[key].copy_(out)
+        return out
+
+    MLAttention.forward = recorded
+
+
+def _attn_out(m, shape) -> list[torch.Tensor | None]:
+    return [_ATTN.get((id(layer.self_attn), shape)) for layer in m.model.model.layers]
+
+
 def _choices(m, rows: int) -> list[list[int] | None]:
     from dsq.models.deepseek_model import Router
 
@@ -66,10 +104,13 @@ def main() -> None:
     from dsq.runtime.native import NativeModel
 
     _record_routers()
+    _record_attention()
     path = Path(tempfile.mkdtemp()) / f"{a.shape}.gguf"
     write_random_gguf(path, shape=a.shape, mix=a.mix)
     kw = dict(n_ctx=a.ctx, gpu_layers="all", experts="gpu")
     graph = NativeModel(path, "gguf", **kw)
+    print(f"calls at load and capture: {_CALLS}")
+    _CALLS.clear()
     eager = NativeModel(path, "gguf", cuda_graph=False, **kw)
     full = NativeModel(path, "gguf", cuda_graph=False, **kw)
     assert graph._graph is not None, "the model's step was not captured"
@@ -81,7 +122,15 @@ def main() -> None:
     tok = pre[1].argmax(-1)
     n = a.prompt
     la = graph._decode(tok, n, graph.cache, pad).clone()
+    oa = [None if t is None else t.clone() for t in _attn_out(graph, (1, 1, graph.model.args.hidden_size))]
+    _CALLS.clear()
     lb = eager._decode(tok, n, eager.cache, pad)
+    print(f"calls in an eager decode step: {_CALLS}")
+    ob = _attn_out(eager, (1, 1, eager.model.args.hidden_size))
+    for i, (x, y) in enumerate(zip(oa, ob)):
+        if x is not None and y is not None:
+            print(f"layer {i}: attention output graph-eager {float((x.float() - y.float()).abs().max()):.3g}, "
+                  f"scale {float(y.float().abs().max()):.3g}")
     slots = torch.tensor([n], device="cuda")
     lc = full.model(tok[:, None], slots, full.cache, pad, kv_len=a.ctx, last_only=True)[:, -1]
     torch.cuda.synchronize()

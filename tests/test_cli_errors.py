@@ -186,11 +186,11 @@ def test_negative_gpu_layers_says_what_fits_the_gpu(runner, monkeypatch):
     assert re.search(r"about \d+ of 18 layers fit", line), line
 
 
-@pytest.mark.parametrize("backend,head", [("llama.cpp", ""), ("native", " with the output head")])
-def test_vram_below_one_layer(backend, head, runner):
+@pytest.mark.parametrize("backend", ["llama.cpp", "native"])
+def test_vram_below_one_layer(backend, runner):
     r = runner.invoke(app, ["offload", "--vram", "100M", "-b", backend, "--gpu-bw", "1000", "--cpu-bw", "20"])
     one_line_error(r, "--vram 100M holds no layer of built-in Gemma 3 270M", "one layer needs ~",
-                   f"its weights{head}", "nothing goes on the GPU", "--vram 0")
+                   "its weights", "nothing goes on the GPU", "--vram 0")
     r = runner.invoke(app, ["offload", "--vram", "0", "-b", backend, "--gpu-bw", "1000", "--cpu-bw", "20"])
     assert r.exit_code == 0, r.output  # the CPU alone is a plan
 

@@ -118,20 +118,28 @@ def h200():
     return Bandwidths(cpu=93e9, gpu=4.2e12, split_overhead_s=50e-6, source="test")
 
 
-def test_native_plan_puts_the_head_with_the_first_layer():
-    """native: the output head on the GPU with any layer, the embedding in RAM (host-mapped);
-    a budget that holds the head but no layer beside it leaves everything on the CPU."""
+def test_native_plan_weighs_the_head_against_layers():
+    """native: `--gpu-layers N` puts the output head on the GPU with any layer, the embedding in RAM
+    (host-mapped). Choosing, the plan weighs the head against the layers its VRAM would hold: a
+    budget that holds the head and one layer but not more puts layers there and the head in RAM
+    (--head cpu), as llama.cpp places it; a budget below one layer leaves everything on the CPU."""
     shape = llama3_8b_q4_k_m()
     one = plan_placement(shape, vram=0, ctx=512, backend="native", gpu_layers=1, bandwidths=h200())
     assert one.output_device == "GPU" and one.embed_device == "CPU" and one.gpu_layers == 1
-    assert one.min_gpu_bytes == one.gpu_total_bytes
     head_only = one.gpu_total_bytes - one.layers[-1].weight_bytes - one.layers[-1].kv_bytes
+    assert one.min_gpu_bytes == head_only + one.layers[-1].weight_bytes + one.layers[-1].kv_bytes - shape.output_bytes
     plan = plan_placement(shape, vram=head_only, ctx=512, backend="native", bandwidths=h200())
-    assert plan.gpu_layers == 0 and plan.gpu_total_bytes == 0 and plan.output_device == "CPU"
-    assert "not even one layer fits" in plan.notes[0]
+    assert plan.gpu_layers > 0 and plan.output_device == "CPU"  # the head's VRAM holds layers instead
     llama = plan_placement(shape, vram=head_only, ctx=512, backend="llama.cpp", bandwidths=h200())
     assert llama.gpu_layers > 0 and llama.output_device == "CPU"  # llama.cpp: layers first, the head last
+    none = plan_placement(shape, vram=one.min_gpu_bytes - 1, ctx=512, backend="native", bandwidths=h200())
+    assert none.gpu_layers == 0 and none.gpu_total_bytes == 0 and none.output_device == "CPU"
+    assert "not even one layer fits" in none.notes[0]
     full = plan_placement(shape, vram=64 * GiB, ctx=512, backend="native", bandwidths=h200())
+    roomy = plan_placement(shape, vram=full.gpu_total_bytes - one.layers[-1].weight_bytes // 2, ctx=512,
+                           backend="native", bandwidths=h200())
+    # short of everything by half a layer: the head (~3 layers' bytes, read every token) stays on the GPU
+    assert 0 < roomy.gpu_layers < shape.n_layer and roomy.output_device == "GPU"
     assert full.gpu_layers == shape.n_layer and full.gpu_layers_arg == "all"
     assert full.embed_device == "CPU" and full.output_device == "GPU" and full.bytes_per_token_cpu == shape.misc_bytes
     assert full.split_overhead_s == 0 and one.split_overhead_s == 50e-6
@@ -142,8 +150,10 @@ def test_plan_choice_against_every_split(backend):
     """Over a sweep of budgets: the plan fits; native's is the fastest predicted split that fits,
     llama.cpp's the most layers that fit (its own rule, unchanged)."""
     shape = llama3_8b_q4_k_m()
-    splits = [plan_placement(shape, vram=0, ctx=2048, backend=backend, gpu_layers=n, bandwidths=h200())
-              for n in range(shape.n_layer + 2)]
+    heads = ("gpu", "cpu") if backend == "native" else (None,)
+    splits = [plan_placement(shape, vram=0, ctx=2048, backend=backend, gpu_layers=n, bandwidths=h200(), head=h)
+              for n in range(shape.n_layer + 2) for h in heads]
+    assert backend != "native" or splits[17].output_device == "CPU"  # (8 layers, --head cpu)
     for vram_gib in [x / 2 for x in range(0, 16)]:
         vram = int(vram_gib * GiB)
         plan = plan_placement(shape, vram=vram, ctx=2048, backend=backend, bandwidths=h200())
@@ -265,3 +275,24 @@ def test_calibrate_command_keeps_the_figures(runner, tmp_path, monkeypatch):
     r = runner.invoke(app, ["offload", "--vram", "8G", "-b", "native", "--gpu-bw", "1000"])
     assert r.exit_code == 0, r.output
     assert "calibrated" in r.stdout and "21.0 GB/s" in r.stdout
+
+
+def test_offload_command_places_the_head(runner, tiny_gguf):
+    """dsq offload -b native: a given split with --head cpu plans the head in RAM and says so in
+    the command it suggests; without it the head is on the GPU with the layers."""
+    import json
+
+    from dsq.cli import app
+
+    path = str(tiny_gguf("llama", "Q8_0"))
+    bw = ["--gpu-bw", "1000", "--cpu-bw", "20", "--vram", "1G"]
+    plans = {}
+    for head in ([], ["--head", "cpu"]):
+        r = runner.invoke(app, ["offload", path, "-b", "native", "-g", "1", "--json", *bw, *head])
+        assert r.exit_code == 0, r.output
+        plans[bool(head)] = json.loads(r.stdout)
+    assert plans[False]["output_device"] == "GPU" and plans[True]["output_device"] == "CPU"
+    assert plans[True]["gpu_total_bytes"] < plans[False]["gpu_total_bytes"]
+    assert plans[True]["bytes_per_token_cpu"] > plans[False]["bytes_per_token_cpu"]
+    r = runner.invoke(app, ["offload", path, "-b", "native", "-g", "1", "--head", "cpu", *bw])
+    assert r.exit_code == 0 and "--gpu-layers 1 --head cpu" in r.stdout.replace("\n", " "), r.output

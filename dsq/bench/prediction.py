@@ -27,7 +27,7 @@ def predicted_plans(model: str | Path, rows: list[dict], *, ctx: int, kv_tokens:
         split = _split_ran(r, gpu is not None)
         plans[(r["backend"], str(r["gpu_layers"]))] = plan_placement(
             shape, vram=0, ctx=ctx, backend=r["backend"], gpu_layers=split, kv_tokens=kv_tokens, bandwidths=bw,
-            experts=experts if r["backend"] == "native" else "gpu")
+            experts=experts if r["backend"] == "native" else "gpu", head=r.get("head"))
     return plans
 
 

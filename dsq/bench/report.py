@@ -33,6 +33,7 @@ def summarize(records: list[dict]) -> list[dict]:
         row["base_rss_mb"] = max(r.get("base_rss_mb", 0.0) for r in rs)
         vram = [r["peak_vram_mb"] for r in rs if r.get("peak_vram_mb") is not None]
         row["peak_vram_mb"] = max(vram) if vram else None
+        row["head"] = rs[0].get("head", "gpu")
         rows.append(row)
     return rows
 

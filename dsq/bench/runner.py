@@ -35,6 +35,7 @@ class BenchRecord:
     batch: int = 1  # sequences decoded together; token counts and rates cover all of them
     base_rss_mb: float = 0.0  # the process before loading (Python, libraries, earlier configurations' leftovers)
     experts: str = "gpu"  # where a MoE model's routed experts ran: with their layers, or "cpu" (in RAM)
+    head: str = "gpu"  # where the output head ran: "cpu" in RAM (a split's --head cpu, or nothing on the GPU)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -186,7 +187,15 @@ def _record(loaded: _Loaded, r: int, B: int, st, mem) -> BenchRecord:
         peak_rss_mb=_mib(max(mem.peak_rss, loaded.load_mem.peak_rss)),
         peak_vram_mb=None if mem.peak_gpu is None else _mib(max(mem.peak_gpu, loaded.load_mem.peak_gpu or 0)),
         load_s=round(loaded.load_s, 3), threads=m.n_threads, batch=B, base_rss_mb=_mib(loaded.base_rss),
-        experts=getattr(m, "experts", "gpu"))
+        experts=getattr(m, "experts", "gpu"), head=_head_place(m))
+
+
+def _head_place(m) -> str:
+    """Where a loaded model's output head runs: "gpu" or "cpu" (llama.cpp: on the GPU with every layer)."""
+    dev = getattr(m, "head_device", None)
+    if dev is not None:
+        return "gpu" if dev.type == "cuda" else "cpu"
+    return "gpu" if m.gpu_layers.n_gpu_layers < 0 else "cpu"
 
 
 def _mib(n: int) -> float:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Experts, ModelArg, Threads
+from dsq.cli.options import Experts, Head, ModelArg, Threads
 
 MIB = 2**20
 
@@ -44,6 +44,7 @@ def offload(
     cpu_bw: Annotated[Optional[float], typer.Option("--cpu-bw", help="CPU bandwidth in GB/s (default: calibrated, else measured now).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan, calibration or measurement as JSON.")] = False,
     experts: Experts = "auto",
+    head: Head = None,
 ) -> None:
     """Plan the GPU/CPU split for a memory budget and predict decode speed.
 
@@ -51,7 +52,8 @@ def offload(
     GPU for the backend that runs it, and the decode tok/s a bandwidth model predicts.
 
     llama.cpp puts the last N layers on the GPU and the output head only with all of them; the
-    native backend puts the head there with any layer and picks the fastest split that fits.
+    native backend puts the head there with any layer (in RAM with --head cpu) and, choosing,
+    picks the fastest split and head placement that fit.
     The bandwidths come from `dsq offload --calibrate` (kept in dsq's cache dir), else the CPU is
     measured for this call.
     """
@@ -75,10 +77,13 @@ def offload(
     experts = check_backend(parse_experts(experts), be)
     if experts == "auto" and be != "native":
         experts = "gpu"
+    from dsq.cli.options import backend_options
+
+    head = backend_options(be, None, None, head=head).get("head")  # (checked: the native backend's)
     if measure:
         return _measure(ref, be, gpu_layers, ctx, prompt_tokens, gen_tokens, repeat, threads, bw_given, as_json,
-                        experts)
-    _plan(ref, be, vram, ram, ctx, gpu_layers, bw_given, as_json, experts)
+                        experts, head)
+    _plan(ref, be, vram, ram, ctx, gpu_layers, bw_given, as_json, experts, head)
 
 
 # -- --calibrate -------------------------------------------------------------------------------------
@@ -104,14 +109,14 @@ def _calibrate(threads: int | None, as_json: bool) -> None:
 
 # -- the plan ----------------------------------------------------------------------------------------
 def _plan(ref, backend: str, vram: str | None, ram: str | None, ctx: int, gpu_layers: str | None,
-          bw_given: dict, as_json: bool, experts: str = "gpu") -> None:
+          bw_given: dict, as_json: bool, experts: str = "gpu", head: str | None = None) -> None:
     from dsq.runtime.gpu_layers import parse_for
     from dsq.runtime.placement import parse_size, plan_placement
 
     vram_b = _vram_budget(vram)
     split = None if gpu_layers is None else parse_for(gpu_layers, ref.path, ctx, backend)
     plan = plan_placement(ref.path, vram=vram_b, ctx=ctx, ram=parse_size(ram), backend=backend,
-                          gpu_layers=split, experts=experts, **bw_given)
+                          gpu_layers=split, experts=experts, head=head, **bw_given)
     if vram is not None and (split is None or split.auto):
         _check_budget(plan, vram, ref.label)
     if as_json:
@@ -137,10 +142,9 @@ def _check_budget(plan, vram: str, label: str) -> None:
     from dsq.errors import DsqError
 
     if plan.gpu_layers == 0 and plan.vram_budget > 0 and plan.min_gpu_bytes > plan.vram_budget:
-        head = " with the output head" if plan.backend == "native" else ""
         raise DsqError(
             f"--vram {vram} holds no layer of {label}: one layer needs ~{plan.min_gpu_bytes / MIB:.0f} MiB on "
-            f"{plan.backend} (its weights{head}, KV cache for --ctx {plan.ctx}, buffers and the CUDA context); "
+            f"{plan.backend} (its weights, KV cache for --ctx {plan.ctx}, buffers and the CUDA context); "
             "nothing goes on the GPU", "pass --vram 0 to plan for the CPU alone")
 
 
@@ -163,8 +167,10 @@ def _print_plan(plan, label: str) -> None:
     out.print(t)
     on_gpu = sum(lc.device == "GPU" for lc in plan.layers)
     moe = plan.expert_bytes_cpu or any(lc.expert_bytes for lc in plan.layers)
+    head_in_ram = plan.backend == "native" and 0 < on_gpu and plan.output_device == "CPU"
     run = f"dsq run -b {plan.backend} --gpu-layers {plan.gpu_layers_arg}" + (
-        f" --experts {plan.experts}" if moe and plan.backend == "native" else "")
+        f" --experts {plan.experts}" if moe and plan.backend == "native" else "") + (
+        " --head cpu" if head_in_ram else "")
     out.print(f"GPU layers: [bold]{on_gpu}[/bold] of {plan.n_layer}, output head on the {plan.output_device} ({run})")
     if moe:
         where = "in RAM (CPU)" if plan.experts == "cpu" else "with their layers"
@@ -190,7 +196,8 @@ def _style(device: str) -> str | None:
 
 # -- --measure ---------------------------------------------------------------------------------------
 def _measure(ref, backend: str, gpu_layers: str | None, ctx: int, prompt_tokens: int, gen_tokens: int,
-             repeat: int, threads: int | None, bw_given: dict, as_json: bool, experts: str = "gpu") -> None:
+             repeat: int, threads: int | None, bw_given: dict, as_json: bool, experts: str = "gpu",
+             head: str | None = None) -> None:
     """Predicted beside measured decode tok/s at each split, timed by dsq bench's runner (the
     native backend with its routed experts where `experts` says)."""
     from dsq.bench.metrics import cuda_context_bytes
@@ -209,7 +216,7 @@ def _measure(ref, backend: str, gpu_layers: str | None, ctx: int, prompt_tokens:
         records = run_bench(str(ref.path), backends=(backend,), gpu_layers=sweep, prompt_tokens=prompt_tokens,
                             gen_tokens=gen_tokens, repeat=repeat, threads=threads, ctx=ctx,
                             on_status=lambda s: st.update(s),
-                            model_opts={"native": {"experts": experts}} if backend == "native" else None)
+                            model_opts={"native": {"experts": experts, "head": head}} if backend == "native" else None)
     rows = summarize([r.as_dict() for r in records])
     plans = predicted_plans(ref.path, rows, ctx=bench_ctx(ctx, prompt_tokens, gen_tokens),
                             kv_tokens=prompt_tokens + gen_tokens // 2, bandwidths=bw,

@@ -37,8 +37,9 @@ Experts = Annotated[str, typer.Option(
     "auto: the faster placement that fits the free VRAM.")]
 Head = Annotated[Optional[str], typer.Option(
     "--head", help="native backend, a model split between the GPU and the CPU: where the output head runs. "
-    "gpu (the default): in VRAM, read fastest every token; cpu: in RAM, as llama.cpp places it unless every "
-    "layer is on the GPU, leaving its VRAM (~0.4 GB on an 8B) to layers.", show_default=False)]
+    "gpu (the default; with --gpu-layers auto, the plan's choice): in VRAM, read fastest every token; cpu: in "
+    "RAM, as llama.cpp places it unless every layer is on the GPU, leaving its VRAM (~0.4 GB on an 8B) to "
+    "layers.", show_default=False)]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
 Backend = Annotated[str, typer.Option(
     "--backend", "-b", help="llama.cpp, native (dsq's torch engine), or auto: llama.cpp, and native for AWQ / "
@@ -142,9 +143,9 @@ def backend_options(backend: str, dtype: str | None, kv_dtype: str | None, compi
     from dsq.runtime.gpu_layers import parse_head
 
     experts = check_backend(parse_experts(experts), backend)
-    placed_head = parse_head(head)
+    head = None if head is None else parse_head(head)
     if backend == "native":
-        return {"dtype": dtype, "kv_dtype": kv_dtype, "compile": compile, "experts": experts, "head": placed_head}
+        return {"dtype": dtype, "kv_dtype": kv_dtype, "compile": compile, "experts": experts, "head": head}
     if dtype is not None or compile or head is not None:
         raise DsqError("--dtype, --compile and --head apply to the native backend",
                        "drop them, or pass --backend native")

@@ -23,6 +23,7 @@ class NegativeGpuLayers(DsqError):
 class GpuLayers:
     n: int = 0  # the last n layers on the GPU (n > n_layer: the output head too); -1: all of it
     auto: bool = False  # to be fitted to the GPU's free memory by resolve()
+    head_gpu: bool | None = field(default=None, compare=False)  # the plan's head placement (auto, resolved)
     text: str = field(default="", compare=False, repr=False)  # as the user typed it
 
     NONE: ClassVar[GpuLayers]
@@ -70,8 +71,13 @@ class GpuLayers:
         a MoE model's routed experts sit, runtime/experts.py), and a count past the model's layers
         and output head as all of it. Other values stay as they are."""
         if self.auto:
-            n = -1 if model is None else _planned_layers(model, ctx, backend, experts)
-            return GpuLayers(n, text=self.text)
+            if model is None:
+                return GpuLayers(-1, text=self.text)
+            plan = _plan_for(model, ctx, backend, experts)
+            if plan is None:
+                return GpuLayers(0, text=self.text)
+            n = -1 if plan.gpu_layers_arg == "all" else plan.gpu_layers
+            return GpuLayers(n, text=self.text, head_gpu=plan.output_device == "GPU")
         if model is not None and self.n > 0 and self.n > _n_layer(model):
             return GpuLayers(-1, text=self.text)
         return self
@@ -121,17 +127,24 @@ def _n_layer(model: Path) -> int:
     return n_layer_of(model)
 
 
-def _planned_layers(model: Path, ctx: int, backend: str, experts: str = "gpu") -> int:
-    """The --gpu-layers count of `backend`'s placement plan for this GPU's free memory (nominal
-    bandwidths: the choice hardly depends on them, and nothing is measured at load)."""
+def _plan_for(model: Path, ctx: int, backend: str, experts: str = "gpu"):
+    """`backend`'s placement plan for this GPU's free memory (nominal bandwidths: the choice hardly
+    depends on them, and nothing is measured at load); None without a GPU it can use."""
     from dsq.runtime.machine import machine_bandwidths
     from dsq.runtime.placement import detect_gpu, plan_placement
 
     gpu = detect_gpu()
     if gpu is None or (backend == "llama.cpp" and not _llama_cpp_offloads()):
-        return 0
-    plan = plan_placement(model, vram=gpu.free_bytes, ctx=ctx, backend=backend,
+        return None
+    return plan_placement(model, vram=gpu.free_bytes, ctx=ctx, backend=backend,
                           bandwidths=machine_bandwidths(gpu, measure=False), experts=experts)
+
+
+def _planned_layers(model: Path, ctx: int, backend: str, experts: str = "gpu") -> int:
+    """The --gpu-layers count of `backend`'s placement plan for this GPU's free memory (0 without one)."""
+    plan = _plan_for(model, ctx, backend, experts)
+    if plan is None:
+        return 0
     return -1 if plan.gpu_layers_arg == "all" else plan.gpu_layers
 
 

@@ -187,7 +187,7 @@ class NativeModel:
     def __init__(self, path: str | Path, kind: str, *, ref: ModelRef | None = None, n_ctx: int = 4096,
                  gpu_layers: GpuLayers | int | str = 0, dtype: str | None = None, kv_dtype: str | None = None,
                  threads: int | None = None, seed: int | None = None, cuda_graph: bool = True, fuse: bool = True,
-                 compile: bool | str = False, experts: str = "auto", head: str = "gpu"):
+                 compile: bool | str = False, experts: str = "auto", head: str | None = None):
         from dsq.runtime.experts import parse_experts, resolve_experts
         from dsq.runtime.gpu_layers import parse_head
         from dsq.runtime.native_loader import load_gguf, load_hf
@@ -205,7 +205,9 @@ class NativeModel:
         placed = asked.resolve(file, n_ctx, experts=self.experts).on(gpu)
         dt = parse_dtype(dtype, torch.bfloat16 if placed.n_gpu_layers != 0 else torch.float32)
         loader = load_gguf if kind == "gguf" else load_hf
-        model, config = loader(self.path, dt, placed, gpu, experts=self.experts, head=parse_head(head))
+        # the head: as asked, else where --gpu-layers auto's plan put it, else on the GPU with any layer
+        head = parse_head(head) if head is not None else "cpu" if placed.head_gpu is False else "gpu"
+        model, config = loader(self.path, dt, placed, gpu, experts=self.experts, head=head)
         self._setup(model, config, _tokenizer(self.path, kind, config), ref=ref or ModelRef(kind, self.path),
                     n_ctx=n_ctx, gpu_layers=placed, kv_dtype=kv_dtype, seed=seed, cuda_graph=cuda_graph, fuse=fuse,
                     compile=compile)

@@ -4,7 +4,8 @@ Bytes per layer come from the file itself (each tensor at its actual quant type)
 the context length, plus compute buffers. Each backend places a `--gpu-layers N` its own way:
 - llama.cpp: the last N layers on the GPU, and N = n_layer + 1 the output head too; the token
   embedding stays on the CPU. Its plan is the largest N that fits.
-- native: the last N layers, the output head whenever any layer is there; the token embedding in
+- native: the last N layers, the output head whenever any layer is there (or, at a split, in RAM
+  with --head cpu: the plan weighs both); the token embedding in
   RAM (with every layer on the GPU, host-mapped: runtime/host_mapped.py); each layer's KV cache on
   its layer's device (float32 for the CPU layers of a split). Its plan is the N that fits with the
   fastest predicted decode.
@@ -155,9 +156,13 @@ def _option(shape: ModelShape, backend: str, n: int) -> _Option:
 
 
 def _options(shape: ModelShape, backend: str) -> list[_Option]:
-    """Every placement the backend can make, from nothing on the GPU to everything."""
+    """Every placement the backend can make, from nothing on the GPU to everything; native also
+    each split with its head in RAM (--head cpu)."""
     top = shape.n_layer + 1 if backend == "llama.cpp" else shape.n_layer
-    return [_option(shape, backend, n) for n in range(top + 1)]
+    opts = [_option(shape, backend, n) for n in range(top + 1)]
+    if backend == "native":
+        opts += [_Option(o.n, o.on_gpu, False) for o in opts if 0 < o.n < shape.n_layer]
+    return opts
 
 
 class _Costs:
@@ -282,7 +287,7 @@ def _choose(costs: _Costs, options: list[_Option], vram: int, bw: Bandwidths) ->
     fits = [o for o in options if costs.gpu_bytes(o) <= vram]
     if costs.backend == "llama.cpp":
         return max(fits, key=lambda o: o.n)
-    return min(fits, key=lambda o: (costs.seconds(o, bw), o.n))
+    return min(fits, key=lambda o: (costs.seconds(o, bw), o.n, not o.head_gpu))
 
 
 def _bandwidths(cpu_bw: float | None, gpu_bw: float | None, vram: int, notes: list[str]) -> Bandwidths:
@@ -299,7 +304,7 @@ def plan_placement(model: str | Path | ModelShape, vram: int, ctx: int = 4096, r
                    gpu_bw: float | None = None, cpu_bw: float | None = None, n_ubatch: int = 512,
                    reserve: int = GPU_RESERVE, swa_full: bool = True, *, backend: str = "llama.cpp",
                    gpu_layers: GpuLayers | int | str | None = None, kv_tokens: int | None = None,
-                   bandwidths: Bandwidths | None = None, experts: str = "gpu") -> Plan:
+                   bandwidths: Bandwidths | None = None, experts: str = "gpu", head: str | None = None) -> Plan:
     """Choose what `backend` puts on the GPU for `vram` bytes (or take `gpu_layers` as given; 'auto'
     chooses) and predict decode tok/s.
 
@@ -309,6 +314,8 @@ def plan_placement(model: str | Path | ModelShape, vram: int, ctx: int = 4096, r
     bandwidths: the machine's figures (default: machine_bandwidths, with gpu_bw / cpu_bw first).
     experts: "gpu" (the routed experts with their layers), "cpu" (all in RAM: native only), or
     "auto" (native: of the two, the faster predicted placement that fits).
+    head: with a given native split, "cpu" keeps the output head in RAM (--head cpu); choosing, the
+    plan weighs both.
     """
     shape = load_shape(model)
     if ctx < 1:
@@ -332,6 +339,8 @@ def plan_placement(model: str | Path | ModelShape, vram: int, ctx: int = 4096, r
             opt = _choose(costs, _options(shape, backend), vram, bw)
         else:
             opt = _option(shape, backend, given.count(shape.n_layer))
+            if head == "cpu" and backend == "native" and 0 < opt.n < shape.n_layer:
+                opt = _Option(opt.n, opt.on_gpu, False)
         picked.append((costs.gpu_bytes(opt) > vram, costs.seconds(opt, bw), kind, costs, opt))
     _, _, kind, costs, opt = min(picked, key=lambda p: p[:2])  # one that fits, then the fastest
     plan = _plan(shape, costs, opt, bw, vram, ctx, ram, notes, chosen=given is None or given.auto)
@@ -352,7 +361,8 @@ def _plan(shape: ModelShape, costs: _Costs, opt: _Option, bw: Bandwidths, vram: 
     tok_gpu, tok_cpu = costs.per_token(opt)
     t_pred, t_roof = costs.seconds(opt, bw), costs.roofline_seconds(opt, bw)
     gpu_total, cpu_total = costs.gpu_bytes(opt), costs.cpu_bytes(opt)
-    min_gpu = costs.gpu_bytes(_option(shape, costs.backend, 1)) if shape.n_layer else 0
+    # the smallest placement with a layer on the GPU (native: its head in RAM)
+    min_gpu = min(costs.gpu_bytes(o) for o in _options(shape, costs.backend) if o.n == 1) if shape.n_layer else 0
     fits_ram = None if ram is None else cpu_total <= ram
     notes += _plan_notes(opt, vram, gpu_total, min_gpu, fits_ram, chosen, costs.backend)
     if shape.expert_bytes:
@@ -374,8 +384,7 @@ def _plan_notes(opt: _Option, vram: int, gpu_total: int, min_gpu: int, fits_ram:
     if fits_ram is False:
         notes.append("the CPU share does not fit the --ram budget")
     if chosen and opt.n == 0 and vram:
-        head = " with the output head" if backend == "native" else ""
-        notes.append(f"not even one layer fits the VRAM budget (the first needs ~{min_gpu / MiB:.0f} MiB{head})")
+        notes.append(f"not even one layer fits the VRAM budget (the first needs ~{min_gpu / MiB:.0f} MiB)")
     if not chosen and vram and gpu_total > vram:
         notes.append(f"this placement needs ~{gpu_total / MiB:.0f} MiB of GPU memory, more than the "
                      f"{vram / MiB:.0f} MiB budget")
