@@ -64,6 +64,12 @@ class Packed:
         kw = {k: v.to(device) for k, v in self.tensors().items()}
         return Packed(self.fmt, self.N, self.K, **kw)
 
+    def rows(self, a: int, b: int) -> Packed:
+        """Output rows a..b-1 as views of the planes; a and b multiples of fmt.sc_rows (or b = N)."""
+        r = self.fmt.sc_rows
+        kw = {k: t[a // r:-(-b // r)] if k in ("sc", "zp") else t[a:b] for k, t in self.tensors().items() if k != "perm"}
+        return Packed(self.fmt, b - a, self.K, perm=self.perm, **kw)
+
     def nbytes(self) -> int:
         """Bytes a matmul must read (everything but the permutation)."""
         return sum(t.numel() * t.element_size() for k, t in self.tensors().items() if k != "perm")

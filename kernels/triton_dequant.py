@@ -43,12 +43,27 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor
     return w
 
 
+# A weight written out for cuBLAS is written and multiplied a slab of rows of at most this many bytes
+# at a time: the transient is one slab, not the whole weight in bf16 (235 MB for an 8B's fused
+# gate/up), at a few more GEMM calls (docs/benchmarks.md#split-between-gpu-and-cpu)
+SLAB_BYTES = 32 << 20
+
+
 def dequant_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias) by writing W out in x's dtype (`dequantize`) and one cuBLAS GEMM: for
-    many rows of x (prefill), where the GEMM's arithmetic outweighs writing W once. `out` (M, N)
-    may be given."""
+                   out: torch.Tensor | None = None, slab_bytes: int | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) by writing W out in x's dtype (`dequantize`) and cuBLAS GEMMs: for many
+    rows of x (prefill), where the GEMM's arithmetic outweighs writing W once; in slabs of rows of
+    at most `slab_bytes` (SLAB_BYTES) of W. `out` (M, N) may be given."""
     x2 = x_rows(x, p)
-    wt = dequantize(p, x.dtype).t()
-    y = torch.mm(x2, wt, out=out) if bias is None else torch.addmm(bias.to(x.dtype), x2, wt, out=out)
+    step = max(128, (slab_bytes or SLAB_BYTES) // (p.K * x.element_size()) // 128 * 128)  # whole FP8 blocks
+    if step >= p.N:
+        wt = dequantize(p, x.dtype).t()
+        y = torch.mm(x2, wt, out=out) if bias is None else torch.addmm(bias.to(x.dtype), x2, wt, out=out)
+        return y.reshape(*x.shape[:-1], p.N)
+    y = out if out is not None else torch.empty(x2.shape[0], p.N, dtype=x.dtype, device=x.device)
+    buf = torch.empty(step, p.K, dtype=x.dtype, device=x.device)
+    for a in range(0, p.N, step):
+        b = min(a + step, p.N)
+        wt = dequantize(p.rows(a, b), x.dtype, out=buf[:b - a]).t()
+        y[:, a:b] = torch.mm(x2, wt) if bias is None else torch.addmm(bias[a:b].to(x.dtype), x2, wt)
     return y.reshape(*x.shape[:-1], p.N)

@@ -194,14 +194,17 @@ def test_cuda_stacked_experts_graph_decode_equals_eager(kind, tiny_gguf, monkeyp
     assert graph.model.graph_safe and graph._graph is not None and eager._graph is None
     pad = torch.zeros(1, dtype=torch.long, device="cuda")
     prompt = IDS[:12]
-    a, b = graph._prefill(prompt, 0, graph.cache, pad), eager._prefill(prompt, 0, eager.cache, pad)
-    torch.testing.assert_close(a, b)
-    for step in range(8):  # the same tokens into both: the captured step against the eager one
-        tok = a.argmax(-1)
-        a = graph._decode(tok, len(prompt) + step, graph.cache, pad).clone()
-        b = eager._decode(tok, len(prompt) + step, eager.cache, pad)
-        assert torch.isfinite(a).all()
-        assert (a - b).abs().max() <= 1e-3 * b.abs().max(), (step, (a - b).abs().max())
+    # in inference mode, as generation runs (with autograd on, the MLA decode kernel declines and the
+    # eager step would attend through SDPA instead: one bf16 ulp apart, ~1% of these random logits)
+    with torch.inference_mode():
+        a, b = graph._prefill(prompt, 0, graph.cache, pad), eager._prefill(prompt, 0, eager.cache, pad)
+        torch.testing.assert_close(a, b)
+        for step in range(8):  # the same tokens into both: the captured step against the eager one
+            tok = a.argmax(-1)
+            a = graph._decode(tok, len(prompt) + step, graph.cache, pad).clone()
+            b = eager._decode(tok, len(prompt) + step, eager.cache, pad)
+            assert torch.isfinite(a).all()
+            assert (a - b).abs().max() <= 1e-3 * b.abs().max(), (step, (a - b).abs().max())
     cpu = NativeModel(path, "gguf", n_ctx=128, dtype="fp32", experts="gpu")
     for ids in (IDS[:12], IDS):  # pairs, grouped loop
         kld, top1, _ = kld_top1(cpu.logits(ids), graph.logits(ids))

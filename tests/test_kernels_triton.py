@@ -212,6 +212,25 @@ def test_dequant_linear_matches_the_reference(fmt, dtype):
           ref.reshape(-1, p.N), dtype)
 
 
+@pytest.mark.parametrize("fmt", ["Q6_K", "int4-g128-act", "fp8-block"])
+def test_dequant_linear_in_slabs(fmt, monkeypatch):
+    """A weight larger than the slab is written out and multiplied a slab of rows at a time (whole
+    FP8 blocks of rows): never more than one slab of it is written, and y is the whole weight's."""
+    if fmt == "Q6_K":
+        p = packed.from_gguf(torch.from_numpy(random_blocks(fmt, 296, 256, np.random.default_rng())), fmt, 256)
+    elif fmt == "fp8-block":
+        p = packed.from_fp8((torch.randn(296, 256) * 3).to(torch.float8_e4m3fn), torch.rand(3, 2) + 0.01)
+    else:
+        d = gptq_case(296, 256, 128, 4, True, True)
+        p = packed.from_int(d["qweight"], d["scales"], d["zeros"], 4, d.get("perm"))
+    written, dequantize = [], triton_dequant.dequantize
+    monkeypatch.setattr(triton_dequant, "dequantize", lambda q, *a, **k: written.append(q.N) or dequantize(q, *a, **k))
+    x, bias = torch.randn(5, p.K), torch.randn(p.N)
+    y = triton_dequant.dequant_linear(x.to(DEV), p.to(DEV), bias.to(DEV), slab_bytes=1)
+    assert written == [128, 128, 40]
+    check(y, packed.linear_ref(x.double(), p, bias.double()), torch.float32)
+
+
 @pytest.mark.skipif(not CUDA, reason="real shapes need a GPU")
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "int4", "fp8"])
 def test_dequant_linear_real_shapes(fmt):

@@ -292,9 +292,10 @@ def test_split_head_in_ram(qtype, tiny_gguf):
         m = NativeModel(path, "gguf", n_ctx=128, gpu_layers=1, head=head)
         held = torch.cuda.memory_allocated() - before
         assert m.head_device.type == ("cuda" if head == "gpu" else "cpu") and m._split is not None
-        runs[head] = (held, m.model.lm_head.raw.numel(), torch.from_numpy(m.logits(IDS[:20])), _greedy(m, 12))
+        head_bytes = sum(t.numel() * t.element_size() for t in m.model.lm_head.buffers())
+        runs[head] = (held, head_bytes, torch.from_numpy(m.logits(IDS[:20])), _greedy(m, 12))
         del m
-    (held_g, n, logits_g, toks_g), (held_c, _, logits_c, toks_c) = runs["gpu"], runs["cpu"]
-    assert held_g - held_c >= n  # the head's blocks are not in VRAM
+    (held_g, _, logits_g, toks_g), (held_c, n, logits_c, toks_c) = runs["gpu"], runs["cpu"]
+    assert held_g - held_c >= 0.9 * n  # about the head's blocks (as the CPU holds them): not in VRAM
     assert toks_c == toks_g
     assert _rel(logits_c, logits_g) < 0.02

@@ -272,14 +272,18 @@ def _transfer(nbytes: int, rate: float) -> float:
     return nbytes / rate if nbytes and rate > 0 else 0.0
 
 
+# a weight written out for a long prompt's cuBLAS GEMM, one slab of rows at a time (kernels/triton_dequant.py SLAB_BYTES)
+_DEQUANT_SLAB = 32 << 20
+
+
 def _native_compute_bytes(shape: ModelShape, widest_layer: int, split: bool) -> int:
     """GPU memory the native runtime uses beyond weights and cache: a prompt chunk's bf16
-    activations, one row of float32 logits, the fused gate and up projections written out in bf16
-    for a long prompt's cuBLAS matmul, and in a split two CPU layers streamed in for a prompt chunk
-    (docs/benchmarks.md#split-between-gpu-and-cpu)."""
+    activations, one row of float32 logits, a slab of a weight written out in bf16 for a long
+    prompt's cuBLAS matmul, and in a split the CPU layers' modules streamed in for a prompt chunk,
+    a few at a time: under a layer (docs/benchmarks.md#split-between-gpu-and-cpu)."""
     acts = NATIVE_CHUNK_ROWS * 2 * (8 * shape.n_embd + 2 * shape.n_ff)
-    dequant = 2 * 2 * shape.n_ff * shape.n_embd
-    return acts + 4 * shape.n_vocab + dequant + (2 * widest_layer if split else 0)
+    dequant = min(_DEQUANT_SLAB, 2 * 2 * shape.n_ff * shape.n_embd)
+    return acts + 4 * shape.n_vocab + dequant + (widest_layer if split else 0)
 
 
 def _choose(costs: _Costs, options: list[_Option], vram: int, bw: Bandwidths) -> _Option:
