@@ -145,7 +145,8 @@ def main() -> None:
                   f"{float((ra - rb).abs().max()):.3g}, eager-eager(whole span) {float((rb - rc).abs().max()):.3g}, "
                   f"scale {float(rb.abs().max()):.3g}")
         s = float(lb.abs().max())
-        print(f"decode logits, largest difference over the largest: graph-eager {float((la - lb).abs().max()) / s:.3g}, "
+        print("decode logits, largest difference over the largest: "
+              f"graph-eager {float((la - lb).abs().max()) / s:.3g}, "
               f"graph-eager(whole span) {float((la - lc).abs().max()) / s:.3g}, "
               f"eager-eager(whole span) {float((lb - lc).abs().max()) / s:.3g}")
 

@@ -67,7 +67,8 @@ class Packed:
     def rows(self, a: int, b: int) -> Packed:
         """Output rows a..b-1 as views of the planes; a and b multiples of fmt.sc_rows (or b = N)."""
         r = self.fmt.sc_rows
-        kw = {k: t[a // r:-(-b // r)] if k in ("sc", "zp") else t[a:b] for k, t in self.tensors().items() if k != "perm"}
+        kw = {k: t[a // r:-(-b // r)] if k in ("sc", "zp") else t[a:b]
+              for k, t in self.tensors().items() if k != "perm"}
         return Packed(self.fmt, b - a, self.K, perm=self.perm, **kw)
 
     def nbytes(self) -> int:

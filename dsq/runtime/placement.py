@@ -272,7 +272,7 @@ def _transfer(nbytes: int, rate: float) -> float:
     return nbytes / rate if nbytes and rate > 0 else 0.0
 
 
-# a weight written out for a long prompt's cuBLAS GEMM, one slab of rows at a time (kernels/triton_dequant.py SLAB_BYTES)
+# a weight written out for a long prompt's cuBLAS GEMM, a slab of rows at a time (triton_dequant.SLAB_BYTES)
 _DEQUANT_SLAB = 32 << 20
 
 

@@ -69,8 +69,8 @@ class _LayerCache:
 class StreamedLayers:
     """Runs the first `n` (CPU) layers of `model` on `gpu` for prompt chunks (see the module).
 
-    A layer's quantized modules are staged one at a time, in the order the layer names them, a few
-    ahead of the one computing (STREAM_AHEAD): the GPU holds a few modules' kernel layouts, not two
+    A layer's quantized modules are staged one at a time, in the order the layers call them, up to
+    STREAM_AHEAD ahead of the one computing: the GPU holds a few modules' kernel layouts, not two
     whole layers', and the CPU waits for a module's compute to end before staging past that
     window. Everything else of a layer (norms, biases) is copied with the layer's GPU twin."""
 
@@ -134,8 +134,9 @@ class StreamedLayers:
         return twin
 
     def _stage_module(self, key: tuple[int, str]) -> None:
-        """One quantized module of a CPU layer converted onto the GPU on the copy stream, after the
-        CPU has waited until no more than STREAM_AHEAD others are staged or computing."""
+        """One quantized module of a CPU layer converted onto the GPU on the copy stream, once the
+        CPU has waited for the oldest modules' compute until, with this one, at most STREAM_AHEAD
+        are staged or still computing beside the one being taken."""
         while self._used and self._used[0].query():
             self._used.pop(0)
         while self._used and len(self._ready) + len(self._used) > STREAM_AHEAD - 1:
