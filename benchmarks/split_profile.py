@@ -1,6 +1,6 @@
 """Where a decode step's time goes when a model is split between the GPU and the CPU.
 
-    python -m benchmarks.split_profile MODEL.gguf --gpu-layers 0,8,16,24,all [--threads N] [--json out.json]
+    python -m benchmarks.split_profile MODEL.gguf --gpu-layers 0,8,16,24,all [--threads N] [--head cpu] [--json out.json]
 
 For each split: tok/s over a short greedy decode, then one profiled step of the same decode
 (torch profiler, CPU and CUDA activities): the top ops by self CPU time, and wall time per decoder
@@ -146,9 +146,9 @@ def _kernel_times(m, prompt: list[int], steps: int = 4) -> dict:
 
 def _split_parts(m, prompt: list[int], steps: int = 12) -> dict:
     """Median ms per decode token of the split step's parts, as it runs (the one-call CPU layers
-    included): the CPU layers (forward_layers), the GPU part (the graph's replay, synced), the
-    whole step (_decode, synced), and the token (GenStats) less the step: sampling, detokenizing,
-    the generation loop."""
+    included): the CPU layers (forward_layers), the GPU part (the graph's replay, synced), a head
+    in RAM (--head cpu), the whole step (_decode, synced), and the token (GenStats) less the step:
+    sampling, detokenizing, the generation loop."""
     import torch
 
     from dsq.runtime.generate import GenStats
@@ -175,6 +175,9 @@ def _split_parts(m, prompt: list[int], steps: int = 12) -> dict:
     graph, fl = s.graph, m.model.forward_layers
     s.graph, m.model.forward_layers = Replay(), timed("cpu_layers", fl)
     m._decode = timed("step", type(m)._decode.__get__(m), sync=True)
+    if s.head_on_cpu:  # --head cpu: the final norm and the head on the CPU after the replay
+        acc["cpu_head"] = []
+        m.model.head = timed("cpu_head", m.model.head)
     try:
         m.reset()
         st = GenStats()
@@ -183,6 +186,7 @@ def _split_parts(m, prompt: list[int], steps: int = 12) -> dict:
     finally:
         s.graph = graph
         del m.model.forward_layers, m._decode
+        m.model.__dict__.pop("head", None)
     out = {k: round(statistics.median(v[1:] if k == "cpu_layers" else v), 3) for k, v in acc.items() if v}
     out["token"] = round(1e3 / st.decode_tok_s, 3)
     out["outside_step"] = round(out["token"] - out.get("step", 0.0), 3)
@@ -240,6 +244,7 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true", help="print the torch profiler's top ops per split")
     ap.add_argument("--kernels", action="store_true", help="time each C kernel call of a few decode steps")
     ap.add_argument("--parts", action="store_true", help="time a split step's parts: CPU layers, GPU part, the rest")
+    ap.add_argument("--head", choices=("gpu", "cpu"), default=None, help="where a split's output head runs")
     ap.add_argument("--bandwidth", default="", help="comma list of thread counts: CPU read bandwidth at each")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -253,7 +258,7 @@ def main(argv=None) -> None:
     for g in [x.strip() for x in a.gpu_layers.split(",") if x.strip()]:
         t = time.perf_counter()
         m = dsq.load(a.model, backend="native", gpu_layers=g, threads=a.threads,
-                     ctx=a.prompt_tokens + a.gen_tokens + 16)
+                     ctx=a.prompt_tokens + a.gen_tokens + 16, head=a.head)
         load_s = time.perf_counter() - t
         prompt = bench_prompt(m, a.prompt_tokens)
         rate = _decode_rate(m, prompt, a.gen_tokens)
