@@ -8,6 +8,10 @@
 #   bash benchmarks/h200_split.sh tests    # the CUDA tests of the native runtime
 #   bash benchmarks/h200_split.sh offload  # dsq offload --calibrate, then --measure at each split
 #   bash benchmarks/h200_split.sh bench    # dsq bench, both engines at each split with their ratio and plot
+#   bash benchmarks/h200_split.sh race     # the whole race in one call: the CPU's bandwidth (dsq offload
+#                                          # --calibrate), llama-bench, dsq bench with both engines (head on
+#                                          # the GPU), then dsq at llama.cpp's placement (--head cpu); every
+#                                          # table printed to the log (a call returns at most 8 files)
 #   bash benchmarks/h200_split.sh vram     # where each split's VRAM goes (benchmarks/vram_parts.py), with torch's
 #                                          # expandable segments (dsq's default) and with fixed ones
 #   bash benchmarks/h200_split.sh fused    # one C call per CPU layer against op by op: one 8B layer and a
@@ -67,6 +71,18 @@ if [ "$PART" = bench ]; then  # both engines through dsq bench: tok/s and peak V
   timeout 400 python3 -m dsq bench "$GGUF" --backend "${BACKENDS:-native,llama.cpp}" -g "${DSQ_SPLITS:-0,8,16,24,all}" \
     --prompt-tokens "${PROMPT:-64}" --gen-tokens "${GEN:-32}" --repeat 2 --threads "$THREADS" ${COMPILE:+--compile} \
     --json "$OUT/bench_${TAG:-split}.json" --plot "$OUT/bench_${TAG:-split}.png" 2>&1 | grep -v -i warn | tail -25
+  exit 0
+fi
+if [ "$PART" = race ]; then  # docs/benchmarks.md#does-a-split-beat-llamacpp-and-at-what-vram
+  timeout 60 python3 -m dsq offload --calibrate --threads "$THREADS" --json > "$OUT/calibration_${TAG:-race}.json" 2>/dev/null
+  grep -E '"(cpu_read_bw|gpu_copy_bw|h2d_bw)"' "$OUT/calibration_${TAG:-race}.json"
+  timeout 120 "$LL/build/bin/llama-bench" -m "$GGUF" -ngl "$SPLITS" -fa 1 -p 64 -n 32 -r 2 -t "$THREADS" -o md 2>&1 |
+    grep -E "^\|" | tee "$OUT/llama_bench_${TAG:-race}.md"
+  timeout 200 python3 -m dsq bench "$GGUF" -b native,llama.cpp -g "${DSQ_SPLITS:-0,8,16,24,all}" --prompt-tokens 64 \
+    --gen-tokens 32 --repeat 2 --threads "$THREADS" --json "$OUT/bench_${TAG:-race}.json" --plot "$OUT/bench_${TAG:-race}.png" \
+    2>&1 | grep -E "│ (native|llama)"
+  timeout 120 python3 -m dsq bench "$GGUF" -b native -g "${DSQ_SPLITS_CPU_HEAD:-0,8,16,24}" --head cpu --prompt-tokens 64 \
+    --gen-tokens 32 --repeat 2 --threads "$THREADS" --json "$OUT/bench_${TAG:-race}_head_cpu.json" 2>&1 | grep -E "│ native"
   exit 0
 fi
 if [ "$PART" = vram ]; then  # VRAM by part at each split; the B run with the allocator's fixed segments
