@@ -105,6 +105,7 @@ def test_bench_json_and_plot(runner, tmp_path, tiny_gguf, monkeypatch):
         assert run["decode_tok_s"] > 0 and run["peak_rss_mb"] > 0
         # TPOT and decode rate are two views of one measurement
         assert abs(1000.0 / run["tpot_ms"] - run["decode_tok_s"]) / run["decode_tok_s"] < 0.01
+        assert run["head"] == "cpu"  # no GPU here: the head ran in RAM whatever --gpu-layers said
     assert [s["gpu_layers"] for s in rep["summary"]] == ["0", "all"]
     assert pp.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "decode tok/s" in r.stdout

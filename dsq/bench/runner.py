@@ -191,11 +191,14 @@ def _record(loaded: _Loaded, r: int, B: int, st, mem) -> BenchRecord:
 
 
 def _head_place(m) -> str:
-    """Where a loaded model's output head runs: "gpu" or "cpu" (llama.cpp: on the GPU with every layer)."""
+    """Where a loaded model's output head runs: "gpu" or "cpu" (llama.cpp: on the GPU with every
+    layer, where its build offloads)."""
     dev = getattr(m, "head_device", None)
     if dev is not None:
         return "gpu" if dev.type == "cuda" else "cpu"
-    return "gpu" if m.gpu_layers.n_gpu_layers < 0 else "cpu"
+    from dsq.runtime.llama_cpp_backend import supports_gpu_offload
+
+    return "gpu" if m.gpu_layers.n_gpu_layers < 0 and supports_gpu_offload() else "cpu"
 
 
 def _mib(n: int) -> float:
