@@ -290,3 +290,30 @@ def test_bench_two_backends_side_by_side(runner, tmp_path, monkeypatch):
     assert ratio["prefill"] == round(native["prefill_tok_s_median"] / llama["prefill_tok_s_median"], 3)
     assert "decode ratio" in r.stdout and f"{ratio['decode']:.2f}x" in r.stdout and "native / llama.cpp" in r.stdout
     assert pp.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_prints_the_decode_roofline_with_a_calibration(runner, tmp_path, tiny_gguf, monkeypatch):
+    """With this machine calibrated (dsq offload --calibrate), dsq bench gives each row its decode
+    roofline (the plan's bytes a token over the calibrated bandwidths) and the median's share of
+    it; without a calibration there is no such column (nothing is measured for it)."""
+    import dsq.runtime.machine as machine
+    from dsq.runtime.placement import plan_placement
+
+    monkeypatch.setenv("DSQ_CACHE", str(tmp_path))
+    monkeypatch.setattr(machine, "_cuda_available", lambda: False)
+    path = str(tiny_gguf("llama", "Q8_0"))
+    args = ["bench", path, "-b", "native", "--prompt-tokens", "16", "--gen-tokens", "4", "--repeat", "1"]
+    r = runner.invoke(app, args + ["--json", str(tmp_path / "a.json")])
+    assert r.exit_code == 0, r.output
+    assert "roofline" not in r.stdout and "decode_roofline_tok_s" not in json.loads((tmp_path / "a.json").read_text())[
+        "summary"][0]
+    monkeypatch.setattr(machine, "measure_cpu_read", lambda threads, *a, **k: 21e9)
+    assert runner.invoke(app, ["offload", "--calibrate"]).exit_code == 0
+    r = runner.invoke(app, args + ["--json", str(tmp_path / "b.json")])
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "b.json").read_text())
+    row = rep["summary"][0]
+    want = plan_placement(path, vram=0, ctx=row["prompt_tokens"] + row["gen_tokens"] + 8, backend="native",
+                          gpu_layers=0, kv_tokens=18, cpu_bw=21e9, gpu_bw=1e12).roofline_tok_s
+    assert row["decode_roofline_tok_s"] == pytest.approx(want, rel=0.05)
+    assert "decode roofline" in r.stdout and rep["settings"]["bandwidths"].startswith("calibrated")

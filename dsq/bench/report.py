@@ -115,14 +115,28 @@ def table(rows: list[dict], title: str, context_bytes: int | None = None):
     cols = ["backend", "gpu layers"] + (["batch"] if batched else []) + [
         "prefill tok/s", "decode tok/s", "TTFT ms", "TPOT ms", "peak RSS MiB", "peak VRAM MiB"]
     cols += ["decode ratio", "prefill ratio"] if pair else []
+    roofline = any(r.get("decode_roofline_tok_s") for r in rows)
+    cols += ["decode roofline"] if roofline else []
+    if roofline:
+        t.caption += ("\ndecode roofline: the bytes a token reads on each device over this machine's calibrated "
+                      "bandwidths (dsq offload --calibrate), and the median's share of it")
     for col in cols:
         t.add_column(col, justify="left" if col == "backend" else "right")
     ratio_of = {(x["gpu_layers"], x["batch"]): x for x in ratios(rows, *pair)} if pair else {}
     for r in by_split(rows) if pair else rows:
         cells = [f"{_fmt(r[m + '_median'])} / {_fmt(r[f'{m}_{tail}'])}" for m in METRICS]
         t.add_row(r["backend"], _gpu_layers_cell(r), *([str(r.get("batch", 1))] if batched else []), *cells,
-                  f"{r['peak_rss_mb']:.0f}", vram_cell(r["peak_vram_mb"]), *_ratio_cells(r, pair, ratio_of))
+                  f"{r['peak_rss_mb']:.0f}", vram_cell(r["peak_vram_mb"]), *_ratio_cells(r, pair, ratio_of),
+                  *([_roofline_cell(r)] if roofline else []))
     return t
+
+
+def _roofline_cell(row: dict) -> str:
+    """A row's decode roofline (tok/s) and the median's share of it, where it has one."""
+    roof = row.get("decode_roofline_tok_s")
+    if not roof:
+        return ""
+    return f"{_fmt(roof)} ({100 * row['decode_tok_s_median'] / roof:.0f}%)"
 
 
 def _gpu_layers_cell(row: dict) -> str:
