@@ -228,6 +228,9 @@ def test_dequant_linear_in_slabs(fmt, monkeypatch):
     x, bias = torch.randn(5, p.K), torch.randn(p.N)
     y = triton_dequant.dequant_linear(x.to(DEV), p.to(DEV), bias.to(DEV), slab_bytes=1)
     assert written == [128, 128, 40]
+    from dsq.runtime import placement
+
+    assert placement._DEQUANT_SLAB == triton_dequant.SLAB_BYTES  # the planner counts the same slab
     check(y, packed.linear_ref(x.double(), p, bias.double()), torch.float32)
 
 

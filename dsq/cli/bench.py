@@ -223,7 +223,7 @@ def _report(ref, records, settings: dict, json_path, plot_path, ctx, threads) ->
     recs = [r.as_dict() for r in records]
     rows = summarize(recs)
     s = settings
-    s["bandwidths"] = _rooflines(ref.path, rows, ctx, s["prompt_tokens"], s["gen_tokens"], threads)
+    plans, s["bandwidths"] = _rooflines(ref.path, rows, ctx, s["prompt_tokens"], s["gen_tokens"], threads)
     title = f"{ref.label}: {s['prompt_tokens']} prompt + {s['gen_tokens']} generated tokens, {s['repeat']} runs"
     context = cuda_context_bytes()
     out_console().print(table(rows, title, context))
@@ -240,45 +240,43 @@ def _report(ref, records, settings: dict, json_path, plot_path, ctx, threads) ->
         write_json(json_path, report)
         con.print(f"wrote {json_path}")
     if plot_path:
-        predicted = _predicted(ref.path, rows, ctx, s["prompt_tokens"], s["gen_tokens"], threads)
+        predicted = plans or _predicted(ref.path, rows, ctx, s["prompt_tokens"], s["gen_tokens"], threads)
         plot(rows, plot_path, title, {k: p.predicted_tok_s for k, p in predicted.items()})
         con.print(f"wrote {plot_path}")
 
 
-def _rooflines(model, rows, ctx, prompt_tokens: int, gen_tokens: int, threads) -> str | None:
+def _rooflines(model, rows, ctx, prompt_tokens: int, gen_tokens: int, threads) -> tuple[dict, str | None]:
     """Each batch-1 row's decode roofline (`decode_roofline_tok_s`: the plan's bytes a token at its
     split over the bandwidths), where this machine has a calibration (`dsq offload --calibrate`);
-    nothing is measured here. Returns where the bandwidths came from, or None."""
-    from dsq.bench.prediction import predicted_plans
-    from dsq.bench.runner import bench_ctx
+    nothing is measured here. Returns the plans (for the plot's prediction; {} without a
+    calibration) and where the bandwidths came from (None)."""
     from dsq.errors import DsqError
     from dsq.runtime.machine import machine_bandwidths
     from dsq.runtime.placement import detect_gpu
 
     bw = machine_bandwidths(detect_gpu(), threads=threads, measure=False)
     if not bw.source.startswith("calibrated"):
-        return None
+        return {}, None
     try:
-        plans = predicted_plans(model, rows, ctx=bench_ctx(ctx, prompt_tokens, gen_tokens),
-                                kv_tokens=prompt_tokens + gen_tokens // 2, bandwidths=bw)
+        plans = _predicted(model, rows, ctx, prompt_tokens, gen_tokens, threads, bw)
     except (DsqError, OSError, ValueError, KeyError):  # a model the planner cannot read: no roofline column
-        return None
+        return {}, None
     for r in rows:
         plan = plans.get((r["backend"], str(r["gpu_layers"])))
         if plan is not None and r.get("batch", 1) == 1 and plan.roofline_tok_s:
             r["decode_roofline_tok_s"] = round(plan.roofline_tok_s, 2)
-    return f"{bw.source}: CPU {bw.cpu / 1e9:.1f} GB/s, GPU {bw.gpu / 1e9:.0f} GB/s"
+    return plans, f"{bw.source}: CPU {bw.cpu / 1e9:.1f} GB/s, GPU {bw.gpu / 1e9:.0f} GB/s"
 
 
-def _predicted(model, rows, ctx, prompt_tokens: int, gen_tokens: int, threads) -> dict:
-    """The offload model's plan at each row's split (dsq.bench.prediction), with this machine's
-    bandwidths (its calibration, else the CPU measured now)."""
+def _predicted(model, rows, ctx, prompt_tokens: int, gen_tokens: int, threads, bw=None) -> dict:
+    """The offload model's plan at each row's split (dsq.bench.prediction), with `bw` or this
+    machine's bandwidths (its calibration, else the CPU measured now)."""
     from dsq.bench.prediction import predicted_plans
     from dsq.bench.runner import bench_ctx
     from dsq.runtime.machine import machine_bandwidths
     from dsq.runtime.placement import detect_gpu
 
-    bw = machine_bandwidths(detect_gpu(), threads=threads)
+    bw = bw or machine_bandwidths(detect_gpu(), threads=threads)
     return predicted_plans(model, rows, ctx=bench_ctx(ctx, prompt_tokens, gen_tokens),
                            kv_tokens=prompt_tokens + gen_tokens // 2, bandwidths=bw)
 

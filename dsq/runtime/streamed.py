@@ -210,10 +210,7 @@ class StreamedLayers:
             twin, done = nxt
             if i + 1 < self.n:
                 nxt = self._stage(i + 1)  # the next layer's copy overlaps this one's compute
-            compute = torch.cuda.current_stream()
-            compute.wait_event(done)
-            for t in _tensors(twin):
-                t[2].record_stream(compute)  # made on the copy stream: not reused there until compute is done
+            self._on_compute(twin, done)
             cos, sin, mask, sl = self.model.layer_context(i, self.gpu, slots_g, pad_g, kv_len, cache, memo)
             lc = self._layer_cache(cache, i, int(slots[0]), kv_len)
             x = twin(x, cos, sin, mask, lc, sl, kv_len)
