@@ -175,9 +175,9 @@ def _split_parts(m, prompt: list[int], steps: int = 12) -> dict:
     graph, fl = s.graph, m.model.forward_layers
     s.graph, m.model.forward_layers = Replay(), timed("cpu_layers", fl)
     m._decode = timed("step", type(m)._decode.__get__(m), sync=True)
-    if s.head_on_cpu:  # --head cpu: the final norm and the head on the CPU after the replay
+    if s.head_on_cpu:  # --head cpu: the head on the CPU after the replay (the final norm is in it)
         acc["cpu_head"] = []
-        m.model.head = timed("cpu_head", m.model.head)
+        m.model.logits = timed("cpu_head", m.model.logits)
     try:
         m.reset()
         st = GenStats()
@@ -186,7 +186,7 @@ def _split_parts(m, prompt: list[int], steps: int = 12) -> dict:
     finally:
         s.graph = graph
         del m.model.forward_layers, m._decode
-        m.model.__dict__.pop("head", None)
+        m.model.__dict__.pop("logits", None)
     out = {k: round(statistics.median(v[1:] if k == "cpu_layers" else v), 3) for k, v in acc.items() if v}
     out["token"] = round(1e3 / st.decode_tok_s, 3)
     out["outside_step"] = round(out["token"] - out.get("step", 0.0), 3)

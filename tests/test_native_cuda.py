@@ -296,10 +296,14 @@ def test_split_head_in_ram(qtype, tiny_gguf):
         assert m.head_device.type == ("cuda" if head == "gpu" else "cpu") and m._split is not None
         assert m._split.head_on_cpu == (head == "cpu")
         head_bytes = sum(t.numel() * t.element_size() for t in m.model.lm_head.buffers())
+        # in RAM, the head is fed the final norm's float32 output from the GPU: its logits are float32
+        assert m.model.model.norm.weight.is_cuda
         with torch.inference_mode():
             steps = [m._prefill(IDS[:20], 0, m.cache, pad).float().cpu()]
             for j, tok in enumerate(IDS[20:28]):  # teacher-forced: the same tokens into both
-                steps.append(m._decode(torch.tensor([tok], device=m.head_device), 20 + j, m.cache, pad).float().cpu())
+                out = m._decode(torch.tensor([tok], device=m.head_device), 20 + j, m.cache, pad)
+                assert out.dtype == (torch.float32 if head == "cpu" else m.model.dtype)
+                steps.append(out.float().cpu())
         runs[head] = (held, head_bytes, steps)
         del m
     (held_g, _, steps_g), (held_c, n, steps_c) = runs["gpu"], runs["cpu"]

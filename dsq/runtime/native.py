@@ -92,8 +92,9 @@ def _gpu_part(model, x, start: int, slot, cache, pad):
 
 
 def _gpu_layers_part(model, x, start: int, slot, cache, pad):
-    """The GPU part of a split model whose head is in RAM: layers start.. (the hidden state)."""
-    return model.forward_layers(x, start, len(model.model.layers), slot, cache, pad)
+    """The GPU part of a split model whose head is in RAM: layers start.. and the final norm, in
+    float32 (what the head's C kernels read)."""
+    return model.model.norm(model.forward_layers(x, start, len(model.model.layers), slot, cache, pad)).float()
 
 
 class _SplitStep:
@@ -101,8 +102,8 @@ class _SplitStep:
     `start` layers run eagerly on the CPU (the C kernels, float32), the rest of the layers, the
     final norm and the head are one CUDA graph (of the torch.compile'd part with `compile`). The
     hidden state crosses once per token, through pinned memory; the GPU's pad is copied only when
-    it changes. A head in RAM (--head cpu) runs after the graph, on the CPU: the hidden state then
-    comes back once more."""
+    it changes. A head in RAM (--head cpu) runs after the graph, on the CPU: the graph ends with the
+    final norm, and the normed hidden state comes back once more."""
 
     def __init__(self, model, cache, start: int, batch: int, compile_mode: str | None | bool = False):
         dev = torch.device("cuda")
@@ -122,6 +123,9 @@ class _SplitStep:
             # (docs/benchmarks.md#split-between-gpu-and-cpu)
             part = torch.compile(part, dynamic=False, mode=compile_mode)
         self.graph, self.out = _graphed(lambda: part(model, self.x, start, self.slot, cache, self.pad))
+        if self.head_on_cpu:  # the normed hidden state comes back through pinned memory
+            self.back = torch.empty(self.out.shape, dtype=self.out.dtype, pin_memory=True)
+            self.back_ready = torch.cuda.Event()
 
     def __call__(self, tok: torch.Tensor, slot: int, pad: torch.Tensor) -> torch.Tensor:
         pad, tok = pad.cpu(), tok.cpu()
@@ -135,7 +139,10 @@ class _SplitStep:
             self._pad_on_gpu = pad.clone()
         self.graph.replay()
         if self.head_on_cpu:
-            return self.model.head(self.out.to("cpu"), last_only=True)
+            self.back.copy_(self.out, non_blocking=True)
+            self.back_ready.record()
+            self.back_ready.synchronize()
+            return self.model.logits(self.back)
         return self.out
 
 
