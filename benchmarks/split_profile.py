@@ -5,7 +5,7 @@
 For each split: tok/s over a short greedy decode, then one profiled step of the same decode
 (torch profiler, CPU and CUDA activities): the top ops by self CPU time, and wall time per decoder
 layer and for the head, measured with a device sync around each (so the per-layer figures add the
-syncs' cost; the tok/s figure has none). The per-layer and per-kernel figures are of the op-by-op
+syncs' cost; the tok/s figure has none); the same for the prompt's prefill, beside its whole wall time. The per-layer and per-kernel figures are of the op-by-op
 step (hooks and kernel wrappers do not see inside the one C call a covered CPU layer otherwise
 makes: dsq/runtime/fused_layer.py; `python -m benchmarks.layer_decode` times that call); tok/s is
 the default step's.
@@ -80,8 +80,28 @@ def _layer_times(m, prompt: list[int], steps: int = 3) -> dict:
         m.model._fused_decode = fused
         for h in hooks:
             h.remove()
-    # the first entry of each is the prefill
-    return {k: statistics.median(v[1:]) for k, v in marks.items() if len(v) > 1}
+    # the first entry of each is the prefill's: kept apart as "prefill <name>"
+    out = {k: statistics.median(v[1:]) for k, v in marks.items() if len(v) > 1}
+    return out | {f"prefill {k}": v[0] for k, v in marks.items() if v}
+
+
+def _prefill_ms(m, prompt: list[int]) -> float:
+    """Median wall ms of the prompt's prefill (the default path, synced), over three runs."""
+    import torch
+
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.sampling import SamplingParams
+
+    times = []
+    for _ in range(3):
+        m.reset()
+        st = GenStats()
+        for _ in m.stream(prompt, SamplingParams(temperature=0), 1, st, ignore_eos=True):
+            pass
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(1e3 * len(prompt) / st.prefill_tok_s)
+    return statistics.median(times)
 
 
 def _profile(m, prompt: list[int]) -> str:
@@ -266,12 +286,16 @@ def main(argv=None) -> None:
         rate_op = _decode_rate(m, prompt, a.gen_tokens) if fused is not None else rate
         m.model._fused_decode = fused
         layers = _layer_times(m, prompt)
-        cpu = sum(v for k, v in layers.items() if "(cpu)" in k)
-        gpu = sum(v for k, v in layers.items() if "(cuda)" in k)
+        cpu = sum(v for k, v in layers.items() if "(cpu)" in k and not k.startswith("prefill"))
+        gpu = sum(v for k, v in layers.items() if "(cuda)" in k and not k.startswith("prefill"))
+        prefill = {"cpu_layers_ms": sum(v for k, v in layers.items() if k.startswith("prefill") and "(cpu)" in k),
+                   "gpu_layers_ms": sum(v for k, v in layers.items() if k.startswith("prefill") and "(cuda)" in k),
+                   "head_ms": layers.get("prefill head", 0.0), "whole_ms": _prefill_ms(m, prompt)}
         row = {"gpu_layers": g, "decode_tok_s": round(rate, 2), "step_ms": round(1e3 / rate, 2), "load_s": round(load_s, 1),
                "fused_cpu_layers": getattr(m, "fused_layers", 0), "op_by_op_decode_tok_s": round(rate_op, 2),
                "threads": m.n_threads, "cpu_layers_ms": round(cpu, 2), "gpu_layers_ms": round(gpu, 2),
-               "head_ms": round(layers.get("head", 0.0), 2), **_vram(m),
+               "head_ms": round(layers.get("head", 0.0), 2),
+               "prefill_ms": {k: round(v, 2) for k, v in prefill.items()}, **_vram(m),
                "layer_ms": {k: round(v, 3) for k, v in layers.items()}}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "layer_ms"}), flush=True)
@@ -287,10 +311,13 @@ def main(argv=None) -> None:
             row["kernels"] = _kernel_times(m, prompt)
             print(json.dumps(row["kernels"], indent=1), flush=True)
         del m
-    print(f"\n{'gpu layers':>10} {'tok/s':>8} {'step ms':>8} {'CPU layers ms':>14} {'GPU layers ms':>14} {'head ms':>8}")
+    print(f"\n{'gpu layers':>10} {'tok/s':>8} {'step ms':>8} {'CPU layers ms':>14} {'GPU layers ms':>14} {'head ms':>8}"
+          f" | prefill ms: {'whole':>7} {'CPU layers':>10} {'GPU layers':>10} {'head':>6}")
     for r in rows:
+        p = r["prefill_ms"]
         print(f"{r['gpu_layers']:>10} {r['decode_tok_s']:8.2f} {r['step_ms']:8.2f} {r['cpu_layers_ms']:14.2f} "
-              f"{r['gpu_layers_ms']:14.2f} {r['head_ms']:8.2f}")
+              f"{r['gpu_layers_ms']:14.2f} {r['head_ms']:8.2f} | {'':11} {p['whole_ms']:7.1f} {p['cpu_layers_ms']:10.1f} "
+              f"{p['gpu_layers_ms']:10.1f} {p['head_ms']:6.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
 
