@@ -55,7 +55,7 @@ class BuildExt(build_ext):
 exts = [
     Extension(f"dsq.kernels._cpu_{isa}", [f"kernels/csrc/cpu_{isa}.c"],
               depends=[f"kernels/csrc/{f}.inc" for f in ("pool", "gguf_cpu", "moe_cpu", "gguf_x8_cpu", "gguf_avx2_cpu", "gguf_i8gemm_cpu", "gguf_gemm_cpu", "intq_cpu",
-                                                         "norm_cpu", "attn_cpu", "layer_cpu")],
+                                                         "norm_cpu", "read_cpu", "attn_cpu", "layer_cpu")],
               extra_compile_args=["-O3", "-std=c11", *FLAGS[isa]], optional=True)
     for isa in ISAS
 ]

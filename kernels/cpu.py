@@ -100,6 +100,9 @@ def load(isa: str):
             lib.dsq_rms_norm.restype = ctypes.c_int
             lib.dsq_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                          ctypes.c_float, ctypes.c_void_p]
+        if hasattr(lib, "dsq_read_sum"):
+            lib.dsq_read_sum.restype = ctypes.c_uint64
+            lib.dsq_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         if hasattr(lib, "dsq_attn_decode"):
             lib.dsq_attn_decode.restype = ctypes.c_int
             lib.dsq_attn_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -346,6 +349,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib=None, check:
     if lib.dsq_rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // D, D, eps, y.data_ptr()):
         raise ValueError(f"dsq_rms_norm refused {_desc(x)}")
     return y
+
+
+def read_sum(buf: torch.Tensor, threads: int | None = None, lib=None) -> int:
+    """The sum mod 2^64 of a contiguous CPU buffer's 64-bit words (its bytes a multiple of 4096), read on
+    `threads` threads (default torch.get_num_threads()) by the kernels' pool: timed, it is the read
+    rate the decode kernels can reach (runtime/machine.py measure_cpu_read)."""
+    lib = _lib_with(lib, "dsq_read_sum")
+    nbytes = buf.numel() * buf.element_size()
+    if not (buf.is_cpu and buf.is_contiguous() and nbytes % 4096 == 0):
+        raise ValueError(f"read_sum: needs a contiguous CPU buffer of a multiple of 4096 bytes, got {_desc(buf)}")
+    return int(lib.dsq_read_sum(buf.data_ptr(), nbytes // 8, threads or torch.get_num_threads()))
 
 
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

@@ -205,3 +205,19 @@ def test_pool_after_fork():
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_read_sum_is_the_sum_of_every_word(isa):
+    """The calibration's read probe (kernels/csrc/read_cpu.inc) on 1, 2, 3 and 7 threads: the sum mod
+    2^64 of every 64-bit word, against numpy's, for random words (so a chunk left out or read twice
+    shows), and a buffer whose size is refused."""
+    lib = cpu.load(isa)
+    rng = np.random.default_rng(7)
+    words = rng.integers(0, 2**63, size=(3 << 20) + 512 * 5, dtype=np.int64)  # not a whole number of chunks
+    ref = int(words.view(np.uint64).sum(dtype=np.uint64))
+    x = torch.from_numpy(words)
+    for t in THREADS:
+        assert cpu.read_sum(x, t, lib) == ref
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        cpu.read_sum(x[:100], 2, lib)

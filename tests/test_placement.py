@@ -251,6 +251,11 @@ def test_calibration_fresh_stale_and_other_machine(tmp_path, monkeypatch):
     machine.save_calibration(_calibration(cores=999), path)
     other = machine.machine_bandwidths(None, path=path)
     assert other.cpu == 7e9 and "another machine" in other.notes[0]  # measured for this call instead
+    old = _calibration()
+    old.version = 1  # taken with torch's sum, which reads less than the kernels
+    machine.save_calibration(old, path)
+    older = machine.machine_bandwidths(None, path=path)
+    assert older.cpu == 7e9 and "older dsq" in older.notes[0]
     path.unlink()
     none = machine.machine_bandwidths(None, path=path)
     assert none.cpu == 7e9 and "not kept" in none.source and not path.exists()

@@ -101,12 +101,21 @@ def _best_seconds(fn, repeats: int) -> float:
 
 
 def measure_cpu_read(threads: int, nbytes: int = CPU_PROBE_BYTES, repeats: int = 5) -> float:
-    """Bytes/s `threads` threads read memory at: the best of `repeats` torch sums over nbytes."""
+    """Bytes/s `threads` threads read memory at: the best of `repeats` reads of nbytes by the C
+    kernels' own pool (kernels/cpu.py read_sum), the rate the decode kernels can reach; torch's sum
+    where the C kernels are not built (it reads less: docs/benchmarks.md#split-between-gpu-and-cpu)."""
     import torch
+
+    from dsq.kernels import cpu
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        lib = cpu.library()[0]
+        if lib is not None and hasattr(lib, "dsq_read_sum"):
+            x = torch.ones(nbytes // 8, dtype=torch.int64)
+            cpu.read_sum(x, threads, lib)
+            return nbytes // 8 * 8 / _best_seconds(lambda: cpu.read_sum(x, threads, lib), repeats)
         x = torch.ones(nbytes // 4, dtype=torch.float32)
         x.sum()
         return x.numel() * 4 / _best_seconds(x.sum, repeats)
@@ -166,6 +175,11 @@ def measure_round_trip(floats: int = ROUND_TRIP_FLOATS, repeats: int = 200) -> f
 
 
 # -- the calibration file --------------------------------------------------------------------------
+# 2: the CPU's read measured by the C kernels' pool, not torch's sum (which read ~25% less on the H200
+# host: docs/benchmarks.md#split-between-gpu-and-cpu); a calibration of another version is taken again
+CALIBRATION_VERSION = 2
+
+
 @dataclass
 class Calibration:
     """Bandwidths measured on one machine (bytes/s; seconds for the round trip)."""
@@ -177,7 +191,7 @@ class Calibration:
     gpu_copy_bw: float | None = None
     h2d_bw: float | None = None
     split_overhead_s: float | None = None
-    version: int = 1
+    version: int = CALIBRATION_VERSION  # (files of older dsq say 1)
 
     def age_days(self, now: datetime.datetime | None = None) -> float:
         now = now or datetime.datetime.now(datetime.timezone.utc)
@@ -238,6 +252,8 @@ def calibration_note(cal: Calibration, here: dict, now: datetime.datetime | None
     if cal.machine != here:
         return (f"the calibration was taken on another machine ({_describe(cal.machine)}; this one: "
                 f"{_describe(here)}): not used; run `dsq offload --calibrate` here")
+    if cal.version != CALIBRATION_VERSION:
+        return "the calibration was measured by an older dsq: not used; run `dsq offload --calibrate` again"
     age = cal.age_days(now)
     if age > CALIBRATION_MAX_AGE_DAYS:
         return (f"the calibration is {age:.0f} days old (more than {CALIBRATION_MAX_AGE_DAYS}); "
@@ -265,8 +281,8 @@ def machine_bandwidths(gpu: GpuInfo | None, *, measure: bool = True, cpu_bw: flo
                        path: Path | None = None) -> Bandwidths:
     """The offload model's figures: those given, then this machine's calibration, then the CPU
     measured now at `threads` (default: the runtime's; `measure`, and the reading is not kept) or a
-    nominal figure, and the card table for the GPU. A calibration of another machine is not used;
-    a stale one is, with a note."""
+    nominal figure, and the card table for the GPU. A calibration of another machine or by an older
+    dsq is not used; a stale one is, with a note."""
     notes: list[str] = []
     cal = None if cpu_bw and gpu_bw else _usable_calibration(gpu, path, notes)
     if cal is not None and threads and threads != cal.threads:
@@ -297,7 +313,7 @@ def _usable_calibration(gpu: GpuInfo | None, path: Path | None, notes: list[str]
     note = calibration_note(cal, here)
     if note:
         notes.append(note)
-    return cal if cal.machine == here else None
+    return cal if cal.machine == here and cal.version == CALIBRATION_VERSION else None
 
 
 def card_bandwidth(gpu: GpuInfo | None) -> float:

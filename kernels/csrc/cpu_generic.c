@@ -8,5 +8,6 @@
 #include "moe_cpu.inc"
 #include "intq_cpu.inc"
 #include "norm_cpu.inc"
+#include "read_cpu.inc"
 #include "attn_cpu.inc"
 #include "layer_cpu.inc"
