@@ -5,10 +5,10 @@
 For each split: tok/s over a short greedy decode, then one profiled step of the same decode
 (torch profiler, CPU and CUDA activities): the top ops by self CPU time, and wall time per decoder
 layer and for the head, measured with a device sync around each (so the per-layer figures add the
-syncs' cost; the tok/s figure has none); the same for the prompt's prefill, beside its whole wall time. The per-layer and per-kernel figures are of the op-by-op
-step (hooks and kernel wrappers do not see inside the one C call a covered CPU layer otherwise
-makes: dsq/runtime/fused_layer.py; `python -m benchmarks.layer_decode` times that call); tok/s is
-the default step's.
+syncs' cost; the tok/s figure has none); the same for the prompt's prefill, beside its whole wall
+time. The per-layer and per-kernel figures are of the op-by-op step (hooks and kernel wrappers do
+not see inside the one C call a covered CPU layer otherwise makes: dsq/runtime/fused_layer.py;
+`python -m benchmarks.layer_decode` times that call); tok/s is the default step's.
 """
 
 from __future__ import annotations
@@ -288,9 +288,10 @@ def main(argv=None) -> None:
         layers = _layer_times(m, prompt)
         cpu = sum(v for k, v in layers.items() if "(cpu)" in k and not k.startswith("prefill"))
         gpu = sum(v for k, v in layers.items() if "(cuda)" in k and not k.startswith("prefill"))
-        prefill = {"cpu_layers_ms": sum(v for k, v in layers.items() if k.startswith("prefill") and "(cpu)" in k),
-                   "gpu_layers_ms": sum(v for k, v in layers.items() if k.startswith("prefill") and "(cuda)" in k),
-                   "head_ms": layers.get("prefill head", 0.0), "whole_ms": _prefill_ms(m, prompt)}
+        pre = {k: v for k, v in layers.items() if k.startswith("prefill")}
+        prefill = {"cpu_layers_ms": sum(v for k, v in pre.items() if "(cpu)" in k),
+                   "gpu_layers_ms": sum(v for k, v in pre.items() if "(cuda)" in k),
+                   "head_ms": pre.get("prefill head", 0.0), "whole_ms": _prefill_ms(m, prompt)}
         row = {"gpu_layers": g, "decode_tok_s": round(rate, 2), "step_ms": round(1e3 / rate, 2), "load_s": round(load_s, 1),
                "fused_cpu_layers": getattr(m, "fused_layers", 0), "op_by_op_decode_tok_s": round(rate_op, 2),
                "threads": m.n_threads, "cpu_layers_ms": round(cpu, 2), "gpu_layers_ms": round(gpu, 2),
@@ -316,8 +317,8 @@ def main(argv=None) -> None:
     for r in rows:
         p = r["prefill_ms"]
         print(f"{r['gpu_layers']:>10} {r['decode_tok_s']:8.2f} {r['step_ms']:8.2f} {r['cpu_layers_ms']:14.2f} "
-              f"{r['gpu_layers_ms']:14.2f} {r['head_ms']:8.2f} | {'':11} {p['whole_ms']:7.1f} {p['cpu_layers_ms']:10.1f} "
-              f"{p['gpu_layers_ms']:10.1f} {p['head_ms']:6.1f}")
+              f"{r['gpu_layers_ms']:14.2f} {r['head_ms']:8.2f} | {'':11} {p['whole_ms']:7.1f} "
+              f"{p['cpu_layers_ms']:10.1f} {p['gpu_layers_ms']:10.1f} {p['head_ms']:6.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
 

@@ -96,7 +96,7 @@ def load(isa: str):
             lib.dsq_moe_experts.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3, *[ctypes.c_int64] * 6,
                                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-        if hasattr(lib, "dsq_rms_norm"):  # builds older than the norm kernel lack it  # builds older than the norm kernel lack it
+        if hasattr(lib, "dsq_rms_norm"):  # builds older than the norm kernel lack it
             lib.dsq_rms_norm.restype = ctypes.c_int
             lib.dsq_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                          ctypes.c_float, ctypes.c_void_p]
