@@ -12,6 +12,10 @@
 #                                          # --calibrate), llama-bench, dsq bench with both engines (head on
 #                                          # the GPU), then dsq at llama.cpp's placement (--head cpu); every
 #                                          # table printed to the log (a call returns at most 8 files)
+#   bash benchmarks/h200_split.sh ram      # the race at llama.cpp's placement (--head cpu), both shapes in one
+#                                          # call: calibrate, then per shape llama-bench, llama.cpp's VRAM
+#                                          # (dsq bench -b llama.cpp) and dsq bench --head cpu; summaries printed
+#   bash benchmarks/h200_split.sh probe    # the CPU read probes side by side (benchmarks/cpu_read_probe.py)
 #   bash benchmarks/h200_split.sh vram     # where each split's VRAM goes (benchmarks/vram_parts.py), with torch's
 #                                          # expandable segments (dsq's default) and with fixed ones
 #   bash benchmarks/h200_split.sh fused    # one C call per CPU layer against op by op: one 8B layer and a
@@ -53,6 +57,34 @@ if [ "$PART" = fused ]; then  # (llama.cpp: the GGUF tokenizer)
 fi
 if [ "$PART" = tests ]; then
   timeout 300 python3 -m pytest -q --timeout 150 --tb=short -rfE -p no:cacheprovider tests/test_native_cuda.py tests/test_elementwise_triton.py tests/test_attn_triton.py ${TESTS:+-k "$TESTS"} 2>&1 | tail -15
+  exit 0
+fi
+if [ "$PART" = probe ]; then
+  timeout 200 python3 -m benchmarks.cpu_read_probe --threads "${PROBE_THREADS:-8,16}" 2>&1 | grep -v -i warn
+  exit 0
+fi
+if [ "$PART" = ram ]; then  # docs/benchmarks.md#does-a-split-beat-llamacpp-and-at-what-vram
+  TH=${THREADS:-$(lscpu -p=CORE | grep -v '^#' | sort -u | wc -l)}
+  python3 -m dsq.bench.random_gguf /tmp/r8b.gguf --shape llama3-8b --mix Q4_K_M | tail -1
+  python3 -m dsq.bench.random_gguf /tmp/q7b.gguf --shape qwen2-7b --mix Q4_K_M | tail -1
+  timeout 60 python3 -m dsq offload --calibrate --threads "$TH" --json > "$OUT/calibration_ram.json" 2>/dev/null
+  grep -E '"(cpu_read_bw|gpu_copy_bw|h2d_bw|version)"' "$OUT/calibration_ram.json"
+  for run in "r8b 0,8,16,24" "q7b 0,7,14,21"; do
+    set -- $run; G=/tmp/$1.gguf
+    echo "== $1: llama-bench, $TH threads"
+    timeout 150 "$LL/build/bin/llama-bench" -m "$G" -ngl "$2,99" -fa 1 -p 64 -n 32 -r 2 -t "$TH" -o md 2>&1 | grep -E "^\|"
+    timeout 130 python3 -m dsq bench "$G" -b llama.cpp -g "$2,all" --prompt-tokens 64 --gen-tokens 32 --repeat 2 \
+      --threads "$TH" --json "$OUT/ram_$1_llamacpp.json" >/dev/null 2>&1
+    timeout 150 python3 -m dsq bench "$G" -b native -g "$2" --head cpu --prompt-tokens 64 --gen-tokens 32 --repeat 2 \
+      --threads "$TH" --json "$OUT/ram_$1_native.json" >/dev/null 2>&1
+    python3 - "$OUT/ram_$1_llamacpp.json" "$OUT/ram_$1_native.json" <<'PY'
+import json, sys
+for f in sys.argv[1:]:
+    for r in json.load(open(f))["summary"]:
+        print(r["backend"], r["gpu_layers"], "head", r.get("head"), "decode", r["decode_tok_s_median"], "prefill",
+              r["prefill_tok_s_median"], "VRAM", r["peak_vram_mb"], "roofline", r.get("decode_roofline_tok_s"))
+PY
+  done
   exit 0
 fi
 GGUF=${GGUF:-/tmp/r8b.gguf}
