@@ -354,7 +354,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib=None, check:
 def read_sum(buf: torch.Tensor, threads: int | None = None, lib=None) -> int:
     """The sum mod 2^64 of a contiguous CPU buffer's 64-bit words (its bytes a multiple of 4096), read on
     `threads` threads (default torch.get_num_threads()) by the kernels' pool: timed, it is the read
-    rate the decode kernels can reach (runtime/machine.py measure_cpu_read)."""
+    rate the decode kernels can reach (runtime/machine.py measure_cpu_peak_read)."""
     lib = _lib_with(lib, "dsq_read_sum")
     nbytes = buf.numel() * buf.element_size()
     if not (buf.is_cpu and buf.is_contiguous() and nbytes % 4096 == 0):

@@ -92,9 +92,17 @@ def test_plan_is_monotone_and_consistent(builtin_gguf):
 
 
 def test_prediction_follows_bytes(builtin_gguf):
+    from dsq.runtime.machine import Bandwidths
+
     plan = plan_placement(builtin_gguf, vram=0, ctx=512, gpu_bw=1e12, cpu_bw=20e9)
     assert plan.bytes_per_token_gpu == 0
     assert plan.roofline_tok_s == pytest.approx(20e9 / plan.bytes_per_token_cpu)
+    # a calibration's kernel read above the figure the efficiencies were fit on: the roofline rises,
+    # the prediction does not
+    peak = plan_placement(builtin_gguf, vram=0, ctx=512,
+                          bandwidths=Bandwidths(cpu=20e9, gpu=1e12, split_overhead_s=0.0, source="t", cpu_peak=30e9))
+    assert peak.roofline_tok_s == pytest.approx(30e9 / plan.bytes_per_token_cpu)
+    assert peak.predicted_tok_s == pytest.approx(plan.predicted_tok_s)
     full = plan_placement(builtin_gguf, vram=8 * GiB, ctx=512, gpu_bw=1e12, cpu_bw=20e9)
     assert full.bytes_per_token_cpu < plan.bytes_per_token_cpu and full.predicted_tok_s > plan.predicted_tok_s
 
@@ -251,11 +259,7 @@ def test_calibration_fresh_stale_and_other_machine(tmp_path, monkeypatch):
     machine.save_calibration(_calibration(cores=999), path)
     other = machine.machine_bandwidths(None, path=path)
     assert other.cpu == 7e9 and "another machine" in other.notes[0]  # measured for this call instead
-    old = _calibration()
-    old.version = 1  # taken with torch's sum, which reads less than the kernels
-    machine.save_calibration(old, path)
-    older = machine.machine_bandwidths(None, path=path)
-    assert older.cpu == 7e9 and "older dsq" in older.notes[0]
+    assert fresh.cpu_peak is None and fresh.cpu_ceiling == 12e9  # a calibration from before the kernels' probe
     path.unlink()
     none = machine.machine_bandwidths(None, path=path)
     assert none.cpu == 7e9 and "not kept" in none.source and not path.exists()
@@ -270,12 +274,16 @@ def test_calibrate_command_keeps_the_figures(runner, tmp_path, monkeypatch):
 
     monkeypatch.setenv("DSQ_CACHE", str(tmp_path))
     monkeypatch.setattr(machine, "measure_cpu_read", lambda threads, *a, **k: 21e9)
+    monkeypatch.setattr(machine, "measure_cpu_peak_read", lambda threads, *a, **k: 27e9)
     monkeypatch.setattr(machine, "_cuda_available", lambda: False)
     r = runner.invoke(app, ["offload", "--calibrate", "--json"])
     assert r.exit_code == 0, r.output
     saved = json.loads((tmp_path / "calibration.json").read_text())
     assert saved == json.loads(r.stdout)
-    assert saved["cpu_read_bw"] == 21e9 and saved["gpu_copy_bw"] is None
+    assert saved["cpu_read_bw"] == 21e9 and saved["cpu_peak_read_bw"] == 27e9 and saved["gpu_copy_bw"] is None
+    # the prediction keeps the figure its efficiencies were fit on; the roofline takes the ceiling
+    bw = machine.machine_bandwidths(None)
+    assert bw.cpu == 21e9 and bw.cpu_peak == 27e9 and bw.cpu_ceiling == 27e9
     assert set(saved["machine"]) == {"cpu", "cores", "gpu"} and saved["taken"].endswith("+00:00")
     r = runner.invoke(app, ["offload", "--vram", "8G", "-b", "native", "--gpu-bw", "1000"])
     assert r.exit_code == 0, r.output

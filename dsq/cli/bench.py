@@ -265,7 +265,7 @@ def _rooflines(model, rows, ctx, prompt_tokens: int, gen_tokens: int, threads) -
         plan = plans.get((r["backend"], str(r["gpu_layers"])))
         if plan is not None and r.get("batch", 1) == 1 and plan.roofline_tok_s:
             r["decode_roofline_tok_s"] = round(plan.roofline_tok_s, 2)
-    return plans, f"{bw.source}: CPU {bw.cpu / 1e9:.1f} GB/s, GPU {bw.gpu / 1e9:.0f} GB/s"
+    return plans, f"{bw.source}: CPU {bw.cpu_ceiling / 1e9:.1f} GB/s, GPU {bw.gpu / 1e9:.0f} GB/s"
 
 
 def _predicted(model, rows, ctx, prompt_tokens: int, gen_tokens: int, threads, bw=None) -> dict:

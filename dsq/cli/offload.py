@@ -104,7 +104,8 @@ def _calibrate(threads: int | None, as_json: bool) -> None:
     gpu = "no GPU" if cal.gpu_copy_bw is None else (
         f"GPU copy {cal.gpu_copy_bw / 1e9:.0f} GB/s, host->GPU {cal.h2d_bw / 1e9:.1f} GB/s (pinned), "
         f"split round trip {cal.split_overhead_s * 1e6:.0f} us")
-    con.print(f"CPU read {cal.cpu_read_bw / 1e9:.1f} GB/s ({cal.threads} threads), {gpu}; kept in {path}")
+    peak = "" if cal.cpu_peak_read_bw is None else f", {cal.cpu_peak_read_bw / 1e9:.1f} by dsq's kernels"
+    con.print(f"CPU read {cal.cpu_read_bw / 1e9:.1f} GB/s{peak} ({cal.threads} threads), {gpu}; kept in {path}")
 
 
 # -- the plan ----------------------------------------------------------------------------------------

@@ -101,26 +101,34 @@ def _best_seconds(fn, repeats: int) -> float:
 
 
 def measure_cpu_read(threads: int, nbytes: int = CPU_PROBE_BYTES, repeats: int = 5) -> float:
-    """Bytes/s `threads` threads read memory at: the best of `repeats` reads of nbytes by the C
-    kernels' own pool (kernels/cpu.py read_sum), the rate the decode kernels can reach; torch's sum
-    where the C kernels are not built (it reads less: docs/benchmarks.md#split-between-gpu-and-cpu)."""
+    """Bytes/s `threads` threads read memory at: the best of `repeats` torch sums over nbytes (the
+    figure the offload model's efficiencies were fit on, placement.EFFICIENCY)."""
     import torch
-
-    from dsq.kernels import cpu
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        lib = cpu.library()[0]
-        if lib is not None and hasattr(lib, "dsq_read_sum"):
-            x = torch.ones(nbytes // 8, dtype=torch.int64)
-            cpu.read_sum(x, threads, lib)
-            return nbytes // 8 * 8 / _best_seconds(lambda: cpu.read_sum(x, threads, lib), repeats)
         x = torch.ones(nbytes // 4, dtype=torch.float32)
         x.sum()
         return x.numel() * 4 / _best_seconds(x.sum, repeats)
     finally:
         torch.set_num_threads(before)
+
+
+def measure_cpu_peak_read(threads: int, nbytes: int = CPU_PROBE_BYTES, repeats: int = 5) -> float | None:
+    """Bytes/s `threads` threads of the C kernels' own pool read memory at (kernels/cpu.py read_sum):
+    the ceiling a decode roofline divides by, above torch's sum (86 against the head GEMV's 115 GB/s
+    on the H200 host: docs/benchmarks.md#split-between-gpu-and-cpu). None without the C kernels."""
+    import torch
+
+    from dsq.kernels import cpu
+
+    lib = cpu.library()[0]
+    if lib is None or not hasattr(lib, "dsq_read_sum"):
+        return None
+    x = torch.ones(nbytes // 8, dtype=torch.int64)
+    cpu.read_sum(x, threads, lib)
+    return x.numel() * 8 / _best_seconds(lambda: cpu.read_sum(x, threads, lib), repeats)
 
 
 def _cuda_seconds(fn, repeats: int) -> float:
@@ -175,11 +183,6 @@ def measure_round_trip(floats: int = ROUND_TRIP_FLOATS, repeats: int = 200) -> f
 
 
 # -- the calibration file --------------------------------------------------------------------------
-# 2: the CPU's read measured by the C kernels' pool, not torch's sum (which read ~25% less on the H200
-# host: docs/benchmarks.md#split-between-gpu-and-cpu); a calibration of another version is taken again
-CALIBRATION_VERSION = 2
-
-
 @dataclass
 class Calibration:
     """Bandwidths measured on one machine (bytes/s; seconds for the round trip)."""
@@ -191,7 +194,8 @@ class Calibration:
     gpu_copy_bw: float | None = None
     h2d_bw: float | None = None
     split_overhead_s: float | None = None
-    version: int = CALIBRATION_VERSION  # (files of older dsq say 1)
+    version: int = 1
+    cpu_peak_read_bw: float | None = None  # the C kernels' pool (measure_cpu_peak_read); None before it
 
     def age_days(self, now: datetime.datetime | None = None) -> float:
         now = now or datetime.datetime.now(datetime.timezone.utc)
@@ -212,7 +216,8 @@ def calibrate(threads: int | None = None, gpu: GpuInfo | None = None) -> Calibra
     copy bandwidth, the pinned host -> GPU rate and the split's round trip."""
     threads = threads or runtime_threads()
     cal = Calibration(taken=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                      machine=machine_identity(gpu), threads=threads, cpu_read_bw=measure_cpu_read(threads))
+                      machine=machine_identity(gpu), threads=threads, cpu_read_bw=measure_cpu_read(threads),
+                      cpu_peak_read_bw=measure_cpu_peak_read(threads))
     if _cuda_available():
         import torch
 
@@ -252,8 +257,6 @@ def calibration_note(cal: Calibration, here: dict, now: datetime.datetime | None
     if cal.machine != here:
         return (f"the calibration was taken on another machine ({_describe(cal.machine)}; this one: "
                 f"{_describe(here)}): not used; run `dsq offload --calibrate` here")
-    if cal.version != CALIBRATION_VERSION:
-        return "the calibration was measured by an older dsq: not used; run `dsq offload --calibrate` again"
     age = cal.age_days(now)
     if age > CALIBRATION_MAX_AGE_DAYS:
         return (f"the calibration is {age:.0f} days old (more than {CALIBRATION_MAX_AGE_DAYS}); "
@@ -274,6 +277,13 @@ class Bandwidths:
     split_overhead_s: float  # per token, where both the CPU and the GPU hold a part of the model
     source: str  # where the figures come from, in words
     notes: list[str] = field(default_factory=list)
+    # bytes/s the C kernels' pool read (the calibration's cpu_peak_read_bw), the ceiling rooflines divide
+    # by; None: `cpu` is the best known
+    cpu_peak: float | None = None
+
+    @property
+    def cpu_ceiling(self) -> float:
+        return max(self.cpu, self.cpu_peak or 0.0)
 
 
 def machine_bandwidths(gpu: GpuInfo | None, *, measure: bool = True, cpu_bw: float | None = None,
@@ -281,8 +291,8 @@ def machine_bandwidths(gpu: GpuInfo | None, *, measure: bool = True, cpu_bw: flo
                        path: Path | None = None) -> Bandwidths:
     """The offload model's figures: those given, then this machine's calibration, then the CPU
     measured now at `threads` (default: the runtime's; `measure`, and the reading is not kept) or a
-    nominal figure, and the card table for the GPU. A calibration of another machine or by an older
-    dsq is not used; a stale one is, with a note."""
+    nominal figure, and the card table for the GPU. A calibration of another machine is not used;
+    a stale one is, with a note."""
     notes: list[str] = []
     cal = None if cpu_bw and gpu_bw else _usable_calibration(gpu, path, notes)
     if cal is not None and threads and threads != cal.threads:
@@ -292,7 +302,8 @@ def machine_bandwidths(gpu: GpuInfo | None, *, measure: bool = True, cpu_bw: flo
         cpu = measure_cpu_read(threads or runtime_threads()) if measure else NOMINAL_CPU_BW
     gpu_fig = gpu_bw or (cal.gpu_copy_bw if cal and cal.gpu_copy_bw else card_bandwidth(gpu))
     overhead = cal.split_overhead_s if cal and cal.split_overhead_s is not None else SPLIT_OVERHEAD_S
-    return Bandwidths(cpu, gpu_fig, overhead, _source(cal, cpu_bw, measure), notes)
+    peak = cal.cpu_peak_read_bw if cal is not None and not cpu_bw else None
+    return Bandwidths(cpu, gpu_fig, overhead, _source(cal, cpu_bw, measure), notes, peak)
 
 
 def _source(cal: Calibration | None, cpu_given: float | None, measure: bool) -> str:
@@ -313,7 +324,7 @@ def _usable_calibration(gpu: GpuInfo | None, path: Path | None, notes: list[str]
     note = calibration_note(cal, here)
     if note:
         notes.append(note)
-    return cal if cal.machine == here and cal.version == CALIBRATION_VERSION else None
+    return cal if cal.machine == here else None
 
 
 def card_bandwidth(gpu: GpuInfo | None) -> float:

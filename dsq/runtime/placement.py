@@ -257,8 +257,9 @@ class _Costs:
         return (bw.split_overhead_s if opt.split else 0.0) + bw.split_overhead_s * self.moe_on_gpu(opt)
 
     def roofline_seconds(self, opt: _Option, bw: Bandwidths) -> float:
+        """Seconds a token's bytes take at the memories' ceilings (the CPU's: the faster of its probes)."""
         gpu, cpu = self.per_token(opt)
-        return _transfer(gpu, bw.gpu) + _transfer(cpu, bw.cpu)
+        return _transfer(gpu, bw.gpu) + _transfer(cpu, bw.cpu_ceiling)
 
 
 def _cpu_weight(types: dict[str, int], backend: str) -> int:
