@@ -68,7 +68,7 @@ if [ "$PART" = ram ]; then  # docs/benchmarks.md#does-a-split-beat-llamacpp-and-
   python3 -m dsq.bench.random_gguf /tmp/r8b.gguf --shape llama3-8b --mix Q4_K_M | tail -1
   python3 -m dsq.bench.random_gguf /tmp/q7b.gguf --shape qwen2-7b --mix Q4_K_M | tail -1
   timeout 60 python3 -m dsq offload --calibrate --threads "$TH" --json > "$OUT/calibration_ram.json" 2>/dev/null
-  grep -E '"(cpu_read_bw|gpu_copy_bw|h2d_bw|version)"' "$OUT/calibration_ram.json"
+  grep -E '"(cpu_read_bw|cpu_peak_read_bw|gpu_copy_bw|h2d_bw)"' "$OUT/calibration_ram.json"
   for run in "r8b 0,8,16,24" "q7b 0,7,14,21"; do
     set -- $run; G=/tmp/$1.gguf
     echo "== $1: llama-bench, $TH threads"
@@ -107,7 +107,7 @@ if [ "$PART" = bench ]; then  # both engines through dsq bench: tok/s and peak V
 fi
 if [ "$PART" = race ]; then  # docs/benchmarks.md#does-a-split-beat-llamacpp-and-at-what-vram
   timeout 60 python3 -m dsq offload --calibrate --threads "$THREADS" --json > "$OUT/calibration_${TAG:-race}.json" 2>/dev/null
-  grep -E '"(cpu_read_bw|gpu_copy_bw|h2d_bw)"' "$OUT/calibration_${TAG:-race}.json"
+  grep -E '"(cpu_read_bw|cpu_peak_read_bw|gpu_copy_bw|h2d_bw)"' "$OUT/calibration_${TAG:-race}.json"
   timeout 120 "$LL/build/bin/llama-bench" -m "$GGUF" -ngl "$SPLITS" -fa 1 -p 64 -n 32 -r 2 -t "$THREADS" -o md 2>&1 |
     grep -E "^\|" | tee "$OUT/llama_bench_${TAG:-race}.md"
   timeout 200 python3 -m dsq bench "$GGUF" -b native,llama.cpp -g "${DSQ_SPLITS:-0,8,16,24,all}" --prompt-tokens 64 \
