@@ -16,6 +16,9 @@
 #                                          # call: calibrate, then per shape llama-bench, llama.cpp's VRAM
 #                                          # (dsq bench -b llama.cpp) and dsq bench --head cpu; summaries printed
 #   bash benchmarks/h200_split.sh probe    # the CPU read probes side by side (benchmarks/cpu_read_probe.py)
+#   bash benchmarks/h200_split.sh convert  # GGUF -> GPU layout, torch ops against one Triton launch a chunk
+#                                          # (benchmarks/gguf_convert.py), the streamed-prefill CUDA tests with
+#                                          # DSQ_TRITON_GGUF=1, and prefill at 24 / 16 layers with it off and on
 #   bash benchmarks/h200_split.sh vram     # where each split's VRAM goes (benchmarks/vram_parts.py), with torch's
 #                                          # expandable segments (dsq's default) and with fixed ones
 #   bash benchmarks/h200_split.sh fused    # one C call per CPU layer against op by op: one 8B layer and a
@@ -61,6 +64,19 @@ if [ "$PART" = tests ]; then
 fi
 if [ "$PART" = probe ]; then
   timeout 200 python3 -m benchmarks.cpu_read_probe --threads "${PROBE_THREADS:-8,16}" 2>&1 | grep -v -i warn
+  exit 0
+fi
+if [ "$PART" = convert ]; then  # docs/benchmarks.md#does-a-split-beat-llamacpp-and-at-what-vram
+  TH=${THREADS:-$(lscpu -p=CORE | grep -v '^#' | sort -u | wc -l)}
+  [ -f /tmp/r8b.gguf ] || python3 -m dsq.bench.random_gguf /tmp/r8b.gguf --shape llama3-8b --mix Q4_K_M | tail -1
+  timeout 120 python3 -m benchmarks.gguf_convert /tmp/r8b.gguf 2>&1 | grep -v -i warn
+  DSQ_TRITON_GGUF=1 timeout 300 python3 -m pytest -q --timeout 280 --tb=short -rfE -p no:cacheprovider \
+    tests/test_native_cuda.py -k "streamed or head_in_ram" 2>&1 | tail -6
+  for v in 0 1; do
+    DSQ_TRITON_GGUF=$v timeout 150 python3 -m dsq bench /tmp/r8b.gguf -b native -g 24,16 --head cpu --prompt-tokens 64 \
+      --gen-tokens 8 --repeat 2 --threads "$TH" --json "$OUT/convert_$v.json" >/dev/null 2>&1
+    python3 -c "import json,sys; [print('DSQ_TRITON_GGUF=$v', r['gpu_layers'], 'prefill', r['prefill_tok_s_median'], 'VRAM', r['peak_vram_mb']) for r in json.load(open(sys.argv[1]))['summary']]" "$OUT/convert_$v.json"
+  done
   exit 0
 fi
 if [ "$PART" = ram ]; then  # docs/benchmarks.md#does-a-split-beat-llamacpp-and-at-what-vram

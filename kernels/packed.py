@@ -18,10 +18,19 @@ the kernels are held to the same references as the source formats (gguf_ref, int
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from dsq.kernels import gguf_ref
+
+# DSQ_TRITON_GGUF=1: Q4_K / Q6_K blocks converted on a GPU by one Triton launch a chunk
+# (kernels/triton_gguf.py) instead of ~25 torch ops a chunk; off until timed and checked on a GPU
+# (docs/benchmarks.md#split-between-gpu-and-cpu)
+TRITON_GGUF = os.environ.get("DSQ_TRITON_GGUF", "0") == "1"
+# raw bytes a Triton conversion copies over and converts at once: it keeps no codes in between, so
+# the chunk is the only transient (docs/benchmarks.md#split-between-gpu-and-cpu)
+TRITON_GGUF_CHUNK_BYTES = 32 << 20
 
 # code kinds
 NIB, U8, I8, FP8 = 0, 1, 2, 3
@@ -272,6 +281,11 @@ def _nib(qs: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _triton_gguf(dev: torch.device) -> bool:
+    """Whether from_gguf converts on `dev` by the Triton kernels (TRITON_GGUF, on a GPU)."""
+    return TRITON_GGUF and dev.type == "cuda"
+
+
 def from_gguf(raw: torch.Tensor, qtype: str, K: int, chunk: int = 1 << 24,
               device: torch.device | str | None = None) -> Packed:
     """GGUF blocks (N, row_bytes) uint8 -> Packed, on raw's device. Codes are unsigned (with the
@@ -285,6 +299,16 @@ def from_gguf(raw: torch.Tensor, qtype: str, K: int, chunk: int = 1 << 24,
     N = raw.shape[0]
     rows = max(1, chunk // K)
     dev = raw.device if device is None else torch.device(device)
+    if _triton_gguf(dev):
+        from dsq.kernels import triton_gguf
+
+        if qtype in triton_gguf.TYPES and K % 256 == 0:
+            out = triton_gguf.empty(qtype, N, K, dev)
+            step = max(1, TRITON_GGUF_CHUNK_BYTES // max(1, raw.shape[1]))
+            for i in range(0, N, step):  # pinned rows (a streamed layer's) copy without a host sync
+                part = raw[i:i + step]
+                triton_gguf.convert_into(part.to(dev, non_blocking=part.is_pinned()).contiguous(), qtype, out, i)
+            return out
     on = (lambda r: r) if dev == raw.device else (lambda r: r.to(dev))  # noqa: E731
     if N <= rows:
         return _from_gguf(on(raw), qtype, K)

@@ -492,3 +492,50 @@ def test_autotuned_configs_name_only_their_kernels_parameters():
         assert t.configs
         for c in t.configs:
             assert set(c.kwargs) <= params, (fn.__name__, sorted(set(c.kwargs) - params))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_gguf_conversion_in_one_launch(qtype):
+    """kernels/triton_gguf.py: GGUF blocks into the packed layout by one launch a chunk of rows, bit for
+    bit packed._from_gguf's (every plane compared as bytes: random f16 factors may be NaN), the
+    rows written in two chunks at an offset; a row of the wrong width is refused."""
+    from dsq.kernels import triton_gguf
+
+    N, K = 37, 768
+    raw = torch.from_numpy(random_blocks(qtype, N, K, np.random.default_rng()))
+    ref = packed._from_gguf(raw, qtype, K)
+    out = triton_gguf.empty(qtype, N, K, DEV)
+    for t in out.tensors().values():  # poisoned: a byte left unwritten shows
+        t.view(torch.uint8).fill_(0xA5)
+    triton_gguf.convert_into(raw[:20].contiguous().to(DEV), qtype, out, 0)
+    triton_gguf.convert_into(raw[20:].contiguous().to(DEV), qtype, out, 20)
+    assert out.fmt == ref.fmt and (out.N, out.K) == (ref.N, ref.K)
+    assert set(out.tensors()) == set(ref.tensors())
+    for k, v in ref.tensors().items():
+        got = out.tensors()[k].cpu()
+        assert got.dtype == v.dtype and got.shape == v.shape, k
+        assert torch.equal(got.view(torch.uint8), v.contiguous().view(torch.uint8)), k
+    with pytest.raises(ValueError, match="contiguous rows"):
+        triton_gguf.convert_into(raw[:, :-1].contiguous().to(DEV), qtype, out, 0)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+def test_from_gguf_by_triton_chunks(qtype, monkeypatch):
+    """packed.from_gguf with the Triton conversion on (DSQ_TRITON_GGUF; here on DEV, as on a GPU): the
+    rows go over in chunks of TRITON_GGUF_CHUNK_BYTES, and the result is the torch path's byte for
+    byte; a type the kernels do not take (Q8_0) stays on the torch path."""
+    from dsq.kernels import triton_gguf
+
+    N, K = 29, 512
+    raw = torch.from_numpy(random_blocks(qtype, N, K, np.random.default_rng()))
+    ref = packed.from_gguf(raw, qtype, K)
+    launches = []
+    convert = triton_gguf.convert_into
+    monkeypatch.setattr(triton_gguf, "convert_into", lambda r, *a: launches.append(r.shape[0]) or convert(r, *a))
+    monkeypatch.setattr(packed, "_triton_gguf", lambda dev: True)
+    monkeypatch.setattr(packed, "TRITON_GGUF_CHUNK_BYTES", raw.shape[1] * 8)
+    got = packed.from_gguf(raw, qtype, K, device=DEV)
+    assert launches == ([8, 8, 8, 5] if qtype in triton_gguf.TYPES else [])
+    assert got.fmt == ref.fmt and set(got.tensors()) == set(ref.tensors())
+    for k, v in ref.tensors().items():
+        assert torch.equal(got.tensors()[k].cpu().view(torch.uint8), v.view(torch.uint8)), k
