@@ -9,16 +9,6 @@ head and Q4_K gate/up, random blocks), whose bytes a token reads at that rate at
 from __future__ import annotations
 
 import argparse
-import time
-
-
-def _best(fn, repeats: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main(argv=None) -> None:
@@ -30,28 +20,22 @@ def main(argv=None) -> None:
     import torch
 
     from dsq.kernels import cpu
-    from dsq.runtime.machine import runtime_threads
+    from dsq.runtime.machine import best_seconds, measure_cpu_peak_read, measure_cpu_read, runtime_threads
 
     print(f"kernels: {cpu.library()[1]}")
     nbytes = int(a.gib * 2**30) // 4096 * 4096
     threads = [int(t) for t in a.threads.split(",") if t] or [runtime_threads()]
     for th in threads:
         torch.set_num_threads(th)
-        f = torch.ones(nbytes // 4, dtype=torch.float32)
-        f.sum()
-        torch_bw = nbytes / _best(f.sum)
-        del f
-        x = torch.ones(nbytes // 8, dtype=torch.int64)
-        cpu.read_sum(x, th)
-        c_bw = nbytes / _best(lambda: cpu.read_sum(x, th))
-        del x
-        print(f"threads {th}: torch sum {torch_bw / 1e9:.1f} GB/s, C read {c_bw / 1e9:.1f} GB/s", flush=True)
+        torch_bw, c_bw = measure_cpu_read(th, nbytes), measure_cpu_peak_read(th, nbytes)
+        c = "no C kernels" if c_bw is None else f"{c_bw / 1e9:.1f} GB/s"
+        print(f"threads {th}: torch sum {torch_bw / 1e9:.1f} GB/s, C read {c}", flush=True)
         for name, qt, N, K, row in (("Q6_K head 128256x4096", "Q6_K", 128256, 4096, 16 * 210),
                                     ("Q4_K gate/up 28672x4096", "Q4_K", 28672, 4096, 16 * 144)):
             raw = torch.randint(0, 64, (N, row), dtype=torch.uint8)  # small bytes: finite fp16 scales
             xin = torch.randn(1, K)
             cpu.gguf_linear(xin, raw, qt, K, threads=th)
-            s = _best(lambda: cpu.gguf_linear(xin, raw, qt, K, threads=th), 7)
+            s = best_seconds(lambda: cpu.gguf_linear(xin, raw, qt, K, threads=th), 7)
             print(f"  {name}: {raw.numel() / s / 1e9:.1f} GB/s ({s * 1e3:.2f} ms a GEMV)", flush=True)
             del raw
 

@@ -91,7 +91,7 @@ def runtime_threads() -> int:
 
 
 # -- measurements --------------------------------------------------------------------------------
-def _best_seconds(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -110,7 +110,7 @@ def measure_cpu_read(threads: int, nbytes: int = CPU_PROBE_BYTES, repeats: int =
     try:
         x = torch.ones(nbytes // 4, dtype=torch.float32)
         x.sum()
-        return x.numel() * 4 / _best_seconds(x.sum, repeats)
+        return x.numel() * 4 / best_seconds(x.sum, repeats)
     finally:
         torch.set_num_threads(before)
 
@@ -128,7 +128,7 @@ def measure_cpu_peak_read(threads: int, nbytes: int = CPU_PROBE_BYTES, repeats: 
         return None
     x = torch.ones(nbytes // 8, dtype=torch.int64)
     cpu.read_sum(x, threads, lib)
-    return x.numel() * 8 / _best_seconds(lambda: cpu.read_sum(x, threads, lib), repeats)
+    return x.numel() * 8 / best_seconds(lambda: cpu.read_sum(x, threads, lib), repeats)
 
 
 def _cuda_seconds(fn, repeats: int) -> float:
