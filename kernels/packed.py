@@ -324,6 +324,13 @@ def from_gguf(raw: torch.Tensor, qtype: str, K: int, chunk: int = 1 << 24,
     return Packed(fmt, N, K, **out)
 
 
+def kquant_fmt(qtype: str) -> Fmt:
+    """The packed format of GGUF's Q4_K, Q5_K or Q6_K blocks (from_gguf's, and kernels/triton_gguf.py's)."""
+    if qtype == "Q6_K":
+        return Fmt(hi_bits=2, sub=16, two_level=True, zero=Z_CONST, offset=32)
+    return Fmt(hi_bits=0 if qtype == "Q4_K" else 1, sub=32, two_level=True, mins=True)
+
+
 def _from_gguf(raw: torch.Tensor, qtype: str, K: int) -> Packed:
     N = raw.shape[0]
     per, nbytes = gguf_ref.BLOCKS[qtype]
@@ -351,8 +358,7 @@ def _from_gguf(raw: torch.Tensor, qtype: str, K: int) -> Packed:
             hi = (qh[:, None, :] >> torch.arange(8, device=b.device, dtype=torch.uint8)[None, :, None])
             c = lo.bitwise_or_(hi.bitwise_and_(1).bitwise_left_shift_(4)).reshape(N, K)
             del hi
-        fmt = Fmt(hi_bits=0 if qtype == "Q4_K" else 1, sub=32, two_level=True, mins=True)
-        return Packed(fmt, N, K, lo=_pairs(c), hi=None if qtype == "Q4_K" else _plane(c, 1),
+        return Packed(kquant_fmt(qtype), N, K, lo=_pairs(c), hi=None if qtype == "Q4_K" else _plane(c, 1),
                       sc=sc.reshape(N, -1).contiguous(), d=_f16(b[:, 0:2]).reshape(N, -1),
                       mn=mn.reshape(N, -1).contiguous(), dmin=_f16(b[:, 2:4]).reshape(N, -1))
     if qtype == "Q6_K":
@@ -361,7 +367,6 @@ def _from_gguf(raw: torch.Tensor, qtype: str, K: int) -> Packed:
                                                                  device=b.device).reshape(1, 1, 4, 1)
         c = ql.bitwise_or_(qh.bitwise_and_(3).bitwise_left_shift_(4).reshape(nb, 8, 32)).reshape(N, K)
         del qh
-        fmt = Fmt(hi_bits=2, sub=16, two_level=True, zero=Z_CONST, offset=32)
-        return Packed(fmt, N, K, lo=_pairs(c), hi=_plane(c, 2), sc=b[:, 192:208].contiguous().view(torch.int8)
-                      .reshape(N, -1), d=_f16(b[:, 208:210]).reshape(N, -1))
+        return Packed(kquant_fmt(qtype), N, K, lo=_pairs(c), hi=_plane(c, 2),
+                      sc=b[:, 192:208].contiguous().view(torch.int8).reshape(N, -1), d=_f16(b[:, 208:210]).reshape(N, -1))
     raise ValueError(f"no packed layout for {qtype}")

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsq.kernels.packed import Z_CONST, Fmt, Packed
+from dsq.kernels.packed import Packed, kquant_fmt
 
 TYPES = ("Q4_K", "Q6_K")
 # bytes of one super-block of 256 weights
@@ -100,12 +100,11 @@ def empty(qtype: str, N: int, K: int, device) -> Packed:
     u8 = {"dtype": torch.uint8, "device": device}
     f16 = {"dtype": torch.float16, "device": device}
     if qtype == "Q4_K":
-        return Packed(Fmt(hi_bits=0, sub=32, two_level=True, mins=True), N, K, lo=torch.empty(N, K // 2, **u8),
+        return Packed(kquant_fmt(qtype), N, K, lo=torch.empty(N, K // 2, **u8),
                       sc=torch.empty(N, nb * 8, **u8), d=torch.empty(N, nb, **f16), mn=torch.empty(N, nb * 8, **u8),
                       dmin=torch.empty(N, nb, **f16))
     if qtype == "Q6_K":
-        return Packed(Fmt(hi_bits=2, sub=16, two_level=True, zero=Z_CONST, offset=32), N, K,
-                      lo=torch.empty(N, K // 2, **u8), hi=torch.empty(N, K // 4, **u8),
+        return Packed(kquant_fmt(qtype), N, K, lo=torch.empty(N, K // 2, **u8), hi=torch.empty(N, K // 4, **u8),
                       sc=torch.empty(N, nb * 16, dtype=torch.int8, device=device), d=torch.empty(N, nb, **f16))
     raise ValueError(f"no Triton conversion for {qtype}")
 

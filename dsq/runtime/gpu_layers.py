@@ -76,8 +76,7 @@ class GpuLayers:
             plan = _plan_for(model, ctx, backend, experts)
             if plan is None:
                 return GpuLayers(0, text=self.text)
-            n = -1 if plan.gpu_layers_arg == "all" else plan.gpu_layers
-            return GpuLayers(n, text=self.text, head_gpu=plan.output_device == "GPU")
+            return GpuLayers(_layers_of(plan), text=self.text, head_gpu=plan.output_device == "GPU")
         if model is not None and self.n > 0 and self.n > _n_layer(model):
             return GpuLayers(-1, text=self.text)
         return self
@@ -143,8 +142,11 @@ def _plan_for(model: Path, ctx: int, backend: str, experts: str = "gpu"):
 def _planned_layers(model: Path, ctx: int, backend: str, experts: str = "gpu") -> int:
     """The --gpu-layers count of `backend`'s placement plan for this GPU's free memory (0 without one)."""
     plan = _plan_for(model, ctx, backend, experts)
-    if plan is None:
-        return 0
+    return 0 if plan is None else _layers_of(plan)
+
+
+def _layers_of(plan) -> int:
+    """A plan's --gpu-layers count (-1: all of it)."""
     return -1 if plan.gpu_layers_arg == "all" else plan.gpu_layers
 
 

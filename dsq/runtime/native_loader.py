@@ -65,7 +65,7 @@ def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None, 
         model.model.embed_tokens.out_dtype = torch.float32
     # with the head in RAM (--head cpu) the final norm stays with the last layer on the GPU: the
     # hidden state crosses once, normed, into the head's float32
-    model.model.norm.to(per[-1] if split and head.type == "cpu" and per and per[-1] == gpu else head)
+    model.model.norm.to(gpu if split and head.type == "cpu" else head)
     tied = model.args.tie_word_embeddings
     if tied and per and module_device(model.model.embed_tokens) != head:  # the output head gets its own copy
         import copy
