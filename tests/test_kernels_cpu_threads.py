@@ -207,6 +207,34 @@ def test_pool_after_fork():
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
 
 
+@pytest.mark.parametrize("threads", [3, 4])
+def test_late_worker_never_ends_a_loop_early(tmp_path, threads):
+    """The pool's hand-over between loops (kernels/csrc/pool_test.c): one worker held after seeing a
+    loop's generation until the caller is writing the next loop's descriptor, as a worker
+    descheduled there on a busy machine is. Before the closed word of pool.inc's protocol, such a
+    worker claimed units of the old generation with the new descriptor and counted them in the new
+    loop: dsq_parallel_for returned with items undone (about 1 loop in 10000 here) or hung waiting
+    for a count that had jumped past its end. Every loop must return with every item done."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cc = shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
+    if not cc:
+        pytest.skip("no C compiler")
+    csrc = Path(__file__).resolve().parents[1] / "kernels" / "csrc"
+    exe = tmp_path / "pool_test"
+    r = subprocess.run([cc, "-O2", "-std=c11", "-Wall", "-pthread", "-I", str(csrc), str(csrc / "pool_test.c"),
+                        "-o", str(exe)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loops = 100000
+    try:
+        r = subprocess.run([str(exe), str(loops), str(threads)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:  # (about 1.5 s when it works)
+        pytest.fail(f"{loops} loops on {threads} threads did not end in 60 s: a loop waits for chunks forever")
+    assert r.returncode == 0 and r.stdout.strip() == f"0 of {loops} loops returned early", r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("isa", BUILDS)
 def test_read_sum_is_the_sum_of_every_word(isa):
     """The calibration's read probe (kernels/csrc/read_cpu.inc) on 1, 2, 3 and 7 threads: the sum mod
