@@ -72,6 +72,35 @@ def test_moe_experts_matches_reference(isa, qtypes, M):
     assert float((y - ref).abs().max()) <= (1e-2 if int8 else 1e-4) * float(ref.abs().max())
 
 
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("qtypes", MIXES)
+@pytest.mark.parametrize("case", ["float dots", "an expert chosen twice", "non-finite x"])
+def test_moe_experts_one_row(isa, qtypes, case, monkeypatch):
+    """M = 1 prepares each projection's input once for all its units (gemv_plan): with the float row
+    dots (DSQ_NO_VNNI=1), with an expert chosen twice by the row (two rows of one expert: the
+    GEMM path instead), and with a non-finite x (the float path, whose non-finite output shows)."""
+    if case == "float dots":
+        monkeypatch.setenv("DSQ_NO_VNNI", "1")
+    rng = np.random.default_rng()
+    E, k, H = 8, 3, 512
+    I = 256 if qtypes[2].endswith("_K") else 288
+    g, u, d = _experts(qtypes, E, H, I, rng)
+    x = torch.randn(1, H) * 0.1
+    ids, w = _choices(1, E, k, rng)
+    if case == "an expert chosen twice":
+        ids[0, 1] = ids[0, 0]
+    if case == "non-finite x":
+        x[0, 7] = float("inf")
+    lib = cpu.load(isa)
+    y = cpu.moe_experts(x, ids, w, g, u, d, qtypes, out=torch.full((1, H), float("nan")), lib=lib)
+    same = _per_expert(x, ids, w, g, u, d, qtypes, lib)
+    if case == "non-finite x":
+        assert not torch.isfinite(y).all() and not torch.isfinite(same).all()
+        return
+    assert torch.isfinite(y).all()
+    assert float((y - same).abs().max()) <= 1e-5 * float(same.abs().max())
+
 def test_moe_experts_threads_split_across_experts():
     """Many threads over few rows: the result does not depend on the thread count."""
     rng = np.random.default_rng()
