@@ -72,7 +72,6 @@ def test_moe_experts_matches_reference(isa, qtypes, M):
     assert float((y - ref).abs().max()) <= (1e-2 if int8 else 1e-4) * float(ref.abs().max())
 
 
-
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("qtypes", MIXES)
 @pytest.mark.parametrize("case", ["float dots", "an expert chosen twice", "non-finite x"])
@@ -100,6 +99,7 @@ def test_moe_experts_one_row(isa, qtypes, case, monkeypatch):
         return
     assert torch.isfinite(y).all()
     assert float((y - same).abs().max()) <= 1e-5 * float(same.abs().max())
+
 
 def test_moe_experts_threads_split_across_experts():
     """Many threads over few rows: the result does not depend on the thread count."""

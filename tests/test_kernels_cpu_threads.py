@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import threading
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 
 from dsq.formats.fp8_checkpoint import fp8_dequantize
 from dsq.kernels import cpu, gguf_ref, intq_ref
+from test_kernels_neon_qemu import CSRC, native_cc
 from test_kernels_ref import FORMATS, int8_x, random_blocks, reference
 
 BUILDS = [isa for isa in cpu.supported_isas()
@@ -215,16 +217,8 @@ def test_late_worker_never_ends_a_loop_early(tmp_path, threads):
     worker claimed units of the old generation with the new descriptor and counted them in the new
     loop: dsq_parallel_for returned with items undone (about 1 loop in 10000 here) or hung waiting
     for a count that had jumped past its end. Every loop must return with every item done."""
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    cc = shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
-    if not cc:
-        pytest.skip("no C compiler")
-    csrc = Path(__file__).resolve().parents[1] / "kernels" / "csrc"
     exe = tmp_path / "pool_test"
-    r = subprocess.run([cc, "-O2", "-std=c11", "-Wall", "-pthread", "-I", str(csrc), str(csrc / "pool_test.c"),
+    r = subprocess.run([native_cc(), "-O2", "-std=c11", "-Wall", "-pthread", "-I", str(CSRC), str(CSRC / "pool_test.c"),
                         "-o", str(exe)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     loops = 100000
