@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from dsq.kernels import gguf_ref
 
-# DSQ_TRITON_GGUF=1: Q4_K / Q6_K blocks converted on a GPU by one Triton launch a chunk
-# (kernels/triton_gguf.py) instead of ~25 torch ops a chunk; off until timed and checked on a GPU
-# (docs/benchmarks.md#split-between-gpu-and-cpu)
-TRITON_GGUF = os.environ.get("DSQ_TRITON_GGUF", "0") == "1"
+# Q4_K / Q6_K blocks converted on a GPU by one Triton launch a chunk (kernels/triton_gguf.py), not
+# ~25 torch ops a chunk: a streamed 8B layer 3.6 ms instead of 11.4, prefill at 24 GPU layers 1.5x
+# (docs/benchmarks.md#does-a-split-beat-llamacpp-and-at-what-vram); DSQ_TRITON_GGUF=0: the torch ops
+TRITON_GGUF = os.environ.get("DSQ_TRITON_GGUF", "1") != "0"
 # raw bytes a Triton conversion copies over and converts at once: it keeps no codes in between, so
 # the chunk is the only transient (docs/benchmarks.md#split-between-gpu-and-cpu)
 TRITON_GGUF_CHUNK_BYTES = 32 << 20
