@@ -14,6 +14,9 @@
 #   bash benchmarks/h200_moe.sh profile  # all-GPU V2-Lite decode: llama-bench, dsq bench with and without --compile,
 #                                        # the captured decode step's top GPU kernels (benchmarks/decode_profile.py),
 #                                        # then dsq serve's paged step at 1 and 8 rows (benchmarks/serve_step.py). ~5 min
+#   bash benchmarks/h200_moe.sh router   # the one-launch router (DSQ_TRITON_ROUTER): its CUDA tests, then V2-Lite
+#                                        # decode with it off and on, experts on the GPU and in RAM, beside
+#                                        # llama-bench, alternating in one call. ~6 min
 #   bash benchmarks/h200_moe.sh v3slice  # random V3-width slice (1 dense + 1 MoE layer of 256 experts,
 #                                        # ~7 GB): per-layer and per-part times with the experts in RAM
 #                                        # and on the GPU, and the full 61-layer projection
@@ -92,6 +95,23 @@ if [ "$PART" = profile ]; then  # where all-GPU V2-Lite decode's 6.3 ms go (llam
   exit 0
 fi
 
+if [ "$PART" = router ]; then  # docs/benchmarks.md#deepseek: the router's ~6 kernels a layer as one
+  GGUF=${GGUF:-/tmp/v2lite.Q4_K_M.gguf}
+  [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape deepseek-v2-lite --mix Q4_K_M 2>/dev/null | tail -1 &
+  DSQ_TRITON_ROUTER=1 timeout 240 python3 -m pytest -q --timeout 200 --tb=short -rfE -p no:cacheprovider \
+    tests/test_elementwise_triton.py tests/test_deepseek_experts_gpu.py -k "gpu_models or moe_route or graph" 2>&1 | tail -6
+  wait
+  timeout 60 "$LL/build/bin/llama-bench" -m "$GGUF" -ngl 99 -p 64 -n 32 -r 2 -t "$THREADS" -o md 2>&1 | grep -E "tg32"
+  timeout 60 "$LL/build/bin/llama-bench" -m "$GGUF" -ngl 99 -ot exps=CPU -p 64 -n 32 -r 2 -t "$THREADS" -o md 2>&1 |
+    grep -E "tg32"
+  for ex in gpu cpu; do for r in 0 1 0 1; do
+    DSQ_TRITON_ROUTER=$r timeout 100 python3 -m dsq bench "$GGUF" -b native -g all --experts $ex --prompt-tokens 64 \
+      --gen-tokens 32 --repeat 2 --threads "$THREADS" --json /tmp/r.json --force >/dev/null 2>&1
+    python3 -c "import json; r=json.load(open('/tmp/r.json'))['summary'][0]; print('experts $ex router $r decode', r['decode_tok_s_median'])"
+  done; done
+  exit 0
+fi
+
 if [ "$PART" = v3slice ]; then
   GGUF=${GGUF:-/tmp/v3slice.Q4_K_M.gguf}
   t=$(date +%s)
@@ -102,4 +122,4 @@ if [ "$PART" = v3slice ]; then
     --steps 16 --json "$D/v3slice_layers.json" 2>&1 | grep -v -i warn | tail -40
   exit 0
 fi
-echo "unknown part $PART (tests, v2lite, vram or v3slice)"; exit 1
+echo "unknown part $PART (tests, v2lite, vram, profile, router or v3slice)"; exit 1

@@ -221,6 +221,23 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, add:
     return _guarded("elementwise", triton_elementwise.moe_combine, y, weights, dtype, add)
 
 
+# DSQ_TRITON_ROUTER=1: a MoE router's softmax / sigmoid, groups, top-k and scaling as one GPU launch
+# (triton_elementwise.moe_route) instead of ~6 torch kernels, 224 us of V2-Lite's 2.75 ms decode step
+# (docs/benchmarks.md#deepseek); off until a GPU has run its tests and timed it
+TRITON_ROUTER = os.environ.get("DSQ_TRITON_ROUTER", "0") == "1"
+
+
+def moe_route(logits: torch.Tensor, params):
+    """(weights, ids) of a MoE router from its float32 logits as one launch on a GPU, or None (the
+    caller then runs torch). `params`: a callable giving triton_elementwise.moe_route's arguments
+    (called only when the kernel runs)."""
+    if not TRITON_ROUTER or not _elementwise_gpu(logits):
+        return None
+    from dsq.kernels import triton_elementwise
+
+    return _guarded("elementwise", lambda: triton_elementwise.moe_route(logits, **params()))
+
+
 def attn_decode_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                     scale: float) -> torch.Tensor | None:
     """The C decode attention (kernels/cpu.py attn_decode: q (B, 1, H, D) contiguous, k/v cache

@@ -256,3 +256,78 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
     _moe_combine_kernel[(T, triton.cdiv(H, BLOCK))](y, weights, add if add is not None else o, o, H, K=k,
                                                    HAS_ADD=add is not None, BLOCK=BLOCK, num_warps=4)
     return o
+
+
+@triton.jit
+def _moe_route_kernel(l_ptr, b_ptr, w_ptr, id_ptr, E, s_l, scaling, eps,
+                      SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_MODE: tl.constexpr, G: tl.constexpr,
+                      GP: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                      NORM: tl.constexpr, BLOCK: tl.constexpr):
+    """One token's routing from its router logits (see moe_route); GROUP_MODE 0: every group stays,
+    1: V2's group_limited_greedy (a group's best score ranks it, the rest drop to 0), 2: V3 (its two
+    best, the rest drop to -inf)."""
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK)
+    m = e < E
+    neg = float("-inf")
+    lg = tl.load(l_ptr + t * s_l + e, mask=m, other=neg).to(tl.float32)
+    if SIGMOID:
+        scores = tl.where(m, 1.0 / (1.0 + tl.exp(-lg)), 0.0)
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + tl.load(b_ptr + e, mask=m, other=0.0).to(tl.float32)
+    else:
+        p = tl.where(m, tl.exp(lg - tl.max(lg, axis=0)), 0.0)
+        scores = p / tl.sum(p, axis=0)
+        choice = scores
+    choice = tl.where(m, choice, neg)
+    if GROUP_MODE != 0:
+        gid = e // (E // G)
+        g = tl.arange(0, GP)
+        gscore = tl.full((GP,), neg, tl.float32)
+        for j in tl.static_range(G):
+            c = tl.where(gid == j, choice, neg)
+            best = tl.max(c, axis=0)
+            if GROUP_MODE == 2:  # the two best of the group: drop the first best's place, take the best left
+                c = tl.where(e == tl.argmax(c, axis=0), neg, c)
+                best = best + tl.max(c, axis=0)
+            gscore = tl.where(g == j, best, gscore)
+        keep = tl.zeros((BLOCK,), tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            j = tl.argmax(gscore, axis=0)
+            keep = keep | (gid == j)
+            gscore = tl.where(g == j, neg, gscore)
+        choice = tl.where(keep | ~m, choice, 0.0 if GROUP_MODE == 1 else neg)
+    kk = tl.arange(0, KP)  # K choices, padded to a power of two
+    ids = tl.zeros((KP,), tl.int64)
+    ws = tl.zeros((KP,), tl.float32)
+    for j in tl.static_range(K):
+        i = tl.argmax(choice, axis=0)
+        ids = tl.where(kk == j, i.to(tl.int64), ids)
+        ws = tl.where(kk == j, tl.sum(tl.where(e == i, scores, 0.0), axis=0), ws)
+        choice = tl.where(e == i, neg, choice)
+    if NORM:
+        ws = ws / (tl.sum(ws, axis=0) + eps)
+    tl.store(w_ptr + t * K + kk, ws * scaling, mask=kk < K)
+    tl.store(id_ptr + t * K + kk, ids, mask=kk < K)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, sigmoid: bool, bias: torch.Tensor | None, group_mode: int,
+              n_group: int, topk_group: int, norm: bool, scaling: float, eps: float) -> tuple | None:
+    """A MoE router's work after its GEMV as one launch, one program a token: scores (softmax, or
+    sigmoid plus the correction bias for the choice), the groups kept (group_mode 1 or 2), the top_k
+    experts, their scores normalized (norm) and scaled. logits (T, E) float32 -> (weights (T, k)
+    float32, ids (T, k) int64), the experts of a token in descending order of choice. None when
+    the shapes do not fit (the caller then runs torch)."""
+    T, E = logits.shape
+    if (logits.dtype != torch.float32 or logits.stride(1) != 1 or T == 0 or E > 1024 or top_k > E
+            or (group_mode and (E % n_group or n_group > 64 or topk_group > n_group))):
+        return None
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    _moe_route_kernel[(T,)](logits, bias if bias is not None else logits, w, ids, E, logits.stride(0), float(scaling),
+                            float(eps), SIGMOID=sigmoid, HAS_BIAS=bias is not None, GROUP_MODE=group_mode,
+                            G=max(n_group, 1), GP=triton.next_power_of_2(max(n_group, 1)), TOPK_GROUP=topk_group,
+                            K=top_k, KP=triton.next_power_of_2(top_k), NORM=norm, BLOCK=triton.next_power_of_2(E),
+                            num_warps=4)
+    return w, ids

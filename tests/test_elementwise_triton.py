@@ -167,8 +167,10 @@ def test_a_gpu_models_logits_with_and_without_them(kind, tiny_dir, monkeypatch):
                     for t in range(8, 12)]
         return torch.cat(out, 1)
 
+    monkeypatch.setattr(dispatch, "TRITON_ROUTER", True)
     on = run()
     assert not dispatch.FAILED
+    monkeypatch.setattr(dispatch, "TRITON_ROUTER", False)
     monkeypatch.setattr(dispatch, "GPU_ELEMENTWISE", False)
     monkeypatch.setattr(dispatch, "TRITON_ATTN", False)
     off = run()
@@ -256,3 +258,86 @@ def test_decode_steps_through_the_gpu_step_on_the_cpu(kind, tiny_dir, monkeypatc
     got = run()
     assert sum(steps) == 4 * m.args.num_hidden_layers
     assert float((got - want).abs().max()) <= 3e-2 * float(want.abs().max())  # bf16, and the interpreter's truncation
+
+
+@pytest.mark.parametrize("cfg", [
+    # (experts, k, scoring, topk_method, n_group, topk_group, norm, scaling): V2-Lite, V2, V3, small mixes
+    (64, 6, "softmax", "greedy", 1, 1, False, 1.0),
+    (160, 6, "softmax", "group_limited_greedy", 8, 3, False, 16.0),
+    (256, 8, "sigmoid", "noaux_tc", 8, 4, True, 2.5),
+    (16, 3, "sigmoid", "noaux_tc", 4, 2, True, 1.0),
+    (16, 1, "softmax", "greedy", 1, 1, True, 1.0),
+    (12, 2, "softmax", "group_limited_greedy", 3, 1, True, 1.0),
+])
+@pytest.mark.parametrize("T", [1, 9])
+def test_moe_route_equals_the_router(cfg, T):
+    """The router's work after its GEMV as one launch against deepseek_model.Router's torch ops, on
+    fresh random logits: the same experts for every token, and their weights within float32 rounding
+    (the kernel lists a token's experts best first; torch's top-k leaves them unsorted)."""
+    from types import SimpleNamespace
+
+    from dsq.models.deepseek_model import Router
+
+    E, k, scoring, method, n_group, topk_group, norm, scaling = cfg
+    args = SimpleNamespace(num_experts_per_tok=k, n_routed_experts=E, scoring_func=scoring, topk_method=method,
+                           n_group=n_group, topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=scaling,
+                           hidden_size=32)
+    r = Router(args)
+    torch.nn.init.normal_(r.weight)
+    if r.sigmoid:
+        r.e_score_correction_bias.normal_(0, 0.3)
+    x = torch.randn(T, 32)
+    with torch.no_grad():
+        want_w, want_ids = r(x)  # on the CPU: torch's ops
+        logits = torch.nn.functional.linear(x, r.weight)
+        params = r.route_params()
+        if params["bias"] is not None:
+            params["bias"] = params["bias"].to(DEV)
+        got = te.moe_route(logits.to(DEV), **params)
+    assert got is not None
+    w, ids = (t.cpu() for t in got)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (T, k)
+    order_w, order_g = want_ids.sort(dim=1), ids.sort(dim=1)
+    assert torch.equal(order_w.values, order_g.values), (want_ids, ids)
+    torch.testing.assert_close(w.gather(1, order_g.indices), want_w.gather(1, order_w.indices), rtol=1e-5, atol=1e-7)
+    # best first: the choice (scores, plus the bias with sigmoid) does not rise along a token's list
+    choice = logits.softmax(-1) if not r.sigmoid else logits.sigmoid() + r.e_score_correction_bias
+    ranked = choice.gather(1, ids)
+    assert bool((ranked[:, :-1] >= ranked[:, 1:]).all())
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU stands in for a GPU here; on one, the GPU test above runs the real path")
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_a_moe_model_through_the_router_kernel_on_the_cpu(kind, tiny_dir, monkeypatch):
+    """A tiny DeepSeek model's prompt and decode steps with every router's choice made by the one-launch
+    kernel (under the interpreter, standing in for a GPU), against the same model with torch's router:
+    the same logits in float32."""
+    from dsq.kernels import dispatch
+    from dsq.runtime.native import NativeModel
+
+    m = NativeModel(tiny_dir(kind), "hf", n_ctx=32, dtype="fp32", cuda_graph=False).model
+    ids = torch.randint(0, m.args.vocab_size, (2, 10), generator=torch.Generator().manual_seed(2))
+    calls = []
+    route = te.moe_route
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return route(*a, **kw)
+
+    def run():
+        cache = m.make_cache(2, 32, torch.float32)
+        pad = torch.tensor([0, 3])
+        with torch.inference_mode():
+            out = [m(ids[:, :7], torch.arange(7), cache, pad, kv_len=7, last_only=True)]
+            out += [m(ids[:, t:t + 1], torch.tensor([t]), cache, pad, kv_len=t + 1) for t in range(7, 10)]
+        return torch.cat(out, 1)
+
+    want = run()
+    monkeypatch.setattr(te, "moe_route", counted)
+    monkeypatch.setattr(dispatch, "TRITON_ROUTER", True)
+    monkeypatch.setattr(dispatch, "_elementwise_gpu", lambda *ts: ts[0].dtype == torch.float32 and ts[0].dim() == 2
+                        and ts[0].shape[-1] == m.args.n_routed_experts)  # the router's logits alone
+    got = run()
+    moe_layers = sum(m.args.is_moe(i) for i in range(m.args.num_hidden_layers))
+    assert len(calls) == 4 * moe_layers  # the prompt and three steps, each MoE layer
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())

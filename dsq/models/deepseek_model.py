@@ -216,9 +216,21 @@ class Router(nn.Module):
         if self.sigmoid:
             self.register_buffer("e_score_correction_bias", torch.zeros(self.n_expert))
 
+    def route_params(self) -> dict:
+        """This router's choice as dispatch.moe_route (one GPU launch after the GEMV) takes it."""
+        grouped = self.topk_group < self.n_group
+        mode = (2 if self.sigmoid else 1 if self.method == "group_limited_greedy" else 0) if grouped else 0
+        return {"top_k": self.top_k, "sigmoid": self.sigmoid,
+                "bias": self.e_score_correction_bias.float() if self.sigmoid else None, "group_mode": mode,
+                "n_group": self.n_group, "topk_group": self.topk_group,
+                "norm": bool(self.norm and (self.sigmoid or self.top_k > 1)), "scaling": self.scaling, "eps": NORM_EPS}
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, H) -> (weights (N, k) float32, expert ids (N, k))."""
         logits = F.linear(x.float(), self.weight.float())
+        fused = dispatch.moe_route(logits, self.route_params)
+        if fused is not None:
+            return fused
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
         choice = scores + self.e_score_correction_bias.float() if self.sigmoid else scores
         choice = self._in_best_groups(choice)
