@@ -21,6 +21,10 @@
 #                                          # DSQ_TRITON_GGUF=1, and prefill at 24 / 16 layers with it off and on
 #   bash benchmarks/h200_split.sh vram     # where each split's VRAM goes (benchmarks/vram_parts.py), with torch's
 #                                          # expandable segments (dsq's default) and with fixed ones
+#   bash benchmarks/h200_split.sh knobs    # the CPU kernels' constants (prefetch distance, pool claims, expert
+#                                          # units) as builds side by side, round after round, on an 8B layer's
+#                                          # GEMVs and a V2-Lite expert call beside the pool's read
+#                                          # (benchmarks/cpu_knobs.py). ~4 min
 #   bash benchmarks/h200_split.sh fused    # one C call per CPU layer against op by op: one 8B layer and a
 #                                          # synthetic 32-layer step, then the GGUF's decode step at each split
 #
@@ -64,6 +68,11 @@ if [ "$PART" = tests ]; then
 fi
 if [ "$PART" = probe ]; then
   timeout 200 python3 -m benchmarks.cpu_read_probe --threads "${PROBE_THREADS:-8,16}" 2>&1 | grep -v -i warn
+  exit 0
+fi
+if [ "$PART" = knobs ]; then  # docs/benchmarks.md#cpu-kernels
+  timeout 400 python3 -m benchmarks.cpu_knobs --threads "${KNOB_THREADS:-8,16}" --rounds "${ROUNDS:-4}" \
+    --json "$OUT/cpu_knobs.json" 2>&1 | grep -v -i warn
   exit 0
 fi
 if [ "$PART" = convert ]; then  # docs/benchmarks.md#does-a-split-beat-llamacpp-and-at-what-vram

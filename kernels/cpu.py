@@ -82,68 +82,74 @@ def load(isa: str):
     """The ctypes library built for `isa`, or None if it was not built."""
     for f in sorted(Path(__file__).parent.glob(f"_cpu_{isa}*.so")):
         try:
-            lib = ctypes.CDLL(str(f))
+            return load_file(f)
         except OSError:
             continue
-        lib.dsq_gguf_gemm.restype = ctypes.c_int
-        lib.dsq_gguf_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-        lib.dsq_gguf_rows.restype = ctypes.c_int
-        lib.dsq_gguf_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
-                                      ctypes.c_int64, ctypes.c_void_p]
-        if hasattr(lib, "dsq_moe_experts"):
-            lib.dsq_moe_experts.restype = ctypes.c_int
-            lib.dsq_moe_experts.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3, *[ctypes.c_int64] * 6,
-                                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-        if hasattr(lib, "dsq_rms_norm"):  # builds older than the norm kernel lack it
-            lib.dsq_rms_norm.restype = ctypes.c_int
-            lib.dsq_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                         ctypes.c_float, ctypes.c_void_p]
-        if hasattr(lib, "dsq_read_sum"):
-            lib.dsq_read_sum.restype = ctypes.c_uint64
-            lib.dsq_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-        if hasattr(lib, "dsq_attn_decode"):
-            lib.dsq_attn_decode.restype = ctypes.c_int
-            lib.dsq_attn_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                            *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_void_p]
-        if hasattr(lib, "dsq_attn_step"):
-            lib.dsq_attn_step.restype = ctypes.c_int
-            lib.dsq_attn_step.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 7, ctypes.c_void_p,
-                                          ctypes.c_void_p, ctypes.c_float, *[ctypes.c_void_p] * 4,
-                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                          ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
-        if hasattr(lib, "dsq_layer_decode"):
-            lib.dsq_layer_scratch.restype = ctypes.c_int64
-            lib.dsq_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-            lib.dsq_layer_decode.restype = ctypes.c_int
-            lib.dsq_layer_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                             ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64,
-                                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                             ctypes.c_int64, ctypes.c_int]
-        if hasattr(lib, "dsq_round_x8"):  # the avx2 build's rounding of x to int8 (its tests)
-            lib.dsq_round_x8.restype = ctypes.c_int
-            lib.dsq_round_x8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                         ctypes.c_void_p]
-        if hasattr(lib, "dsq_set_int8_rows"):  # the x86 builds' integer tiles at M > 1
-            lib.dsq_set_int8_rows.restype = None
-            lib.dsq_set_int8_rows.argtypes = [ctypes.c_int]
-        if hasattr(lib, "dsq_set_threads"):  # builds older than the thread pool lack it
-            lib.dsq_set_threads.restype = None
-            lib.dsq_set_threads.argtypes = [ctypes.c_int]
-            lib.dsq_get_threads.restype = ctypes.c_int
-            lib.dsq_get_threads.argtypes = []
-        if hasattr(lib, "dsq_int_gemm"):  # builds older than the integer / FP8 kernels lack them
-            lib.dsq_int_gemm.restype = ctypes.c_int
-            lib.dsq_int_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-            lib.dsq_fp8_gemm.restype = ctypes.c_int
-            lib.dsq_fp8_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                         ctypes.c_int]
-        return lib
     return None
+
+
+def load_file(path) -> ctypes.CDLL:
+    """The kernels' library at `path` with its functions' signatures set (a build of csrc/cpu_<isa>.c;
+    benchmarks load variants built with other constants). Raises OSError where it does not load."""
+    lib = ctypes.CDLL(str(path))
+    lib.dsq_gguf_gemm.restype = ctypes.c_int
+    lib.dsq_gguf_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.dsq_gguf_rows.restype = ctypes.c_int
+    lib.dsq_gguf_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
+                                  ctypes.c_int64, ctypes.c_void_p]
+    if hasattr(lib, "dsq_moe_experts"):
+        lib.dsq_moe_experts.restype = ctypes.c_int
+        lib.dsq_moe_experts.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3, *[ctypes.c_int64] * 6,
+                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    if hasattr(lib, "dsq_rms_norm"):  # builds older than the norm kernel lack it
+        lib.dsq_rms_norm.restype = ctypes.c_int
+        lib.dsq_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_float, ctypes.c_void_p]
+    if hasattr(lib, "dsq_read_sum"):
+        lib.dsq_read_sum.restype = ctypes.c_uint64
+        lib.dsq_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    if hasattr(lib, "dsq_attn_decode"):
+        lib.dsq_attn_decode.restype = ctypes.c_int
+        lib.dsq_attn_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                        *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_void_p]
+    if hasattr(lib, "dsq_attn_step"):
+        lib.dsq_attn_step.restype = ctypes.c_int
+        lib.dsq_attn_step.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 7, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_float, *[ctypes.c_void_p] * 4,
+                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+    if hasattr(lib, "dsq_layer_decode"):
+        lib.dsq_layer_scratch.restype = ctypes.c_int64
+        lib.dsq_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        lib.dsq_layer_decode.restype = ctypes.c_int
+        lib.dsq_layer_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                         ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                         ctypes.c_int64, ctypes.c_int]
+    if hasattr(lib, "dsq_round_x8"):  # the avx2 build's rounding of x to int8 (its tests)
+        lib.dsq_round_x8.restype = ctypes.c_int
+        lib.dsq_round_x8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_void_p]
+    if hasattr(lib, "dsq_set_int8_rows"):  # the x86 builds' integer tiles at M > 1
+        lib.dsq_set_int8_rows.restype = None
+        lib.dsq_set_int8_rows.argtypes = [ctypes.c_int]
+    if hasattr(lib, "dsq_set_threads"):  # builds older than the thread pool lack it
+        lib.dsq_set_threads.restype = None
+        lib.dsq_set_threads.argtypes = [ctypes.c_int]
+        lib.dsq_get_threads.restype = ctypes.c_int
+        lib.dsq_get_threads.argtypes = []
+    if hasattr(lib, "dsq_int_gemm"):  # builds older than the integer / FP8 kernels lack them
+        lib.dsq_int_gemm.restype = ctypes.c_int
+        lib.dsq_int_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        lib.dsq_fp8_gemm.restype = ctypes.c_int
+        lib.dsq_fp8_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_int]
+    return lib
 
 
 @lru_cache(maxsize=1)
