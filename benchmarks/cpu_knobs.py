@@ -101,10 +101,10 @@ def main(argv=None) -> None:
     # (the dev machine's L3 is 480 MiB): about --gib of each kind
     one_layer = sum(gguf_ref.row_bytes(q, K) * N for N, K, q in LAYER)
     layers = [[(_blocks(q, N, K), q, K) for N, K, q in LAYER] for _ in range(max(1, int(a.gib * 2**30 / one_layer)))]
-    H, I, E, k = 2048, 1408, 64, 6  # DeepSeek-V2-Lite's routed experts, in its Q4_K_M types
-    per_layer = E * (2 * gguf_ref.row_bytes("Q4_K", H) * I + gguf_ref.row_bytes("Q8_0", I) * H)
-    moes = [(_blocks("Q4_K", E * I, H).view(E, I, -1), _blocks("Q4_K", E * I, H).view(E, I, -1),
-             _blocks("Q8_0", E * H, I).view(E, H, -1)) for _ in range(max(1, int(a.gib * 2**30 / per_layer)))]
+    H, inter, E, k = 2048, 1408, 64, 6  # DeepSeek-V2-Lite's routed experts, in its Q4_K_M types
+    per_layer = E * (2 * gguf_ref.row_bytes("Q4_K", H) * inter + gguf_ref.row_bytes("Q8_0", inter) * H)
+    moes = [(_blocks("Q4_K", E * inter, H).view(E, inter, -1), _blocks("Q4_K", E * inter, H).view(E, inter, -1),
+             _blocks("Q8_0", E * H, inter).view(E, H, -1)) for _ in range(max(1, int(a.gib * 2**30 / per_layer)))]
     expert_bytes = k * per_layer // E
     buf = torch.ones(int(a.gib * 2**30) // 4096 * 512, dtype=torch.int64)
     xs = {K: torch.randn(1, K) for _, K, _ in LAYER}

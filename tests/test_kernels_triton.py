@@ -544,3 +544,25 @@ def test_from_gguf_by_triton_chunks(qtype, monkeypatch):
     assert got.fmt == ref.fmt and set(got.tensors()) == set(ref.tensors())
     for k, v in ref.tensors().items():
         assert torch.equal(got.tensors()[k].cpu().view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_from_gguf_falls_back_when_the_triton_conversion_fails(monkeypatch):
+    """A Triton conversion that fails on some GPU turns itself off with a warning, and the blocks are
+    converted by the torch ops, byte for byte what they give."""
+    from dsq.kernels import triton_gguf
+
+    N, K = 5, 256
+    raw = torch.from_numpy(random_blocks("Q4_K", N, K, np.random.default_rng()))
+    ref = packed.from_gguf(raw, "Q4_K", K)
+
+    def broken(*a):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(triton_gguf, "convert_into", broken)
+    monkeypatch.setattr(packed, "TRITON_GGUF", True)
+    monkeypatch.setattr(packed, "_triton_gguf", lambda dev: packed.TRITON_GGUF)
+    with pytest.warns(RuntimeWarning, match="Triton GGUF conversion failed"):
+        got = packed.from_gguf(raw, "Q4_K", K, device=DEV)
+    assert packed.TRITON_GGUF is False
+    for k, v in ref.tensors().items():
+        assert torch.equal(got.tensors()[k].cpu().view(torch.uint8), v.view(torch.uint8)), k
