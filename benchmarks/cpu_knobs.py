@@ -42,7 +42,11 @@ def isa_flags(isa: str) -> list[str]:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "FLAGS" for t in node.targets):
             for k, v in zip(node.value.keys, node.value.values):
                 if ast.literal_eval(k) == isa:
-                    return ast.literal_eval(v)
+                    try:
+                        return ast.literal_eval(v)
+                    except ValueError:  # a flag list chosen at build time (neon: by platform)
+                        raise SystemExit(f"cpu_knobs: setup.py's {isa} flags are not a plain list; "
+                                         "run it on an x86 build (avx512, avx2, generic)") from None
     raise ValueError(f"setup.py has no flags for {isa}")
 
 

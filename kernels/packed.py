@@ -281,20 +281,21 @@ def _nib(qs: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _triton_gguf_failed(e: Exception) -> None:
-    """Turn the Triton conversion off for this process, with one warning (the torch ops convert)."""
-    global TRITON_GGUF
-    import warnings
-
-    TRITON_GGUF = False
-    why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    warnings.warn(f"dsq: the Triton GGUF conversion failed here ({why}); converting with torch's ops instead "
-                  "(please report it)", RuntimeWarning, stacklevel=3)
-
-
 def _triton_gguf(dev: torch.device) -> bool:
     """Whether from_gguf converts on `dev` by the Triton kernels (TRITON_GGUF, on a GPU)."""
     return TRITON_GGUF and dev.type == "cuda"
+
+
+def _from_gguf_triton(raw: torch.Tensor, qtype: str, K: int, dev: torch.device) -> Packed:
+    """from_gguf by kernels/triton_gguf.py on `dev`: one launch per TRITON_GGUF_CHUNK_BYTES of rows."""
+    from dsq.kernels import triton_gguf
+
+    out = triton_gguf.empty(qtype, raw.shape[0], K, dev)
+    step = max(1, TRITON_GGUF_CHUNK_BYTES // max(1, raw.shape[1]))
+    for i in range(0, raw.shape[0], step):  # pinned rows (a streamed layer's) copy without a host sync
+        part = raw[i:i + step]
+        triton_gguf.convert_into(part.to(dev, non_blocking=part.is_pinned()).contiguous(), qtype, out, i)
+    return out
 
 
 def from_gguf(raw: torch.Tensor, qtype: str, K: int, chunk: int = 1 << 24,
@@ -311,18 +312,13 @@ def from_gguf(raw: torch.Tensor, qtype: str, K: int, chunk: int = 1 << 24,
     rows = max(1, chunk // K)
     dev = raw.device if device is None else torch.device(device)
     if _triton_gguf(dev):
-        from dsq.kernels import triton_gguf
+        from dsq.kernels import dispatch, triton_gguf
 
         if qtype in triton_gguf.TYPES and K % 256 == 0:
-            try:
-                out = triton_gguf.empty(qtype, N, K, dev)
-                step = max(1, TRITON_GGUF_CHUNK_BYTES // max(1, raw.shape[1]))
-                for i in range(0, N, step):  # pinned rows (a streamed layer's) copy without a host sync
-                    part = raw[i:i + step]
-                    triton_gguf.convert_into(part.to(dev, non_blocking=part.is_pinned()).contiguous(), qtype, out, i)
+            # a Triton build that fails on this GPU turns the family off with a warning: the torch ops convert
+            out = dispatch._guarded("GGUF conversion", _from_gguf_triton, raw, qtype, K, dev)
+            if out is not None:
                 return out
-            except Exception as e:  # noqa: BLE001 - a Triton build that fails on this GPU: the torch ops
-                _triton_gguf_failed(e)
     on = (lambda r: r) if dev == raw.device else (lambda r: r.to(dev))  # noqa: E731
     if N <= rows:
         return _from_gguf(on(raw), qtype, K)

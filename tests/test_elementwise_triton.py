@@ -45,6 +45,19 @@ def _close(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-6, steps: tor
         assert float((g != w).float().mean()) < 0.02
 
 
+def _prompt_then_steps(m, ids: torch.Tensor, prompt: int, pad: list[int], dtype: torch.dtype,
+                       device: str = "cpu") -> torch.Tensor:
+    """A batch's logits (float32) through model m: its first `prompt` tokens as one chunk (the last
+    position's logits), then each further token as a decode step, into a fresh cache of 32 slots."""
+    cache = m.make_cache(ids.shape[0], 32, dtype)
+    pad_t = torch.tensor(pad, device=device)
+    with torch.inference_mode():
+        out = [m(ids[:, :prompt], torch.arange(prompt, device=device), cache, pad_t, kv_len=prompt, last_only=True)]
+        out += [m(ids[:, t:t + 1], torch.tensor([t], device=device), cache, pad_t, kv_len=t + 1)
+                for t in range(prompt, ids.shape[1])]
+    return torch.cat(out, 1).float()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("shape", [(1, 1, 2048), (2, 3, 96), (3, 40)])
@@ -159,13 +172,7 @@ def test_a_gpu_models_logits_with_and_without_them(kind, tiny_dir, monkeypatch):
     ids = torch.randint(0, m.args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).cuda()
 
     def run():
-        cache = m.make_cache(2, 32, torch.float32)
-        pad = torch.tensor([0, 2], device="cuda")
-        with torch.inference_mode():
-            out = [m(ids[:, :8], torch.arange(8, device="cuda"), cache, pad, kv_len=8, last_only=True)]
-            out += [m(ids[:, t:t + 1], torch.tensor([t], device="cuda"), cache, pad, kv_len=t + 1)
-                    for t in range(8, 12)]
-        return torch.cat(out, 1)
+        return _prompt_then_steps(m, ids, 8, [0, 2], torch.float32, "cuda")
 
     monkeypatch.setattr(dispatch, "TRITON_ROUTER", True)
     on = run()
@@ -231,12 +238,7 @@ def test_decode_steps_through_the_gpu_step_on_the_cpu(kind, tiny_dir, monkeypatc
     ids = torch.randint(0, m.args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
 
     def run():
-        cache = m.make_cache(2, 32, torch.bfloat16)
-        pad = torch.tensor([0, 3])
-        with torch.inference_mode():
-            out = [m(ids[:, :8], torch.arange(8), cache, pad, kv_len=8, last_only=True)]
-            out += [m(ids[:, t:t + 1], torch.tensor([t]), cache, pad, kv_len=t + 1) for t in range(8, 12)]
-        return torch.cat(out, 1).float()
+        return _prompt_then_steps(m, ids, 8, [0, 3], torch.bfloat16)
 
     want = run()
     steps = []
@@ -325,12 +327,7 @@ def test_a_moe_model_through_the_router_kernel_on_the_cpu(kind, tiny_dir, monkey
         return route(*a, **kw)
 
     def run():
-        cache = m.make_cache(2, 32, torch.float32)
-        pad = torch.tensor([0, 3])
-        with torch.inference_mode():
-            out = [m(ids[:, :7], torch.arange(7), cache, pad, kv_len=7, last_only=True)]
-            out += [m(ids[:, t:t + 1], torch.tensor([t]), cache, pad, kv_len=t + 1) for t in range(7, 10)]
-        return torch.cat(out, 1)
+        return _prompt_then_steps(m, ids, 7, [0, 3], torch.float32)
 
     want = run()
     monkeypatch.setattr(te, "moe_route", counted)

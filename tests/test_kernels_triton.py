@@ -529,7 +529,7 @@ def test_from_gguf_by_triton_chunks(qtype, monkeypatch):
     """packed.from_gguf with the Triton conversion on (DSQ_TRITON_GGUF; here on DEV, as on a GPU): the
     rows go over in chunks of TRITON_GGUF_CHUNK_BYTES, and the result is the torch path's byte for
     byte; a type the kernels do not take (Q8_0) stays on the torch path."""
-    from dsq.kernels import triton_gguf
+    from dsq.kernels import dispatch, triton_gguf
 
     N, K = 29, 512
     raw = torch.from_numpy(random_blocks(qtype, N, K, np.random.default_rng()))
@@ -539,7 +539,9 @@ def test_from_gguf_by_triton_chunks(qtype, monkeypatch):
     monkeypatch.setattr(triton_gguf, "convert_into", lambda r, *a: launches.append(r.shape[0]) or convert(r, *a))
     monkeypatch.setattr(packed, "_triton_gguf", lambda dev: True)
     monkeypatch.setattr(packed, "TRITON_GGUF_CHUNK_BYTES", raw.shape[1] * 8)
+    monkeypatch.setattr(dispatch, "FAILED", {})
     got = packed.from_gguf(raw, qtype, K, device=DEV)
+    assert not dispatch.FAILED  # the Triton path ran to its end, no fallback to the torch ops
     assert launches == ([8, 8, 8, 5] if qtype in triton_gguf.TYPES else [])
     assert got.fmt == ref.fmt and set(got.tensors()) == set(ref.tensors())
     for k, v in ref.tensors().items():
@@ -547,22 +549,27 @@ def test_from_gguf_by_triton_chunks(qtype, monkeypatch):
 
 
 def test_from_gguf_falls_back_when_the_triton_conversion_fails(monkeypatch):
-    """A Triton conversion that fails on some GPU turns itself off with a warning, and the blocks are
-    converted by the torch ops, byte for byte what they give."""
-    from dsq.kernels import triton_gguf
+    """A Triton conversion that fails on some GPU turns its family off with a warning (dispatch._guarded,
+    as the other kernel families), and the blocks are converted by the torch ops, byte for byte what
+    they give; later calls go straight to the torch ops."""
+    from dsq.kernels import dispatch, triton_gguf
 
     N, K = 5, 256
     raw = torch.from_numpy(random_blocks("Q4_K", N, K, np.random.default_rng()))
     ref = packed.from_gguf(raw, "Q4_K", K)
+    tries = []
 
     def broken(*a):
+        tries.append(1)
         raise RuntimeError("no kernel image is available for execution on the device")
 
+    monkeypatch.setattr(dispatch, "FAILED", {})
     monkeypatch.setattr(triton_gguf, "convert_into", broken)
-    monkeypatch.setattr(packed, "TRITON_GGUF", True)
-    monkeypatch.setattr(packed, "_triton_gguf", lambda dev: packed.TRITON_GGUF)
-    with pytest.warns(RuntimeWarning, match="Triton GGUF conversion failed"):
+    monkeypatch.setattr(packed, "_triton_gguf", lambda dev: True)
+    with pytest.warns(RuntimeWarning, match="GGUF conversion GPU kernels failed"):
         got = packed.from_gguf(raw, "Q4_K", K, device=DEV)
-    assert packed.TRITON_GGUF is False
+    assert "GGUF conversion" in dispatch.FAILED
     for k, v in ref.tensors().items():
         assert torch.equal(got.tensors()[k].cpu().view(torch.uint8), v.view(torch.uint8)), k
+    packed.from_gguf(raw, "Q4_K", K, device=DEV)
+    assert len(tries) == 1
