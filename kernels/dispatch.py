@@ -221,10 +221,10 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, add:
     return _guarded("elementwise", triton_elementwise.moe_combine, y, weights, dtype, add)
 
 
-# DSQ_TRITON_ROUTER=1: a MoE router's softmax / sigmoid, groups, top-k and scaling as one GPU launch
-# (triton_elementwise.moe_route) instead of ~6 torch kernels, 224 us of V2-Lite's 2.75 ms decode step
-# (docs/benchmarks.md#deepseek); off until a GPU has run its tests and timed it
-TRITON_ROUTER = os.environ.get("DSQ_TRITON_ROUTER", "0") == "1"
+# A MoE router's softmax / sigmoid, groups, top-k and scaling as one GPU launch (triton_elementwise.moe_route)
+# instead of ~6 torch kernels: all-GPU V2-Lite decode 336 -> 356 tok/s on an H200
+# (docs/benchmarks.md#deepseek); DSQ_TRITON_ROUTER=0 keeps the torch ops
+TRITON_ROUTER = os.environ.get("DSQ_TRITON_ROUTER", "1") != "0"
 
 
 def moe_route(logits: torch.Tensor, params):
