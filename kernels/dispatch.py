@@ -182,6 +182,20 @@ def _elementwise_gpu(*ts: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)))
 
 
+# DSQ_PRODUCER_Q8=1: x rounded to int8 for the q8 GEMVs in the launch of the norm or activation that makes
+# x, instead of a _quant_x launch before each GEMV that reads it (188 launches, 269 us of V2-Lite's decode
+# step: docs/benchmarks.md#deepseek); off until a GPU has timed it
+PRODUCER_Q8 = os.environ.get("DSQ_PRODUCER_Q8", "0") == "1"
+# rows of x up to which the producers round it: a decode step's rows, or its (token, expert) pairs,
+# which q8_experts takes at any count
+PRODUCER_Q8_ROWS = 16
+
+
+def _producer_q8(x: torch.Tensor) -> bool:
+    """Whether the norm or activation making x (..., N) should round it to int8 as well."""
+    return PRODUCER_Q8 and ACT_Q8 and x.shape[-1] % 32 == 0 and x.numel() // x.shape[-1] <= PRODUCER_Q8_ROWS
+
+
 def rms_norm_gpu(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
                  add: torch.Tensor | None = None):
     """base.RMSNorm on a GPU as one launch (with `add`: (x + add, its norm)), or None: the
@@ -190,7 +204,7 @@ def rms_norm_gpu(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: floa
         return None
     from dsq.kernels import triton_elementwise
 
-    return _guarded("elementwise", triton_elementwise.rms_norm, x, weight, eps, offset, add)
+    return _guarded("elementwise", triton_elementwise.rms_norm, x, weight, eps, offset, add, _producer_q8(x))
 
 
 def rope_gpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
@@ -208,7 +222,7 @@ def act_mul_gpu(g: torch.Tensor, u: torch.Tensor, gelu: bool) -> torch.Tensor | 
         return None
     from dsq.kernels import triton_elementwise
 
-    return _guarded("elementwise", triton_elementwise.act_mul, g, u, gelu)
+    return _guarded("elementwise", triton_elementwise.act_mul, g, u, gelu, _producer_q8(g))
 
 
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, add: torch.Tensor | None = None):

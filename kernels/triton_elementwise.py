@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from dsq.kernels import triton_gemv_q8
+from dsq.kernels.triton_gemv_q8 import _q8_blocks
 
 # a row longer than this (hidden sizes are <= 8192 in the models we run) stays with torch: one
 # program holds a whole row in registers
@@ -37,8 +39,9 @@ def _rows(x: torch.Tensor) -> tuple[int, int, int, int] | None:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, R1, N, sx0, sx1, sa0, sa1, ss0, ss1, eps, offset,
-                     HAS_ADD: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, xw_ptr, sx_ptr, xs_ptr, R1, N, sx0, sx1, sa0, sa1, ss0, ss1,
+                     eps, offset, HAS_ADD: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+                     Q8: tl.constexpr = False):
     r = tl.program_id(0)
     r0, r1 = r // R1, r % R1
     cols = tl.arange(0, BLOCK)
@@ -55,16 +58,23 @@ def _rms_norm_kernel(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, R1, N, sx0, sx1, sa0, sa
         y = xf * inv * (offset + w.to(tl.float32))
     else:  # Llama: cast, then scale by the weight in the product's dtype
         y = (xf * inv).to(x.dtype).to(tl.float32) * w.to(tl.float32)
-    tl.store(y_ptr + r * N + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+    y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + r * N + cols, y, mask=m)
+    if Q8:  # y rounded to int8 for the q8 GEMVs that read it next (triton_gemv_q8.offer)
+        blk = tl.arange(0, BLOCK // 32)
+        _q8_blocks(tl.reshape(y.to(tl.float32), (BLOCK // 32, 4, 8)), blk, blk < N // 32, xw_ptr + r * (N // 4),
+                   sx_ptr + r * (N // 32), xs_ptr + r * (N // 32), True)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
-             add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
+             add: torch.Tensor | None = None, q8: bool = False) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
     """The RMS norm over x's last dim as base.RMSNorm computes it: with `offset` (Gemma)
     x * rsqrt(mean(x^2) + eps) * (offset + weight) in float32, cast to x's dtype; without, that
     product cast to x's dtype, then times weight (in their promoted dtype). With `add`, the norm of
-    s = x + add (rounded to x's dtype) and s itself: returns (s, norm). None when the shapes do
-    not fit one launch (the caller then runs torch)."""
+    s = x + add (rounded to x's dtype) and s itself: returns (s, norm). With `q8` (and N a multiple
+    of 32), the norm is also rounded to int8 in nibble order in the same launch and offered to the q8
+    GEMVs (triton_gemv_q8.offer). None when the shapes do not fit one launch (the caller then runs
+    torch)."""
     N = x.shape[-1]
     if N > MAX_ROW or weight.shape != (N,) or not weight.is_contiguous() or x.numel() == 0:
         return None
@@ -77,15 +87,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     s = torch.empty_like(x, memory_format=torch.contiguous_format) if add is not None else y
     rs = _rows(s) if add is not None else rx
     R0, R1 = rx[0], rx[1]
-    _rms_norm_kernel[(R0 * R1,)](x, add if add is not None else x, weight, y, s, R1, N, rx[2], rx[3], ra[2], ra[3],
-                                 rs[2], rs[3], float(eps), float(offset), HAS_ADD=add is not None,
-                                 OFFSET=bool(offset), BLOCK=triton.next_power_of_2(N),
+    xq = _q8_outputs(y, N) if q8 and N % 32 == 0 else None
+    _rms_norm_kernel[(R0 * R1,)](x, add if add is not None else x, weight, y, s, *(xq or (y, y, y)), R1, N, rx[2],
+                                 rx[3], ra[2], ra[3], rs[2], rs[3], float(eps), float(offset), HAS_ADD=add is not None,
+                                 OFFSET=bool(offset), BLOCK=triton.next_power_of_2(N), Q8=xq is not None,
                                  num_warps=4 if N <= 4096 else 8)
+    if xq is not None:
+        triton_gemv_q8.offer(y, True, xq)
     return (s, y) if add is not None else y
 
 
+def _q8_outputs(y: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Room for y's rows rounded to int8: words (M, N / 4), block scales and sums (M, N / 32)."""
+    M = y.numel() // N
+    sx = torch.empty(M, N // 32, dtype=torch.float32, device=y.device)
+    return torch.empty(M, N // 4, dtype=torch.int32, device=y.device), sx, torch.empty_like(sx)
+
+
 @triton.jit
-def _act_mul_kernel(g_ptr, u_ptr, y_ptr, R1, F, sg0, sg1, su0, su1, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(g_ptr, u_ptr, y_ptr, xw_ptr, sx_ptr, xs_ptr, R1, F, sg0, sg1, su0, su1, GELU: tl.constexpr,
+                    BLOCK: tl.constexpr, Q8: tl.constexpr = False):
     r = tl.program_id(0)
     r0, r1 = r // R1, r % R1
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -99,21 +120,31 @@ def _act_mul_kernel(g_ptr, u_ptr, y_ptr, R1, F, sg0, sg1, su0, su1, GELU: tl.con
     else:
         a = gf / (1.0 + tl.exp(-gf))
     a = a.to(g.dtype).to(tl.float32)  # torch rounds the activation to g's dtype before the product
-    tl.store(y_ptr + r * F + cols, (a * u.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=m)
+    y = (a * u.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + r * F + cols, y, mask=m)
+    if Q8:  # as the norm's: this program's BLOCK / 32 blocks of the row
+        blk = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+        _q8_blocks(tl.reshape(y.to(tl.float32), (BLOCK // 32, 4, 8)), blk, blk < F // 32, xw_ptr + r * (F // 4),
+                   sx_ptr + r * (F // 32), xs_ptr + r * (F // 32), True)
 
 
-def act_mul(g: torch.Tensor, u: torch.Tensor, gelu: bool = False) -> torch.Tensor | None:
+def act_mul(g: torch.Tensor, u: torch.Tensor, gelu: bool = False, q8: bool = False) -> torch.Tensor | None:
     """act(g) * u (silu, or gelu with the tanh approximation) as one launch: g, u (..., F) of one
-    dtype with unit last strides (the two halves of a fused gate/up projection are fine). None
-    when they do not fit (the caller then runs torch)."""
+    dtype with unit last strides (the two halves of a fused gate/up projection are fine); with `q8`
+    (and F a multiple of 32) also rounded to int8 in nibble order and offered to the q8 GEMVs, as
+    rms_norm's. None when they do not fit (the caller then runs torch)."""
     rg, ru = _rows(g), _rows(u)
     if rg is None or ru is None or g.shape != u.shape or g.dtype != u.dtype or g.numel() == 0:
         return None
     F_ = g.shape[-1]
     y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     BLOCK = min(1024, triton.next_power_of_2(F_))
-    _act_mul_kernel[(rg[0] * rg[1], triton.cdiv(F_, BLOCK))](g, u, y, rg[1], F_, rg[2], rg[3], ru[2], ru[3],
-                                                             GELU=gelu, BLOCK=BLOCK, num_warps=4)
+    xq = _q8_outputs(y, F_) if q8 and F_ % 32 == 0 else None
+    _act_mul_kernel[(rg[0] * rg[1], triton.cdiv(F_, BLOCK))](g, u, y, *(xq or (y, y, y)), rg[1], F_, rg[2], rg[3],
+                                                             ru[2], ru[3], GELU=gelu, BLOCK=BLOCK, Q8=xq is not None,
+                                                             num_warps=4)
+    if xq is not None:
+        triton_gemv_q8.offer(y, True, xq)
     return y
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import torch
 import triton
@@ -280,12 +281,22 @@ def _quant_x(x_ptr, perm_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.cons
     bm = blk < K // 32
     j = tl.arange(0, 8)
     w4 = tl.arange(0, 4)
-    # x as (NBLK, 4 words, 8 elements): in nibble order each word of 8 splits into even / odd
-    # elements, four bytes each; byte order: element e of a word of 8
+    # x as (NBLK, 4 words, 8 elements)
     e = (blk[:, None, None] * 32 + (w4 * 8)[None, :, None] + j[None, None, :])
     if HAS_PERM:
         e = tl.load(perm_ptr + e, mask=bm[:, None, None], other=0)
     x = tl.load(x_ptr + e, mask=bm[:, None, None], other=0).to(tl.float32)
+    _q8_blocks(x, blk, bm, xw_ptr, sx_ptr, xsum_ptr, NIBBLES)
+
+
+@triton.jit
+def _q8_blocks(x, blk, bm, xw_ptr, sx_ptr, xsum_ptr, NIBBLES: tl.constexpr):
+    """x (NB, 4, 8) float32, blocks `blk` (NB,) of 32 elements of one row as 4 words of 8, rounded to
+    int8 and stored where `bm` into that row's words, scales and sums (xw_ptr, sx_ptr, xsum_ptr: the
+    row's first): _quant_x's work, which the kernels that make x (triton_elementwise's norm and
+    activation) also do in their own launch."""
+    j = tl.arange(0, 8)
+    w4 = tl.arange(0, 4)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
     inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), amax), 0.0)  # IEEE, as torch
     v = x * inv[:, None, None]
@@ -296,14 +307,15 @@ def _quant_x(x_ptr, perm_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.cons
     qs = tl.sum(tl.sum(q, axis=2), axis=1)
     qi = q.to(tl.int32) & 0xFF
     if NIBBLES:
-        # element 2i of word w of a block: byte i of the block's word w; element 2i+1: of word 4 + w
+        # in nibble order each word of 8 splits into even / odd elements, four bytes each: element 2i of
+        # word w of a block is byte i of the block's word w; element 2i+1, of its word 4 + w
         sh = 8 * (j // 2)
         ev = tl.sum(tl.where((j % 2 == 0)[None, None, :], qi << sh[None, None, :], 0), axis=2)
         od = tl.sum(tl.where((j % 2 == 1)[None, None, :], qi << sh[None, None, :], 0), axis=2)
         ow = blk[:, None] * 8 + w4[None, :]
         tl.store(xw_ptr + ow, ev, mask=bm[:, None])
         tl.store(xw_ptr + ow + 4, od, mask=bm[:, None])
-    else:
+    else:  # byte order: element e of a word of 8
         sh = 8 * (j % 4)
         lo = tl.sum(tl.where((j < 4)[None, None, :], qi << sh[None, None, :], 0), axis=2)
         hi = tl.sum(tl.where((j >= 4)[None, None, :], qi << sh[None, None, :], 0), axis=2)
@@ -409,8 +421,41 @@ def _x_rows(x: torch.Tensor, p: Packed) -> torch.Tensor:
     return x1
 
 
+# x rounded to int8 by the kernel that made x (triton_elementwise's norm and activation), for the
+# GEMVs that read x next: (weakref to x, its address, its size, nibble order, (words, scales, sums)),
+# newest last; a decode layer reads at most two such x before it makes the next
+_MADE: list = []
+_MADE_KEEP = 4
+
+
+def offer(x: torch.Tensor, nibbles: bool, xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """Record xq (words (M, K / 4), scales and sums (M, K / 32)) as x's rows rounded to int8 in
+    nibble order or not, made in the launch that made x: q8 GEMVs of x, or of a view of all of it,
+    then skip their _quant_x launch. The producers' outputs are never written in place after (the
+    models' norm and activation outputs are read, not updated), and an entry lives only as long as
+    x: its memory cannot be another tensor's meanwhile."""
+    keep = [e for e in _MADE[-(_MADE_KEEP - 1):] if e[0]() is not None]
+    _MADE[:] = keep + [(weakref.ref(x), x.data_ptr(), x.numel(), nibbles, xq)]
+
+
+def _made(x1: torch.Tensor, p: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The offered rounding of rows x1 for weight p, or None."""
+    if p.perm is not None:
+        return None
+    nib, ptr, n = p.fmt.codes == NIB, x1.data_ptr(), x1.numel()
+    for ref, at, size, nibbles, xq in reversed(_MADE):
+        if (at == ptr and size == n and nibbles == nib and xq[0].shape == (x1.shape[0], p.K // 4)
+                and xq[0].device == x1.device and ref() is not None):
+            return xq
+    return None
+
+
 def _quantize_x(x1: torch.Tensor, p: Packed, pdl: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_quant_x on rows x1: x's int8 codes as words (M, K / 4), block scales and block sums (M, K / 32)."""
+    """_quant_x on rows x1: x's int8 codes as words (M, K / 4), block scales and block sums (M, K / 32);
+    what the kernel that made x1 offered instead, if it did."""
+    made = _made(x1, p)
+    if made is not None:
+        return made
     M = x1.shape[0]
     xw = torch.empty(M, p.K // 4, dtype=torch.int32, device=x1.device)
     sx = torch.empty(M, p.K // 32, dtype=torch.float32, device=x1.device)

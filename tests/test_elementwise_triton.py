@@ -107,6 +107,140 @@ def test_act_mul_equals_torch(dtype, gelu):
         torch.testing.assert_close(got.cpu().float(), _act_mul_torch(a, b, gelu).float(), rtol=2 ** -6, atol=1e-4)
 
 
+def _offered(y: torch.Tensor):
+    """What the last producer offered the q8 GEMVs, checked to be y's: (words, scales, sums)."""
+    from dsq.kernels import triton_gemv_q8
+
+    ref, ptr, n, nibbles, xq = triton_gemv_q8._MADE[-1]
+    assert ref() is y and ptr == y.data_ptr() and n == y.numel() and nibbles
+    return xq
+
+
+def _check_rounding(y: torch.Tensor, xq) -> None:
+    """xq is exactly packed.quantize_x_q8 of each row of y, in nibble order."""
+    from dsq.kernels import packed
+
+    rows = y.reshape(-1, y.shape[-1]).cpu()
+    assert xq[0].shape == (rows.shape[0], rows.shape[1] // 4) and xq[1].shape == (rows.shape[0], rows.shape[1] // 32)
+    for r in range(rows.shape[0]):
+        want = packed.quantize_x_q8(rows[r].float(), packed.NIB)
+        assert torch.equal(xq[0][r].cpu(), want[0])
+        torch.testing.assert_close(xq[1][r].cpu(), want[1], rtol=1e-6, atol=0)
+        torch.testing.assert_close(xq[2][r].cpu(), want[2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (2, 3, 96)])
+def test_the_norm_rounds_its_output_for_the_q8_gemvs(dtype, shape):
+    """With q8 the norm also writes its output (as stored, in its dtype) rounded to int8 per 32
+    elements in nibble order, and offers it to the q8 GEMVs: exactly packed.quantize_x_q8 of each
+    row; the norm itself is unchanged. 96: three blocks of a program's four (a masked block)."""
+    x = (torch.randn(shape) * 3).to(dtype)
+    x[..., 32:64] = 0  # a block of zeros: scale 0
+    w = (torch.randn(shape[-1]) * 0.5).to(dtype)
+    for offset in (0.0, 1.0):
+        y = te.rms_norm(x.to(DEV), w.to(DEV), 1e-6, offset, q8=True)
+        assert torch.equal(y.cpu(), te.rms_norm(x.to(DEV), w.to(DEV), 1e-6, offset).cpu())
+        _check_rounding(y, _offered(y))
+    s, y = te.rms_norm(x.to(DEV), w.to(DEV), 1e-6, add=torch.randn(shape).to(dtype).to(DEV), q8=True)
+    _check_rounding(y, _offered(y))
+    from dsq.kernels import triton_gemv_q8
+
+    y40 = te.rms_norm(torch.randn(2, 40).to(DEV), torch.ones(40, device=DEV), 1e-6, q8=True)  # not whole blocks
+    assert all(e[0]() is not y40 for e in triton_gemv_q8._MADE)  # nothing offered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_activation_rounds_its_output_for_the_q8_gemvs(dtype):
+    """act_mul with q8: its output rounded as the norm's is, each program rounding its own blocks
+    (1408 = V2-Lite's expert width: two programs of 1024 columns, the second partial), for six
+    (token, expert) pairs, and for one row of 96."""
+    gu = (torch.randn(6, 2 * 1408) * 4).to(dtype)
+    g, u = gu.chunk(2, dim=-1)
+    g2, u2 = torch.randn(1, 1, 96).to(dtype), torch.randn(1, 1, 96).to(dtype)
+    for a, b in ((g, u), (g2, u2)):
+        for gelu in (False, True):
+            y = te.act_mul(a.to(DEV), b.to(DEV), gelu, q8=True)
+            assert torch.equal(y.cpu(), te.act_mul(a.to(DEV), b.to(DEV), gelu).cpu())
+            _check_rounding(y, _offered(y))
+
+
+def test_a_q8_gemv_reads_what_the_producer_offered(monkeypatch):
+    """A q8 GEMV of the norm's output (or of a view of all of it) launches no _quant_x of its own and
+    computes exactly what it computes from its own rounding (the same x in a fresh tensor); a weight
+    in byte order (Q8_0), part of the rows, or act-order (a permutation) rounds x itself."""
+    import numpy as np
+    from test_kernels_ref import random_blocks
+
+    from dsq.kernels import packed, triton_gemv_q8
+
+    launches = []
+    quant_x = triton_gemv_q8._quant_x
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return quant_x[grid]
+
+    monkeypatch.setattr(triton_gemv_q8, "_quant_x", Counted())
+    rng = np.random.default_rng(0)
+    K = 512
+    q4k = packed.from_gguf(torch.from_numpy(random_blocks("Q4_K", 12, K, rng)), "Q4_K", K).to(DEV)
+    q80 = packed.from_gguf(torch.from_numpy(random_blocks("Q8_0", 12, K, rng)), "Q8_0", K).to(DEV)
+    x = torch.randn(1, 2, K, device=DEV)
+    y = te.rms_norm(x, torch.ones(K, device=DEV), 1e-6, q8=True)
+    del launches[:]
+    cases = [(y, q4k, 0), (y.view(2, K), q4k, 0), (y, q80, 1), (y[:, :1], q4k, 1)]
+    for xin, p, n in cases:
+        got = triton_gemv_q8.q8_linear(xin, p)
+        assert len(launches) == n, (p.fmt, xin.shape)
+        want = triton_gemv_q8.q8_linear(xin.clone(), p)  # a fresh tensor: its own rounding
+        assert torch.equal(got, want)
+        del launches[:]
+    stack = packed.Packed.cat([q4k, q4k])  # two experts of 12 rows
+    ids = torch.tensor([1, 0, 0, 1], device=DEV)
+    got = triton_gemv_q8.q8_experts(y.view(2, K), stack, ids, 2)
+    assert not launches and torch.equal(got, triton_gemv_q8.q8_experts(y.view(2, K).clone(), stack, ids, 2))
+    perm = torch.randperm(K, device=DEV)
+    act = packed.Packed(q4k.fmt, q4k.N, q4k.K, perm=perm, **q4k.tensors())
+    del launches[:]
+    triton_gemv_q8.q8_linear(y, act)
+    assert len(launches) == 1
+
+
+@pytest.mark.skipif(not CUDA, reason="the model sends only CUDA tensors to these kernels (run on the device)")
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v2", "deepseek_v3"])
+def test_a_gpu_gguf_models_steps_with_x_rounded_by_its_producers(kind, tiny_gguf, monkeypatch):
+    """A Q4_K_M GGUF all on the GPU (DeepSeek's experts stacked there) in bf16: a prompt, then decode
+    steps whose q8 GEMVs read x as the norms and activations rounded it, against each GEMV rounding x
+    in a launch of its own: the same rounding, so the same logits (within float32 summation order),
+    with fewer _quant_x launches."""
+    from dsq.kernels import dispatch, triton_gemv_q8
+    from dsq.runtime.native import NativeModel
+
+    extra = {"experts": "gpu"} if kind.startswith("deepseek") else {}
+    m = NativeModel(tiny_gguf(kind, "Q4_K_M"), "gguf", n_ctx=64, gpu_layers="all", cuda_graph=False, **extra).model
+    ids = torch.randint(0, m.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3)).cuda()
+    launches = []
+    quant_x = triton_gemv_q8._quant_x
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return quant_x[grid]
+
+    monkeypatch.setattr(triton_gemv_q8, "_quant_x", Counted())
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(dispatch, "PRODUCER_Q8", on)
+        del launches[:]
+        runs[on] = (_prompt_then_steps(m, ids, 8, [0], m.dtype, "cuda"), len(launches))
+    assert not dispatch.FAILED
+    (on, n_on), (off, n_off) = runs[True], runs[False]
+    assert n_on < n_off, (n_on, n_off)
+    assert float((on - off).abs().max()) <= 1e-3 * float(off.abs().max())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [False, True])
 def test_moe_combine_equals_torch(dtype, shared):
