@@ -17,6 +17,8 @@
 #   bash benchmarks/h200_moe.sh router   # the one-launch router (DSQ_TRITON_ROUTER): its CUDA tests, then V2-Lite
 #                                        # decode with it off and on, experts on the GPU and in RAM, beside
 #                                        # llama-bench, alternating in one call. ~6 min
+#   bash benchmarks/h200_moe.sh ab       # V2-Lite, experts in RAM then on the GPU: dsq and llama-bench in turn,
+#                                        # round after round, the ratio per round (benchmarks/split_ab.py). ~5 min
 #   bash benchmarks/h200_moe.sh producer # x rounded to int8 by the norm / activation that makes it (DSQ_PRODUCER_Q8):
 #                                        # its CUDA tests, then all-GPU V2-Lite decode with it off and on,
 #                                        # alternating, beside llama-bench. ~6 min
@@ -28,7 +30,7 @@
 # Setup as benchmarks/h200_split.sh (sourced for its functions): the C kernels built in place, the
 # carried wheels (.whl/) and llama.cpp binaries (.llbin/, else built from .llsrc/). Results under $OUT.
 set -uo pipefail
-PART=${1:?tests, v2lite, vram, profile, router, producer or v3slice}
+PART=${1:?tests, v2lite, vram, profile, router, producer, ab or v3slice}
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
 source benchmarks/h200_setup.sh  # setup_python, llama_bins
 setup_python
@@ -115,6 +117,18 @@ if [ "$PART" = router ]; then  # docs/benchmarks.md#deepseek: the router's ~6 ke
   exit 0
 fi
 
+if [ "$PART" = ab ]; then  # docs/benchmarks.md#deepseek: dsq and llama-bench in turn, round after round
+  GGUF=${GGUF:-/tmp/v2lite.Q4_K_M.gguf}
+  [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape deepseek-v2-lite --mix Q4_K_M 2>/dev/null | tail -1
+  timeout 60 python3 -m dsq offload --calibrate --threads "$THREADS" --json > "$D/calibration_ab.json" 2>/dev/null
+  timeout 250 python3 -m benchmarks.split_ab "$GGUF" --llama-bench "$LL/build/bin/llama-bench" --splits all \
+    --experts cpu --llama-args "-ot exps=CPU" --rounds "${ROUNDS:-5}" --threads "$THREADS" --json "$D/ab_cpu.json" \
+    2>&1 | grep -v -i warn
+  timeout 200 python3 -m benchmarks.split_ab "$GGUF" --llama-bench "$LL/build/bin/llama-bench" --splits all \
+    --experts gpu --llama-args "" --rounds "${ROUNDS:-5}" --threads "$THREADS" --json "$D/ab_gpu.json" 2>&1 | grep -v -i warn
+  exit 0
+fi
+
 if [ "$PART" = producer ]; then  # docs/benchmarks.md#deepseek: x rounded to int8 by the norm / activation that makes it
   GGUF=${GGUF:-/tmp/v2lite.Q4_K_M.gguf}
   [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape deepseek-v2-lite --mix Q4_K_M 2>/dev/null | tail -1 &
@@ -141,4 +155,4 @@ if [ "$PART" = v3slice ]; then
     --steps 16 --json "$D/v3slice_layers.json" 2>&1 | grep -v -i warn | tail -40
   exit 0
 fi
-echo "unknown part $PART (tests, v2lite, vram, profile, router, producer or v3slice)"; exit 1
+echo "unknown part $PART (tests, v2lite, vram, profile, router, producer, ab or v3slice)"; exit 1

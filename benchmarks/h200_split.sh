@@ -21,6 +21,8 @@
 #                                          # DSQ_TRITON_GGUF=1, and prefill at 24 / 16 layers with it off and on
 #   bash benchmarks/h200_split.sh vram     # where each split's VRAM goes (benchmarks/vram_parts.py), with torch's
 #                                          # expandable segments (dsq's default) and with fixed ones
+#   bash benchmarks/h200_split.sh ab       # the 8B at llama.cpp's placement, dsq and llama-bench in turn, round
+#                                          # after round, the ratio per round (benchmarks/split_ab.py). ~5 min
 #   bash benchmarks/h200_split.sh knobs    # the CPU kernels' constants (prefetch distance, pool claims, expert
 #                                          # units) as builds side by side, round after round, on an 8B layer's
 #                                          # GEMVs and a V2-Lite expert call beside the pool's read
@@ -68,6 +70,16 @@ if [ "$PART" = tests ]; then
 fi
 if [ "$PART" = probe ]; then
   timeout 200 python3 -m benchmarks.cpu_read_probe --threads "${PROBE_THREADS:-8,16}" 2>&1 | grep -v -i warn
+  exit 0
+fi
+if [ "$PART" = ab ]; then  # docs/benchmarks.md#does-a-split-beat-llamacpp-and-at-what-vram: the engines in turn
+  llama_bins || exit 1
+  TH=${THREADS:-$(lscpu -p=CORE | grep -v '^#' | sort -u | wc -l)}
+  [ -f /tmp/r8b.gguf ] || python3 -m dsq.bench.random_gguf /tmp/r8b.gguf --shape llama3-8b --mix Q4_K_M | tail -1
+  timeout 60 python3 -m dsq offload --calibrate --threads "$TH" --json > "$OUT/calibration_ab.json" 2>/dev/null
+  timeout 500 python3 -m benchmarks.split_ab /tmp/r8b.gguf --llama-bench "$LL/build/bin/llama-bench" \
+    --splits "${AB_SPLITS:-0,8,16,24}" --head cpu --rounds "${ROUNDS:-4}" --threads "$TH" \
+    --json "$OUT/split_ab.json" 2>&1 | grep -v -i warn
   exit 0
 fi
 if [ "$PART" = knobs ]; then  # docs/benchmarks.md#cpu-kernels
