@@ -237,6 +237,38 @@ def test_native_runs_gguf(kind, native, reference):
     assert np.abs(native(kind, "F32").logits(IDS) - reference(kind)).max() < TOL
 
 
+@pytest.mark.parametrize("fmt", ["hf", "F32", "Q4_K_M"])
+def test_a_16_bit_model_keeps_its_routers_in_float32(fmt, tiny_dir, tiny_gguf):
+    """In bf16 every router's weight stays float32, equal to the float32 model's (the file's: GGUF
+    keeps routers F32, as llama.cpp runs them), while the other float weights are bf16; a router
+    call then copies only x to float32, not its weight as well."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dsq.models.deepseek_model import Router
+    from dsq.runtime.native import NativeModel
+
+    path, k = (tiny_dir("deepseek_v3"), "hf") if fmt == "hf" else (tiny_gguf("deepseek_v3", fmt), "gguf")
+    m16, m32 = (NativeModel(path, k, n_ctx=64, dtype=d).model for d in ("bf16", "fp32"))
+    r16, r32 = ([m for m in m.modules() if isinstance(m, Router)] for m in (m16, m32))
+    assert r16 and len(r16) == len(r32)
+    for a, b in zip(r16, r32):
+        assert a.weight.dtype == torch.float32 and torch.equal(a.weight, b.weight)
+    assert m16.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+
+    class Copies(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Copies.n += func.__name__.split(".")[0] in ("to", "_to_copy") and out is not args[0]  # a new tensor
+            return out
+
+    x = torch.randn(3, m16.args.hidden_size).bfloat16()
+    with torch.inference_mode(), Copies():
+        w, ids = r16[0](x)
+    assert Copies.n == 1 and w.dtype == torch.float32 and ids.shape == (3, m16.args.num_experts_per_tok)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_quantized_gguf_equals_transformers_on_dequantized_weights(kind, native, tiny_gguf, tmp_path, monkeypatch):
     """Q4_K_M: each expert a GGUFLinear over its slice of the stacked blocks (no copy); logits

@@ -204,7 +204,10 @@ class Router(nn.Module):
     e_score_correction_bias) scores, top-k within the best groups, the chosen experts' scores as
     weights, normalized with norm_topk_prob (V2: only with more than one expert a token, as
     DeepSeek's code and llama.cpp do; transformers' V2 ignores the flag, which every V2
-    checkpoint sets false), times routed_scaling_factor. Computes in float32, as transformers does."""
+    checkpoint sets false), times routed_scaling_factor. Computes in float32, as transformers does;
+    its weight stays float32 in a 16-bit model (as llama.cpp keeps GGUF's F32 router)."""
+
+    FLOAT32_PARAMS = ("weight",)  # native_loader.float32_params
 
     def __init__(self, args: DeepseekArgs):
         super().__init__()

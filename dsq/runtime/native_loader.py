@@ -94,6 +94,13 @@ def _float32_params(module: nn.Module) -> None:
                 setattr(m, name, nn.Parameter(p.float(), requires_grad=False))
 
 
+def float32_params(model: nn.Module) -> set[str]:
+    """Names of the parameters that stay float32 whatever the model's dtype: those a module lists in
+    FLOAT32_PARAMS (a MoE router, which computes in float32: in 16 bits its weight would be copied
+    to float32 at every call)."""
+    return {f"{n}.{p}" if n else p for n, m in model.named_modules() for p in getattr(m, "FLOAT32_PARAMS", ())}
+
+
 def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None,
             experts: str = "gpu", head: str = "gpu"):
     from dsq.formats.hf import HFModelDir
@@ -107,6 +114,7 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NO
     if cfg.get("quantization_config"):
         _swap_quantized(model, cfg["quantization_config"], tensors, dtype)
     sd = {}
+    keep32 = float32_params(model)
     arch.check_experts(list(tensors), cfg, str(path))
     for name, t in tensors.items():
         if name.endswith("rotary_emb.inv_freq") or not arch.model_tensor(name, cfg):
@@ -114,7 +122,8 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NO
         if name == "lm_head.weight" and args.tie_word_embeddings:
             continue
         float_param = name.endswith((".weight", ".bias")) and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        sd[name] = t.to(dtype) if float_param and t.dtype != dtype else t
+        want = torch.float32 if name in keep32 else dtype
+        sd[name] = t.to(want) if float_param and t.dtype != want else t
     _check_shapes(model, sd, str(path))
     model.load_state_dict(sd, strict=False, assign=True)
     if not args.tie_word_embeddings and "lm_head.weight" not in sd:
@@ -216,6 +225,7 @@ class _GGUFTensors:
         self.g, self.model, self.dtype = g, model, dtype
         self.modules = dict(model.named_modules())
         self.buffers = {n for n, _ in model.named_buffers()}
+        self.keep32 = float32_params(model)
         self.entries = {t.name: t for t in g.tensors}
         self.sd: dict[str, torch.Tensor] = {}
         self.shown: dict[str, str] = {}  # HF name -> the GGUF tensor it comes from, for errors
@@ -230,7 +240,8 @@ class _GGUFTensors:
                 and self._add_blocks(made, t)):
             return
         w = made.build([self._float(s) for s in made.sources])
-        self.sd[made.name] = w if made.name in self.buffers else w.to(self.dtype)
+        self.sd[made.name] = (w if made.name in self.buffers else w.float() if made.name in self.keep32
+                              else w.to(self.dtype))
 
     def _rows(self, t) -> torch.Tensor:
         """A quantized tensor's raw blocks, (..., rows, row bytes)."""
