@@ -19,9 +19,10 @@
 #                                        # llama-bench, alternating in one call. ~6 min
 #   bash benchmarks/h200_moe.sh ab       # V2-Lite, experts in RAM then on the GPU: dsq and llama-bench in turn,
 #                                        # round after round, the ratio per round (benchmarks/split_ab.py). ~5 min
-#   bash benchmarks/h200_moe.sh producer # x rounded to int8 by the norm / activation that makes it (DSQ_PRODUCER_Q8):
-#                                        # its CUDA tests, then all-GPU V2-Lite decode with it off and on,
-#                                        # alternating, beside llama-bench. ~6 min
+#   bash benchmarks/h200_moe.sh launches # fewer launches a step, each behind a flag: x rounded by the norm /
+#                                        # activation that makes it (DSQ_PRODUCER_Q8), MLA's ropes, norm and
+#                                        # cache write as one (DSQ_MLA_WRITE): their CUDA tests, then all-GPU
+#                                        # V2-Lite decode without, with the first, with both, twice. ~8 min
 #   bash benchmarks/h200_moe.sh v3slice  # random V3-width slice (1 dense + 1 MoE layer of 256 experts,
 #                                        # ~7 GB): per-layer and per-part times with the experts in RAM
 #                                        # and on the GPU, and the full 61-layer projection
@@ -30,7 +31,7 @@
 # Setup as benchmarks/h200_split.sh (sourced for its functions): the C kernels built in place, the
 # carried wheels (.whl/) and llama.cpp binaries (.llbin/, else built from .llsrc/). Results under $OUT.
 set -uo pipefail
-PART=${1:?tests, v2lite, vram, profile, router, producer, ab or v3slice}
+PART=${1:?tests, v2lite, vram, profile, router, launches, ab or v3slice}
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
 source benchmarks/h200_setup.sh  # setup_python, llama_bins
 setup_python
@@ -129,19 +130,21 @@ if [ "$PART" = ab ]; then  # docs/benchmarks.md#deepseek: dsq and llama-bench in
   exit 0
 fi
 
-if [ "$PART" = producer ]; then  # docs/benchmarks.md#deepseek: x rounded to int8 by the norm / activation that makes it
+if [ "$PART" = launches ]; then  # docs/benchmarks.md#deepseek: fewer launches a decode step, each behind a flag until timed
   GGUF=${GGUF:-/tmp/v2lite.Q4_K_M.gguf}
   [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape deepseek-v2-lite --mix Q4_K_M 2>/dev/null | tail -1 &
-  DSQ_PRODUCER_Q8=1 timeout 300 python3 -m pytest -q --timeout 280 --tb=short -rfE -p no:cacheprovider \
+  DSQ_PRODUCER_Q8=1 DSQ_MLA_WRITE=1 timeout 300 python3 -m pytest -q --timeout 280 --tb=short -rfE -p no:cacheprovider \
     tests/test_elementwise_triton.py tests/test_kernels_triton.py tests/test_deepseek_experts_gpu.py \
-    -k "rounds or q8_gemv_reads or gguf_models_steps or q8_x_quantizer or stacked_experts_graph" 2>&1 | tail -6
+    -k "rounds or q8_gemv_reads or gguf_models_steps or gpu_models or mla_write or q8_x_quantizer or stacked_experts_graph" \
+    2>&1 | tail -6
   wait
   timeout 60 "$LL/build/bin/llama-bench" -m "$GGUF" -ngl 99 -p 64 -n 32 -r 2 -t "$THREADS" -o md 2>&1 | grep -E "tg32"
-  for r in 0 1 0 1; do
-    DSQ_PRODUCER_Q8=$r timeout 100 python3 -m dsq bench "$GGUF" -b native -g all --experts gpu --prompt-tokens 64 \
-      --gen-tokens 32 --repeat 2 --threads "$THREADS" --json /tmp/r.json --force >/dev/null 2>&1
-    python3 -c "import json; r=json.load(open('/tmp/r.json'))['summary'][0]; print('producer q8 $r decode', r['decode_tok_s_median'])"
-  done
+  for round in 1 2; do for v in "0 0" "1 0" "1 1"; do
+    set -- $v
+    DSQ_PRODUCER_Q8=$1 DSQ_MLA_WRITE=$2 timeout 100 python3 -m dsq bench "$GGUF" -b native -g all --experts gpu \
+      --prompt-tokens 64 --gen-tokens 32 --repeat 2 --threads "$THREADS" --json /tmp/r.json --force >/dev/null 2>&1
+    python3 -c "import json; r=json.load(open('/tmp/r.json'))['summary'][0]; print('producer q8 $1 mla write $2 decode', r['decode_tok_s_median'])"
+  done; done
   exit 0
 fi
 
@@ -155,4 +158,4 @@ if [ "$PART" = v3slice ]; then
     --steps 16 --json "$D/v3slice_layers.json" 2>&1 | grep -v -i warn | tail -40
   exit 0
 fi
-echo "unknown part $PART (tests, v2lite, vram, profile, router, producer, ab or v3slice)"; exit 1
+echo "unknown part $PART (tests, v2lite, vram, profile, router, launches, ab or v3slice)"; exit 1

@@ -225,6 +225,24 @@ def act_mul_gpu(g: torch.Tensor, u: torch.Tensor, gelu: bool) -> torch.Tensor | 
     return _guarded("elementwise", triton_elementwise.act_mul, g, u, gelu, _producer_q8(g))
 
 
+# DSQ_MLA_WRITE=1: an MLA decode step's query rope, latent norm, key rope and cache write as one GPU launch
+# (triton_elementwise.mla_write) instead of ~5 (docs/benchmarks.md#deepseek); off until a GPU has timed it
+MLA_WRITE = os.environ.get("DSQ_MLA_WRITE", "0") == "1"
+
+
+def mla_write_gpu(q_rope: torch.Tensor, c: torch.Tensor, k_rope: torch.Tensor, weight: torch.Tensor, eps: float,
+                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor,
+                  interleaved: bool) -> torch.Tensor | None:
+    """triton_elementwise.mla_write on a GPU (the rotated q_rope; the cache row written), or None:
+    the caller then runs the torch ops."""
+    if not MLA_WRITE or not _elementwise_gpu(q_rope, c) or k_cache.device != q_rope.device:
+        return None
+    from dsq.kernels import triton_elementwise
+
+    return _guarded("elementwise", triton_elementwise.mla_write, q_rope, c, k_rope, weight, eps, cos, sin, k_cache,
+                    slots, interleaved)
+
+
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, add: torch.Tensor | None = None):
     """(y.view(T, k, H) * weights[..., None]).sum(1).to(dtype), plus `add`: one launch on a GPU, or
     None (the caller then runs torch)."""

@@ -162,19 +162,23 @@ def _rope_halves(x_ptr, c_ptr, s_ptr, i, HALF: tl.constexpr):
 
 
 @triton.jit
+def _rope_row(x_ptr, c_ptr, s_ptr, i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """One head's rope, halves or interleaved pairs: the two halves of the result in float32."""
+    if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...: the rotated even elements, then the odd ones,
+        f1 = tl.load(x_ptr + 2 * i).to(tl.float32)  # both turned by the first half's angles
+        f2 = tl.load(x_ptr + 2 * i + 1).to(tl.float32)
+        c = tl.load(c_ptr + i)
+        s = tl.load(s_ptr + i)
+        return f1 * c - f2 * s, f2 * c + f1 * s
+    return _rope_halves(x_ptr, c_ptr, s_ptr, i, HALF)
+
+
+@triton.jit
 def _rope_kernel(x_ptr, c_ptr, s_ptr, y_ptr, H, sx0, sx1, sc0, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     r = tl.program_id(0)  # one (token, head) row; cos/sin rows are per token
     t, h = r // H, r % H
     i = tl.arange(0, HALF)
-    base = x_ptr + t * sx0 + h * sx1
-    if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...: the rotated even elements, then the odd ones,
-        f1 = tl.load(base + 2 * i).to(tl.float32)  # both turned by the first half's angles
-        f2 = tl.load(base + 2 * i + 1).to(tl.float32)
-        c = tl.load(c_ptr + t * sc0 + i)
-        s = tl.load(s_ptr + t * sc0 + i)
-        y1, y2 = f1 * c - f2 * s, f2 * c + f1 * s
-    else:
-        y1, y2 = _rope_halves(base, c_ptr + t * sc0, s_ptr + t * sc0, i, HALF)
+    y1, y2 = _rope_row(x_ptr + t * sx0 + h * sx1, c_ptr + t * sc0, s_ptr + t * sc0, i, HALF, INTERLEAVED)
     out = y_ptr + r * (2 * HALF)
     tl.store(out + i, y1.to(y_ptr.dtype.element_ty))
     tl.store(out + HALF + i, y2.to(y_ptr.dtype.element_ty))
@@ -252,6 +256,63 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
                                         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), HALF=D // 2,
                                         num_warps=1)
+    return qo
+
+
+@triton.jit
+def _mla_write_kernel(q_ptr, c_ptr, k_ptr, w_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, slot_ptr, H, sq_b, sq_h, sc_b, sk_b,
+                      scos_b, skc_b, skc_s, eps, RANK: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr,
+                      INTERLEAVED: tl.constexpr):
+    b = tl.program_id(0)
+    j = tl.program_id(1)  # the query heads' rope, then the latent row
+    i = tl.arange(0, HALF)
+    c_row, s_row = cos_ptr + b * scos_b, sin_ptr + b * scos_b
+    if j < H:
+        y1, y2 = _rope_row(q_ptr + b * sq_b + j * sq_h, c_row, s_row, i, HALF, INTERLEAVED)
+        out = qo_ptr + (b * H + j) * (2 * HALF)
+        tl.store(out + i, y1.to(qo_ptr.dtype.element_ty))
+        tl.store(out + HALF + i, y2.to(qo_ptr.dtype.element_ty))
+    else:  # the latent row at the step's slot: the compressed kv normed (as _rms_norm_kernel), the key's rope
+        row = kc_ptr + b * skc_b + tl.load(slot_ptr) * skc_s
+        cols = tl.arange(0, BLOCK)
+        m = cols < RANK
+        x = tl.load(c_ptr + b * sc_b + cols, mask=m, other=0.0)
+        xf = x.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / RANK + eps)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0)
+        y = (xf * inv).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+        tl.store(row + cols, y.to(kc_ptr.dtype.element_ty), mask=m)
+        y1, y2 = _rope_row(k_ptr + b * sk_b, c_row, s_row, i, HALF, INTERLEAVED)
+        tl.store(row + RANK + i, y1.to(kc_ptr.dtype.element_ty))
+        tl.store(row + RANK + HALF + i, y2.to(kc_ptr.dtype.element_ty))
+
+
+def mla_write(q_rope: torch.Tensor, c: torch.Tensor, k_rope: torch.Tensor, weight: torch.Tensor, eps: float,
+              cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor,
+              interleaved: bool) -> torch.Tensor | None:
+    """An MLA decode step's rope of the queries' rope part and its latent cache write, as one launch:
+    q_rope (B, 1, H, R), c (B, 1, rank) and k_rope (B, 1, R) with unit last strides (views out of
+    the projections are fine), cos / sin (B, 1, 1, R) float32; the cache row at slots[0] of
+    k_cache (B, 1, S, rank + R) gets c's RMS norm (`weight`, `eps`, as base.RMSNorm without an
+    offset) and k_rope rotated, as MLAttention's norm, rope, cat and KVCache.update write it.
+    Everything in one dtype. Returns the rotated q_rope (B, 1, H, R), or None when the shapes
+    do not fit."""
+    B, T, H, R = q_rope.shape
+    rank = c.shape[-1]
+    dt = q_rope.dtype
+    if (T != 1 or c.shape != (B, 1, rank) or k_rope.shape != (B, 1, R) or R % 2 or (R // 2) & (R // 2 - 1)
+            or rank > MAX_ROW or weight.shape != (rank,) or not weight.is_contiguous()
+            or cos.shape != (B, 1, 1, R) or sin.shape != cos.shape or cos.dtype != torch.float32
+            or sin.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
+            or k_cache.dim() != 4 or k_cache.shape[:2] != (B, 1) or k_cache.shape[-1] != rank + R
+            or any(t.dtype != dt for t in (c, k_rope, weight, k_cache)) or slots.numel() < 1
+            or any(t.stride(-1) != 1 for t in (q_rope, c, k_rope, k_cache))):
+        return None
+    qo = torch.empty(B, 1, H, R, dtype=dt, device=q_rope.device)
+    _mla_write_kernel[(B, H + 1)](q_rope, c, k_rope, weight, cos, sin, qo, k_cache, slots, H, q_rope.stride(0),
+                                  q_rope.stride(2), c.stride(0), k_rope.stride(0), cos.stride(0), k_cache.stride(0),
+                                  k_cache.stride(2), float(eps), RANK=rank, BLOCK=triton.next_power_of_2(rank),
+                                  HALF=R // 2, INTERLEAVED=interleaved, num_warps=4)
     return qo
 
 

@@ -297,8 +297,8 @@ def test_rope_refuses_what_it_cannot_run():
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "deepseek_v3"])
 def test_a_gpu_models_logits_with_and_without_them(kind, tiny_dir, monkeypatch):
     """fp32 on the GPU, so that only float32 rounding separates the two: a prompt, then decode
-    steps (DeepSeek's through the MLA kernel, the others' through rope_write); none of the kernels
-    may have fallen back to torch."""
+    steps (DeepSeek's through mla_write and the MLA kernel, the others' through rope_write); none of
+    the kernels may have fallen back to torch."""
     from dsq.kernels import dispatch
     from dsq.runtime.native import NativeModel
 
@@ -309,9 +309,11 @@ def test_a_gpu_models_logits_with_and_without_them(kind, tiny_dir, monkeypatch):
         return _prompt_then_steps(m, ids, 8, [0, 2], torch.float32, "cuda")
 
     monkeypatch.setattr(dispatch, "TRITON_ROUTER", True)
+    monkeypatch.setattr(dispatch, "MLA_WRITE", True)
     on = run()
     assert not dispatch.FAILED
     monkeypatch.setattr(dispatch, "TRITON_ROUTER", False)
+    monkeypatch.setattr(dispatch, "MLA_WRITE", False)
     monkeypatch.setattr(dispatch, "GPU_ELEMENTWISE", False)
     monkeypatch.setattr(dispatch, "TRITON_ATTN", False)
     off = run()
@@ -334,6 +336,72 @@ def test_a_kernel_family_that_fails_falls_back_with_a_warning(monkeypatch):
         assert dispatch._guarded("elementwise", broken, 1) is None
     assert dispatch._guarded("elementwise", broken, 2) is None and len(calls) == 1
     assert dispatch._guarded("MLA attention", lambda x: x + 1, 1) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rank,R", [(512, 64), (96, 16)])
+def test_mla_write_equals_the_norm_ropes_and_cache_write(dtype, interleaved, rank, R):
+    """mla_write: the queries' rope part rotated, and the latent row (c normed, k_rope rotated) written
+    at the step's slot of every batch row, as MLAttention's torch ops and KVCache.update give them,
+    out of views of the projections' outputs; the cache's other rows untouched. rank 96: a masked
+    norm block."""
+    B, H, S, slot = 2, 3, 7, 4
+    q = (torch.randn(B, 1, H, 32 + R) * 2).to(dtype)  # (nope + rope) per head
+    kv = (torch.randn(B, 1, rank + R) * 2).to(dtype)
+    q_rope, (c, k_rope) = q[..., 32:], kv.split((rank, R), dim=-1)
+    w = (torch.randn(rank) * 0.5).to(dtype)
+    ang = torch.rand(B, 1, 1, R // 2) * 6
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
+    rotate = apply_rope_interleaved if interleaved else apply_rope
+    kc = torch.full((B, 1, S, rank + R), 7.0).to(dtype)
+    slots = torch.tensor([slot])
+    want_q = rotate(q_rope, cos, sin)
+    want_row = torch.cat((rms_norm_torch(c, w, 1e-6), rotate(k_rope[:, :, None], cos, sin)[:, :, 0]), -1)
+    got_kc = kc.to(DEV)
+    got_q = te.mla_write(q_rope.to(DEV), c.to(DEV), k_rope.to(DEV), w.to(DEV), 1e-6, cos.to(DEV), sin.to(DEV), got_kc,
+                         slots.to(DEV), interleaved)
+    _close(got_q, want_q)
+    _close(got_kc[:, 0, slot], want_row[:, 0])
+    others = torch.ones(S, dtype=torch.bool)
+    others[slot] = False
+    assert bool((got_kc[:, :, others].cpu() == 7.0).all())
+    assert te.mla_write(q_rope.to(DEV), c.to(DEV), k_rope.to(DEV), w.to(DEV), 1e-6, cos.to(DEV), sin.to(DEV),
+                        got_kc.float() if dtype != torch.float32 else got_kc.bfloat16(), slots.to(DEV),
+                        interleaved) is None  # a cache of another dtype: the torch ops
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU stands in for a GPU here; on one, the GPU model test runs the real path")
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_deepseek_model_through_the_mla_write_on_the_cpu(kind, dtype, tiny_dir, monkeypatch):
+    """A tiny DeepSeek model's prompt and decode steps with the one-launch elementwise kernels (under
+    the interpreter, standing in for a GPU), with and without mla_write taking each step's rope, norm
+    and latent cache write: the same logits (float32: within its rounding; bf16: the same kernels'
+    math in another launch), mla_write run for every layer of every step."""
+    from dsq.kernels import dispatch
+    from dsq.runtime.native import NativeModel
+
+    m = NativeModel(tiny_dir(kind), "hf", n_ctx=32, dtype=dtype, cuda_graph=False).model
+    ids = torch.randint(0, m.args.vocab_size, (2, 10), generator=torch.Generator().manual_seed(4))
+    calls = []
+    write = te.mla_write
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return write(*a, **kw)
+
+    def run():
+        return _prompt_then_steps(m, ids, 7, [0, 3], m.dtype)
+
+    monkeypatch.setattr(te, "mla_write", counted)
+    monkeypatch.setattr(dispatch, "_elementwise_gpu", lambda *ts: True)
+    want = run()
+    assert not calls
+    monkeypatch.setattr(dispatch, "MLA_WRITE", True)
+    got = run()
+    assert len(calls) == 3 * m.args.num_hidden_layers  # three steps, every layer
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

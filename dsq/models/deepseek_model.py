@@ -109,16 +109,20 @@ class MLAttention(nn.Module):
         q = self._query(x).view(B, T, self.n_head, self.nope + self.rope)
         q_nope, q_rope = q.split((self.nope, self.rope), dim=-1)
         c, k_rope = self.kv_a_proj_with_mqa(x).split((self.rank, self.rope), dim=-1)
-        q_rope = self.rotate(q_rope, cos, sin)
-        k_rope = self.rotate(k_rope[:, :, None], cos, sin)[:, :, 0]
-        latent = torch.cat((self.kv_a_layernorm(c), k_rope), dim=-1)[:, None]  # (B, 1, T, rank + rope)
-        if T == 1 and getattr(cache, "attends_latent", None) is not None and self._absorbs(T, mask.shape[-1]) \
-                and cache.attends_latent(self.layer, x.dtype):  # dsq serve's blocks, read in place
-            o = self._absorbed(q_nope, q_rope, None, mask, lambda ql, qr: cache.attend_latent(
-                self.layer, latent, ql, qr, mask, self.scale))
-            if o is not None:
-                return self.o_proj(o)
-        kc, _ = cache.update(self.layer, latent, latent[..., :0], slots)
+        q_rot = self._rope_and_write(q_rope, c, k_rope, cos, sin, cache, slots) if T == 1 else None
+        if q_rot is not None:  # one launch wrote the latent row
+            q_rope, kc = q_rot, cache.k[self.layer]
+        else:
+            q_rope = self.rotate(q_rope, cos, sin)
+            k_rope = self.rotate(k_rope[:, :, None], cos, sin)[:, :, 0]
+            latent = torch.cat((self.kv_a_layernorm(c), k_rope), dim=-1)[:, None]  # (B, 1, T, rank + rope)
+            if T == 1 and getattr(cache, "attends_latent", None) is not None and self._absorbs(T, mask.shape[-1]) \
+                    and cache.attends_latent(self.layer, x.dtype):  # dsq serve's blocks, read in place
+                o = self._absorbed(q_nope, q_rope, None, mask, lambda ql, qr: cache.attend_latent(
+                    self.layer, latent, ql, qr, mask, self.scale))
+                if o is not None:
+                    return self.o_proj(o)
+            kc, _ = cache.update(self.layer, latent, latent[..., :0], slots)
         if kv_len is not None:
             kc = kc[:, :, :kv_len]
         kc = kc.to(x.dtype)
@@ -127,6 +131,17 @@ class MLAttention(nn.Module):
         else:
             o = self._plain(q_nope, q_rope, kc, mask)
         return self.o_proj(o)
+
+    def _rope_and_write(self, q_rope, c, k_rope, cos, sin, cache, slots) -> torch.Tensor | None:
+        """One token: the queries' rope, and the latent row (c normed, k_rope rotated) written into a
+        plain latent cache, as one GPU launch (dispatch.mla_write_gpu); the rotated q_rope, or None
+        where that does not apply (the torch ops then run)."""
+        norm = self.kv_a_layernorm
+        if (type(cache).update is not KVCache.update or getattr(cache, "attends_latent", None) is not None
+                or self.tap is not None or norm.offset):
+            return None
+        return dispatch.mla_write_gpu(q_rope, c, k_rope, norm.weight, norm.eps, cos, sin, cache.k[self.layer], slots,
+                                      self.rotate is apply_rope_interleaved)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if "q_proj" in self._modules:
