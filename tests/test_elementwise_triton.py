@@ -58,6 +58,31 @@ def _prompt_then_steps(m, ids: torch.Tensor, prompt: int, pad: list[int], dtype:
     return torch.cat(out, 1).float()
 
 
+def _count_calls(monkeypatch, module, name: str) -> list:
+    """module.name replaced by a wrapper that runs it and records each call in the returned list."""
+    calls, fn = [], getattr(module, name)
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return fn(*a, **kw)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _count_launches(monkeypatch, module, name: str) -> list:
+    """The Triton kernel module.name replaced by one that launches it and records each grid."""
+    launches, kernel = [], getattr(module, name)
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, name, Counted())
+    return launches
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("shape", [(1, 1, 2048), (2, 3, 96), (3, 40)])
@@ -174,15 +199,7 @@ def test_a_q8_gemv_reads_what_the_producer_offered(monkeypatch):
 
     from dsq.kernels import packed, triton_gemv_q8
 
-    launches = []
-    quant_x = triton_gemv_q8._quant_x
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return quant_x[grid]
-
-    monkeypatch.setattr(triton_gemv_q8, "_quant_x", Counted())
+    launches = _count_launches(monkeypatch, triton_gemv_q8, "_quant_x")
     rng = np.random.default_rng(0)
     K = 512
     q4k = packed.from_gguf(torch.from_numpy(random_blocks("Q4_K", 12, K, rng)), "Q4_K", K).to(DEV)
@@ -221,15 +238,7 @@ def test_a_gpu_gguf_models_steps_with_x_rounded_by_its_producers(kind, tiny_gguf
     extra = {"experts": "gpu"} if kind.startswith("deepseek") else {}
     m = NativeModel(tiny_gguf(kind, "Q4_K_M"), "gguf", n_ctx=64, gpu_layers="all", cuda_graph=False, **extra).model
     ids = torch.randint(0, m.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3)).cuda()
-    launches = []
-    quant_x = triton_gemv_q8._quant_x
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return quant_x[grid]
-
-    monkeypatch.setattr(triton_gemv_q8, "_quant_x", Counted())
+    launches = _count_launches(monkeypatch, triton_gemv_q8, "_quant_x")
     runs = {}
     for on in (True, False):
         monkeypatch.setattr(dispatch, "PRODUCER_Q8", on)
@@ -384,17 +393,11 @@ def test_a_deepseek_model_through_the_mla_write_on_the_cpu(kind, dtype, tiny_dir
 
     m = NativeModel(tiny_dir(kind), "hf", n_ctx=32, dtype=dtype, cuda_graph=False).model
     ids = torch.randint(0, m.args.vocab_size, (2, 10), generator=torch.Generator().manual_seed(4))
-    calls = []
-    write = te.mla_write
-
-    def counted(*a, **kw):
-        calls.append(1)
-        return write(*a, **kw)
 
     def run():
         return _prompt_then_steps(m, ids, 7, [0, 3], m.dtype)
 
-    monkeypatch.setattr(te, "mla_write", counted)
+    calls = _count_calls(monkeypatch, te, "mla_write")
     monkeypatch.setattr(dispatch, "_elementwise_gpu", lambda *ts: True)
     want = run()
     assert not calls
@@ -521,18 +524,12 @@ def test_a_moe_model_through_the_router_kernel_on_the_cpu(kind, tiny_dir, monkey
 
     m = NativeModel(tiny_dir(kind), "hf", n_ctx=32, dtype="fp32", cuda_graph=False).model
     ids = torch.randint(0, m.args.vocab_size, (2, 10), generator=torch.Generator().manual_seed(2))
-    calls = []
-    route = te.moe_route
-
-    def counted(*a, **kw):
-        calls.append(1)
-        return route(*a, **kw)
 
     def run():
         return _prompt_then_steps(m, ids, 7, [0, 3], torch.float32)
 
     want = run()
-    monkeypatch.setattr(te, "moe_route", counted)
+    calls = _count_calls(monkeypatch, te, "moe_route")
     monkeypatch.setattr(dispatch, "TRITON_ROUTER", True)
     monkeypatch.setattr(dispatch, "_elementwise_gpu", lambda *ts: ts[0].dtype == torch.float32 and ts[0].dim() == 2
                         and ts[0].shape[-1] == m.args.n_routed_experts)  # the router's logits alone
