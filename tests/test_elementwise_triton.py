@@ -225,6 +225,28 @@ def test_a_q8_gemv_reads_what_the_producer_offered(monkeypatch):
     assert len(launches) == 1
 
 
+def test_an_offer_dies_with_its_tensor():
+    """An offered rounding answers only while the tensor it was made from lives: memory freed and
+    taken by another tensor at the same address is not mistaken for it."""
+    import gc
+
+    import numpy as np
+    from test_kernels_ref import random_blocks
+
+    from dsq.kernels import packed, triton_gemv_q8
+
+    p = packed.from_gguf(torch.from_numpy(random_blocks("Q4_K", 4, 256, np.random.default_rng(1))), "Q4_K", 256)
+    y = te.rms_norm(torch.randn(1, 256).to(DEV), torch.ones(256, device=DEV), 1e-6, q8=True)
+    assert triton_gemv_q8._made(y, p.to(DEV)) is _offered(y)
+    other = torch.randn(1, 256).to(DEV)
+    del y
+    gc.collect()
+    ref, _, n, nib, xq = triton_gemv_q8._MADE[-1]
+    assert ref() is None
+    triton_gemv_q8._MADE[-1] = (ref, other.data_ptr(), n, nib, xq)  # as if `other` had taken y's memory
+    assert triton_gemv_q8._made(other, p.to(DEV)) is None
+
+
 @pytest.mark.skipif(not CUDA, reason="the model sends only CUDA tensors to these kernels (run on the device)")
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v2", "deepseek_v3"])
 def test_a_gpu_gguf_models_steps_with_x_rounded_by_its_producers(kind, tiny_gguf, monkeypatch):
