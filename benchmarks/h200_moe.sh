@@ -135,7 +135,7 @@ if [ "$PART" = launches ]; then  # docs/benchmarks.md#deepseek: fewer launches a
   [ -f "$GGUF" ] || python3 -m dsq.bench.random_gguf "$GGUF" --shape deepseek-v2-lite --mix Q4_K_M 2>/dev/null | tail -1 &
   DSQ_PRODUCER_Q8=1 DSQ_MLA_WRITE=1 timeout 300 python3 -m pytest -q --timeout 280 --tb=short -rfE -p no:cacheprovider \
     tests/test_elementwise_triton.py tests/test_kernels_triton.py tests/test_deepseek_experts_gpu.py \
-    -k "rounds or q8_gemv_reads or gguf_models_steps or gpu_models or mla_write or q8_x_quantizer or stacked_experts_graph" \
+    -k "rounds or offer or q8_gemv_reads or gguf_models_steps or gpu_models or mla_write or q8_x_quantizer or stacked_experts_graph" \
     2>&1 | tail -6
   wait
   timeout 60 "$LL/build/bin/llama-bench" -m "$GGUF" -ngl 99 -p 64 -n 32 -r 2 -t "$THREADS" -o md 2>&1 | grep -E "tg32"
