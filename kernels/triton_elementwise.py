@@ -87,21 +87,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     s = torch.empty_like(x, memory_format=torch.contiguous_format) if add is not None else y
     rs = _rows(s) if add is not None else rx
     R0, R1 = rx[0], rx[1]
-    xq = _q8_outputs(y, N) if q8 and N % 32 == 0 else None
+    xq = triton_gemv_q8.q8_room(y.numel() // N, N, y.device) if q8 and N % 32 == 0 else None
     _rms_norm_kernel[(R0 * R1,)](x, add if add is not None else x, weight, y, s, *(xq or (y, y, y)), R1, N, rx[2],
                                  rx[3], ra[2], ra[3], rs[2], rs[3], float(eps), float(offset), HAS_ADD=add is not None,
                                  OFFSET=bool(offset), BLOCK=triton.next_power_of_2(N), Q8=xq is not None,
                                  num_warps=4 if N <= 4096 else 8)
     if xq is not None:
-        triton_gemv_q8.offer(y, True, xq)
+        triton_gemv_q8.offer(y, xq)
     return (s, y) if add is not None else y
-
-
-def _q8_outputs(y: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Room for y's rows rounded to int8: words (M, N / 4), block scales and sums (M, N / 32)."""
-    M = y.numel() // N
-    sx = torch.empty(M, N // 32, dtype=torch.float32, device=y.device)
-    return torch.empty(M, N // 4, dtype=torch.int32, device=y.device), sx, torch.empty_like(sx)
 
 
 @triton.jit
@@ -139,12 +132,12 @@ def act_mul(g: torch.Tensor, u: torch.Tensor, gelu: bool = False, q8: bool = Fal
     F_ = g.shape[-1]
     y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     BLOCK = min(1024, triton.next_power_of_2(F_))
-    xq = _q8_outputs(y, F_) if q8 and F_ % 32 == 0 else None
+    xq = triton_gemv_q8.q8_room(y.numel() // F_, F_, y.device) if q8 and F_ % 32 == 0 else None
     _act_mul_kernel[(rg[0] * rg[1], triton.cdiv(F_, BLOCK))](g, u, y, *(xq or (y, y, y)), rg[1], F_, rg[2], rg[3],
                                                              ru[2], ru[3], GELU=gelu, BLOCK=BLOCK, Q8=xq is not None,
                                                              num_warps=4)
     if xq is not None:
-        triton_gemv_q8.offer(y, True, xq)
+        triton_gemv_q8.offer(y, xq)
     return y
 
 

@@ -422,32 +422,38 @@ def _x_rows(x: torch.Tensor, p: Packed) -> torch.Tensor:
 
 
 # x rounded to int8 by the kernel that made x (triton_elementwise's norm and activation), for the
-# GEMVs that read x next: (weakref to x, its address, its size, nibble order, (words, scales, sums)),
+# GEMVs that read x next, in nibble order: (weakref to x, its address, its size, (words, scales, sums)),
 # newest last; a decode layer reads at most two such x before it makes the next
 _MADE: list = []
 _MADE_KEEP = 4
 
 
-def offer(x: torch.Tensor, nibbles: bool, xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+def offer(x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
     """Record xq (words (M, K / 4), scales and sums (M, K / 32)) as x's rows rounded to int8 in
-    nibble order or not, made in the launch that made x: q8 GEMVs of x, or of a view of all of it,
+    nibble order (the GGUF K-quants' and int4's), made in the launch that made x: q8 GEMVs of x, or of a view of all of it,
     then skip their _quant_x launch. The producers' outputs are never written in place after (the
     models' norm and activation outputs are read, not updated), and an entry lives only as long as
     x: its memory cannot be another tensor's meanwhile."""
     keep = [e for e in _MADE[-(_MADE_KEEP - 1):] if e[0]() is not None]
-    _MADE[:] = keep + [(weakref.ref(x), x.data_ptr(), x.numel(), nibbles, xq)]
+    _MADE[:] = keep + [(weakref.ref(x), x.data_ptr(), x.numel(), xq)]
 
 
 def _made(x1: torch.Tensor, p: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The offered rounding of rows x1 for weight p, or None."""
-    if p.perm is not None:
+    if p.perm is not None or p.fmt.codes != NIB:
         return None
-    nib, ptr, n = p.fmt.codes == NIB, x1.data_ptr(), x1.numel()
-    for ref, at, size, nibbles, xq in reversed(_MADE):
-        if (at == ptr and size == n and nibbles == nib and xq[0].shape == (x1.shape[0], p.K // 4)
+    ptr, n = x1.data_ptr(), x1.numel()
+    for ref, at, size, xq in reversed(_MADE):
+        if (at == ptr and size == n and xq[0].shape == (x1.shape[0], p.K // 4)
                 and xq[0].device == x1.device and ref() is not None):
             return xq
     return None
+
+
+def q8_room(M: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Room for M rows of K values rounded to int8: words (M, K / 4), block scales and sums (M, K / 32)."""
+    sx = torch.empty(M, K // 32, dtype=torch.float32, device=device)
+    return torch.empty(M, K // 4, dtype=torch.int32, device=device), sx, torch.empty_like(sx)
 
 
 def _quantize_x(x1: torch.Tensor, p: Packed, pdl: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -457,9 +463,7 @@ def _quantize_x(x1: torch.Tensor, p: Packed, pdl: bool) -> tuple[torch.Tensor, t
     if made is not None:
         return made
     M = x1.shape[0]
-    xw = torch.empty(M, p.K // 4, dtype=torch.int32, device=x1.device)
-    sx = torch.empty(M, p.K // 32, dtype=torch.float32, device=x1.device)
-    xs = torch.empty_like(sx)
+    xw, sx, xs = q8_room(M, p.K, x1.device)
     _quant_x[(triton.cdiv(p.K // 32, 4), M)](x1, p.perm if p.perm is not None else x1, xw, sx, xs, p.K, x1.stride(0),
                                              NIBBLES=p.fmt.codes == NIB, NBLK=4, HAS_PERM=p.perm is not None, PDL=pdl)
     return xw, sx, xs

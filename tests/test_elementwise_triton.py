@@ -136,8 +136,8 @@ def _offered(y: torch.Tensor):
     """What the last producer offered the q8 GEMVs, checked to be y's: (words, scales, sums)."""
     from dsq.kernels import triton_gemv_q8
 
-    ref, ptr, n, nibbles, xq = triton_gemv_q8._MADE[-1]
-    assert ref() is y and ptr == y.data_ptr() and n == y.numel() and nibbles
+    ref, ptr, n, xq = triton_gemv_q8._MADE[-1]
+    assert ref() is y and ptr == y.data_ptr() and n == y.numel()
     return xq
 
 
@@ -241,9 +241,9 @@ def test_an_offer_dies_with_its_tensor():
     other = torch.randn(1, 256).to(DEV)
     del y
     gc.collect()
-    ref, _, n, nib, xq = triton_gemv_q8._MADE[-1]
+    ref, _, n, xq = triton_gemv_q8._MADE[-1]
     assert ref() is None
-    triton_gemv_q8._MADE[-1] = (ref, other.data_ptr(), n, nib, xq)  # as if `other` had taken y's memory
+    triton_gemv_q8._MADE[-1] = (ref, other.data_ptr(), n, xq)  # as if `other` had taken y's memory
     assert triton_gemv_q8._made(other, p.to(DEV)) is None
 
 
