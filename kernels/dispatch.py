@@ -182,10 +182,10 @@ def _elementwise_gpu(*ts: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)))
 
 
-# DSQ_PRODUCER_Q8=1: x rounded to int8 for the q8 GEMVs in the launch of the norm or activation that makes
-# x, instead of a _quant_x launch before each GEMV that reads it (188 launches, 269 us of V2-Lite's decode
-# step: docs/benchmarks.md#deepseek); off until a GPU has timed it
-PRODUCER_Q8 = os.environ.get("DSQ_PRODUCER_Q8", "0") == "1"
+# x rounded to int8 for the q8 GEMVs in the launch of the norm or activation that makes x, instead of a
+# _quant_x launch before each GEMV that reads it: V2-Lite's all-GPU decode 376 -> 397 tok/s
+# (docs/benchmarks.md#deepseek); DSQ_PRODUCER_Q8=0 turns it off
+PRODUCER_Q8 = os.environ.get("DSQ_PRODUCER_Q8", "1") == "1"
 # rows of x up to which the producers round it: a decode step's rows, or its (token, expert) pairs,
 # which q8_experts takes at any count
 PRODUCER_Q8_ROWS = 16
@@ -225,9 +225,10 @@ def act_mul_gpu(g: torch.Tensor, u: torch.Tensor, gelu: bool) -> torch.Tensor | 
     return _guarded("elementwise", triton_elementwise.act_mul, g, u, gelu, _producer_q8(g))
 
 
-# DSQ_MLA_WRITE=1: an MLA decode step's query rope, latent norm, key rope and cache write as one GPU launch
-# (triton_elementwise.mla_write) instead of ~5 (docs/benchmarks.md#deepseek); off until a GPU has timed it
-MLA_WRITE = os.environ.get("DSQ_MLA_WRITE", "0") == "1"
+# an MLA decode step's query rope, latent norm, key rope and cache write as one GPU launch
+# (triton_elementwise.mla_write) instead of ~5: V2-Lite's all-GPU decode 397 -> 428 tok/s
+# (docs/benchmarks.md#deepseek); DSQ_MLA_WRITE=0 turns it off
+MLA_WRITE = os.environ.get("DSQ_MLA_WRITE", "1") == "1"
 
 
 def mla_write_gpu(q_rope: torch.Tensor, c: torch.Tensor, k_rope: torch.Tensor, weight: torch.Tensor, eps: float,
