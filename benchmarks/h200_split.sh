@@ -22,7 +22,9 @@
 #   bash benchmarks/h200_split.sh vram     # where each split's VRAM goes (benchmarks/vram_parts.py), with torch's
 #                                          # expandable segments (dsq's default) and with fixed ones
 #   bash benchmarks/h200_split.sh ab       # the 8B at llama.cpp's placement, dsq and llama-bench in turn, round
-#                                          # after round, the ratio per round (benchmarks/split_ab.py). ~5 min
+#                                          # after round, the ratio per round and dsq's VRAM (benchmarks/split_ab.py).
+#                                          # ~5 min. AB_HEAD=cpu,0.2,0.3,0.5: dsq's --head per split;
+#                                          # LLAMA_VRAM=1: then llama.cpp's peak VRAM at the same splits
 #   bash benchmarks/h200_split.sh knobs    # the CPU kernels' constants (prefetch distance, pool claims, expert
 #                                          # units) as builds side by side, round after round, on an 8B layer's
 #                                          # GEMVs and a V2-Lite expert call beside the pool's read
@@ -78,8 +80,12 @@ if [ "$PART" = ab ]; then  # docs/benchmarks.md#does-a-split-beat-llamacpp-and-a
   [ -f /tmp/r8b.gguf ] || python3 -m dsq.bench.random_gguf /tmp/r8b.gguf --shape llama3-8b --mix Q4_K_M | tail -1
   timeout 60 python3 -m dsq offload --calibrate --threads "$TH" --json > "$OUT/calibration_ab.json" 2>/dev/null
   timeout 500 python3 -m benchmarks.split_ab /tmp/r8b.gguf --llama-bench "$LL/build/bin/llama-bench" \
-    --splits "${AB_SPLITS:-0,8,16,24}" --head cpu --rounds "${ROUNDS:-4}" --threads "$TH" \
+    --splits "${AB_SPLITS:-0,8,16,24}" --head "${AB_HEAD:-cpu}" --rounds "${ROUNDS:-4}" --threads "$TH" \
     --json "$OUT/split_ab.json" 2>&1 | grep -v -i warn
+  [ "${LLAMA_VRAM:-0}" = 1 ] || exit 0  # llama.cpp's peak VRAM at the same splits (its Python binding, dsq's measure)
+  timeout 150 python3 -m dsq bench /tmp/r8b.gguf -b llama.cpp -g "${AB_SPLITS:-0,8,16,24}" --prompt-tokens 64 \
+    --gen-tokens 8 --repeat 1 --threads "$TH" --json "$OUT/llama_vram.json" --force >/dev/null 2>&1
+  python3 -c "import json; [print('llama.cpp -g', r['gpu_layers'], 'peak VRAM MiB', r['peak_vram_mb']) for r in json.load(open('$OUT/llama_vram.json'))['summary']]"
   exit 0
 fi
 if [ "$PART" = knobs ]; then  # docs/benchmarks.md#cpu-kernels

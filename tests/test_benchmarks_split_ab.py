@@ -34,4 +34,10 @@ def test_every_round_times_both_and_the_ratios_divide_the_runs(tiny_gguf, tmp_pa
     assert row["decode"]["ratio"] == pytest.approx([ratios[1], ratios[0], ratios[2]])
     assert row["prefill"]["llama-bench"] == 50.0
     printed = capsys.readouterr().out
-    assert "round 3/3" in printed and "| 0 | 5.00 |" in printed
+    assert "round 3/3" in printed and "| 0 | gpu | 5.00 |" in printed
+    assert row["head"] == "gpu" and row["dsq_vram_mib"] is None  # (no GPU here)
+
+
+def test_one_head_per_split_or_one_for_all(tiny_gguf, tmp_path):
+    with pytest.raises(SystemExit):
+        split_ab.main([str(tiny_gguf("llama", "Q8_0")), "--llama-bench", "x", "--splits", "0,1", "--head", "cpu,0.5,0.2"])

@@ -216,10 +216,12 @@ def test_gpu_layers_past_the_last_layer_means_all(runner, tiny_gguf, tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--head", "vram"], "--head takes gpu or cpu"),
+    (["--head", "vram"], "--head takes gpu, cpu or a share"),
+    (["--head", "1.5"], "--head takes gpu, cpu or a share"),
+    (["--head", "0"], "--head takes gpu, cpu or a share"),
     (["--head", "cpu", "-b", "llama.cpp"], "apply to the native backend"),
 ])
 def test_bad_head_placement(runner, tiny_gguf, args, needle):
-    """--head: gpu or cpu, and only the native backend places its head by it."""
+    """--head: gpu, cpu or a share of its rows between 0 and 1, and only the native backend places its head by it."""
     path = tiny_gguf("llama", "Q8_0")
     one_line_error(runner.invoke(app, ["run", str(path), "-p", "hi", "-n", "2"] + args), needle)

@@ -232,13 +232,13 @@ def test_gpu_layers_auto(monkeypatch, builtin_gguf):
     monkeypatch.setattr(placement, "detect_gpu", lambda: small)
     native = placement.plan_placement(builtin_gguf, vram=small.free_bytes, ctx=2048, backend="native")
     got = auto.resolve(builtin_gguf, 2048, backend="native")
-    assert got.n_gpu_layers == native.gpu_layers and got.head_gpu == (native.output_device == "GPU")
-    assert 0 < native.gpu_layers < 18 and native.output_device == "GPU"
+    assert got.n_gpu_layers == native.gpu_layers and got.head == native.head != "cpu"
+    assert 0 < native.gpu_layers < 18 and native.output_device in ("GPU", "GPU+CPU")
     tight = native.gpu_total_bytes - 1  # (the plan's head placement travels with the count it chose)
     monkeypatch.setattr(placement, "detect_gpu", lambda: placement.GpuInfo("NVIDIA H200", 140 << 30, tight))
     plan = placement.plan_placement(builtin_gguf, vram=tight, ctx=2048, backend="native")
     got = auto.resolve(builtin_gguf, 2048, backend="native")
-    assert (got.n_gpu_layers, got.head_gpu) == (plan.gpu_layers, plan.output_device == "GPU")
+    assert (got.n_gpu_layers, got.head) == (plan.gpu_layers, plan.head)
 
 
 def test_offload_measure_on_the_cpu(runner, tmp_path, monkeypatch, builtin_gguf):

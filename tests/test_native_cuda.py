@@ -282,19 +282,22 @@ def test_split_head_in_ram(qtype, tiny_gguf):
     GPU layers are still one captured graph, the head then runs on the CPU's kernels: the VRAM the
     head took is free, and the captured steps' logits, fed the same tokens, are the head-on-GPU
     model's within bf16-against-float32 rounding of the head (a bf16 GEMV on the GPU, float32 C
-    kernels on the CPU)."""
+    kernels on the CPU). --head 0.5: half its rows in VRAM, run at the end of the graph, the rest
+    in RAM; the logits joined in RAM are the same within that rounding, and its VRAM is between."""
     from dsq.runtime.native import NativeModel
 
     path = tiny_gguf("llama", qtype)
     pad = torch.zeros(1, dtype=torch.long)
     runs = {}
-    for head in ("gpu", "cpu"):
+    for head in ("gpu", "cpu", "0.5"):
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated()
         m = NativeModel(path, "gguf", n_ctx=128, gpu_layers=1, head=head)
         held = torch.cuda.memory_allocated() - before
         assert m.head_device.type == ("cuda" if head == "gpu" else "cpu") and m._split is not None
-        assert m._split.head_on_cpu == (head == "cpu")
+        assert m._split.head_on_cpu == (head != "gpu") and m._split.head_rows == (head == "0.5")
+        if head == "0.5":
+            assert m.model.lm_head.gpu_rows.lo.is_cuda and m.model.lm_head.cpu_rows.raw.device.type == "cpu"
         head_bytes = sum(t.numel() * t.element_size() for t in m.model.lm_head.buffers())
         # in RAM, the head is fed the final norm's float32 output from the GPU: its logits are float32
         assert m.model.model.norm.weight.is_cuda
@@ -302,11 +305,14 @@ def test_split_head_in_ram(qtype, tiny_gguf):
             steps = [m._prefill(IDS[:20], 0, m.cache, pad).float().cpu()]
             for j, tok in enumerate(IDS[20:28]):  # teacher-forced: the same tokens into both
                 out = m._decode(torch.tensor([tok], device=m.head_device), 20 + j, m.cache, pad)
-                assert out.dtype == (torch.float32 if head == "cpu" else m.model.dtype)
+                assert out.dtype == (m.model.dtype if head == "gpu" else torch.float32)
+                assert out.device == m.head_device
                 steps.append(out.float().cpu())
         runs[head] = (held, head_bytes, steps)
         del m
     (held_g, _, steps_g), (held_c, n, steps_c) = runs["gpu"], runs["cpu"]
+    held_r, _, steps_r = runs["0.5"]
     assert held_g - held_c >= 0.9 * n  # about the head's blocks (as the CPU holds them): not in VRAM
-    for c, g in zip(steps_c, steps_g):
-        assert torch.isfinite(c).all() and _rel(c, g) < 0.02
+    assert held_c < held_r < held_g
+    for c, r, g in zip(steps_c, steps_r, steps_g):
+        assert torch.isfinite(c).all() and _rel(c, g) < 0.02 and _rel(r, g) < 0.02

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsq.errors import DsqError
-from dsq.runtime.placement import GiB, MiB, ModelShape, parse_size, plan_placement
+from dsq.runtime.placement import HEAD_SHARES, GiB, MiB, ModelShape, parse_size, plan_placement
 
 
 def test_parse_size():
@@ -146,8 +146,12 @@ def test_native_plan_weighs_the_head_against_layers():
     full = plan_placement(shape, vram=64 * GiB, ctx=512, backend="native", bandwidths=h200())
     roomy = plan_placement(shape, vram=full.gpu_total_bytes - one.layers[-1].weight_bytes // 2, ctx=512,
                            backend="native", bandwidths=h200())
-    # short of everything by half a layer: the head (~3 layers' bytes, read every token) stays on the GPU
-    assert 0 < roomy.gpu_layers < shape.n_layer and roomy.output_device == "GPU"
+    # short of everything by half a layer: 31 layers and most of the head's rows (the head is ~3 layers'
+    # bytes, read every token) in VRAM, predicted faster than 30 layers and all of the head, which also fit
+    assert roomy.gpu_layers == shape.n_layer - 1 and roomy.output_device == "GPU+CPU" and 0.5 <= float(roomy.head) < 1
+    whole = plan_placement(shape, vram=0, ctx=512, backend="native", gpu_layers=30, bandwidths=h200())
+    assert whole.gpu_total_bytes <= roomy.vram_budget and roomy.predicted_tok_s > whole.predicted_tok_s
+    assert roomy.bytes_per_token_gpu > whole.bytes_per_token_gpu - shape.output_bytes + 0.5 * shape.output_bytes
     assert full.gpu_layers == shape.n_layer and full.gpu_layers_arg == "all"
     assert full.embed_device == "CPU" and full.output_device == "GPU" and full.bytes_per_token_cpu == shape.misc_bytes
     assert full.split_overhead_s == 0 and one.split_overhead_s == 50e-6
@@ -155,13 +159,16 @@ def test_native_plan_weighs_the_head_against_layers():
 
 @pytest.mark.parametrize("backend", ["native", "llama.cpp"])
 def test_plan_choice_against_every_split(backend):
-    """Over a sweep of budgets: the plan fits; native's is the fastest predicted split that fits,
-    llama.cpp's the most layers that fit (its own rule, unchanged)."""
+    """Over a sweep of budgets: the plan fits; native's is the fastest predicted split that fits
+    (its head on the GPU, in RAM, or split by rows), llama.cpp's the most layers that fit (its own
+    rule, unchanged)."""
     shape = llama3_8b_q4_k_m()
-    heads = ("gpu", "cpu") if backend == "native" else (None,)
+    heads = ("gpu", "cpu", *(f"{h:g}" for h in HEAD_SHARES)) if backend == "native" else (None,)
     splits = [plan_placement(shape, vram=0, ctx=2048, backend=backend, gpu_layers=n, bandwidths=h200(), head=h)
               for n in range(shape.n_layer + 2) for h in heads]
-    assert backend != "native" or splits[17].output_device == "CPU"  # (8 layers, --head cpu)
+    if backend == "native":  # (8 layers: --head cpu, then 0.1)
+        assert splits[8 * len(heads) + 1].output_device == "CPU" and splits[8 * len(heads) + 2].head == "0.1"
+        assert splits[8 * len(heads) + 2].output_device == "GPU+CPU"
     for vram_gib in [x / 2 for x in range(0, 16)]:
         vram = int(vram_gib * GiB)
         plan = plan_placement(shape, vram=vram, ctx=2048, backend=backend, bandwidths=h200())

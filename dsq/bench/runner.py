@@ -191,10 +191,13 @@ def _record(loaded: _Loaded, r: int, B: int, st, mem) -> BenchRecord:
 
 
 def _head_place(m) -> str:
-    """Where a loaded model's output head runs: "gpu" or "cpu" (llama.cpp: on the GPU with every
-    layer, where its build offloads)."""
+    """Where a loaded model's output head runs: "gpu", "cpu", or the share of its rows on the GPU
+    (--head 0.6, native) (llama.cpp: on the GPU with every layer, where its build offloads)."""
     dev = getattr(m, "head_device", None)
     if dev is not None:
+        rows = getattr(m.model.lm_head, "gpu_rows", None)  # (qmodules.RowSplitLinear)
+        if rows is not None:
+            return f"{rows.out_features / m.model.lm_head.out_features:.2g}"
         return "gpu" if dev.type == "cuda" else "cpu"
     from dsq.runtime.llama_cpp_backend import supports_gpu_offload
 

@@ -168,11 +168,13 @@ def _print_plan(plan, label: str) -> None:
     out.print(t)
     on_gpu = sum(lc.device == "GPU" for lc in plan.layers)
     moe = plan.expert_bytes_cpu or any(lc.expert_bytes for lc in plan.layers)
-    head_in_ram = plan.backend == "native" and 0 < on_gpu and plan.output_device == "CPU"
+    head_placed = plan.backend == "native" and 0 < on_gpu < plan.n_layer and plan.head != "gpu"
     run = f"dsq run -b {plan.backend} --gpu-layers {plan.gpu_layers_arg}" + (
         f" --experts {plan.experts}" if moe and plan.backend == "native" else "") + (
-        " --head cpu" if head_in_ram else "")
-    out.print(f"GPU layers: [bold]{on_gpu}[/bold] of {plan.n_layer}, output head on the {plan.output_device} ({run})")
+        f" --head {plan.head}" if head_placed else "")
+    where = (f"{float(plan.head):.0%} of its rows on the GPU, the rest on the CPU" if plan.output_device == "GPU+CPU"
+             else f"on the {plan.output_device}")
+    out.print(f"GPU layers: [bold]{on_gpu}[/bold] of {plan.n_layer}, output head {where} ({run})")
     if moe:
         where = "in RAM (CPU)" if plan.experts == "cpu" else "with their layers"
         out.print(f"Routed experts: [bold]{where}[/bold]" + (

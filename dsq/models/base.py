@@ -61,7 +61,10 @@ class ModelArgs:
 
 
 def module_device(m: nn.Module) -> torch.device:
-    """Device of a module's first parameter or buffer (quantized modules hold buffers only)."""
+    """Device of a module's first parameter or buffer (quantized modules hold buffers only), or of
+    its output where it says (an output head split between devices: qmodules.RowSplitLinear)."""
+    if isinstance(getattr(m, "out_device", None), torch.device):
+        return m.out_device
     for t in m.parameters():
         return t.device
     for t in m.buffers():
@@ -594,7 +597,10 @@ class Transformer(nn.Module):
         if dev.type == "cpu" and x.device.type != "cpu" and not any(
                 p.dtype in (torch.float16, torch.bfloat16) for p in self.lm_head.parameters()):
             x = x.float()
-        logits = self.lm_head(x.to(dev))
+        return self.softcap(self.lm_head(x.to(dev)))
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's output capped as the architecture asks (final_logit_softcapping), else as is."""
         if self.args.final_logit_softcapping:
             c = self.args.final_logit_softcapping
             logits = torch.tanh(logits / c) * c

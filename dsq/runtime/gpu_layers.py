@@ -23,7 +23,7 @@ class NegativeGpuLayers(DsqError):
 class GpuLayers:
     n: int = 0  # the last n layers on the GPU (n > n_layer: the output head too); -1: all of it
     auto: bool = False  # to be fitted to the GPU's free memory by resolve()
-    head_gpu: bool | None = field(default=None, compare=False)  # the plan's head placement (auto, resolved)
+    head: str | None = field(default=None, compare=False)  # the plan's --head (auto, resolved): gpu, cpu or a share
     text: str = field(default="", compare=False, repr=False)  # as the user typed it
 
     NONE: ClassVar[GpuLayers]
@@ -76,7 +76,7 @@ class GpuLayers:
             plan = _plan_for(model, ctx, backend, experts)
             if plan is None:
                 return GpuLayers(0, text=self.text)
-            return GpuLayers(_layers_of(plan), text=self.text, head_gpu=plan.output_device == "GPU")
+            return GpuLayers(_layers_of(plan), text=self.text, head=plan.head)
         if model is not None and self.n > 0 and self.n > _n_layer(model):
             return GpuLayers(-1, text=self.text)
         return self
@@ -109,11 +109,24 @@ HEAD_PLACES = ("gpu", "cpu")
 
 
 def parse_head(value: str | None) -> str:
-    """--head: where a split model's output head runs, "gpu" (the default) or "cpu"."""
+    """--head: where a split model's output head runs: "gpu" (the default), "cpu", or the share of
+    its rows on the GPU, a number between 0 and 1 (the rest in RAM), returned as written ("0.6")."""
     head = (value or "gpu").strip().lower()
-    if head not in HEAD_PLACES:
-        raise DsqError(f"--head takes gpu or cpu, got {value!r}", "gpu reads it from VRAM; cpu leaves that VRAM free")
-    return head
+    if head in HEAD_PLACES:
+        return head
+    try:
+        share = float(head.rstrip("%")) / (100 if head.endswith("%") else 1)
+    except ValueError:
+        share = -1.0
+    if not 0 < share < 1:
+        raise DsqError(f"--head takes gpu, cpu or a share of its rows for the GPU between 0 and 1, got {value!r}",
+                       "gpu reads it from VRAM; cpu leaves that VRAM free; 0.6 puts 60% of its rows in VRAM")
+    return f"{share:g}"
+
+
+def head_share(head: str) -> float:
+    """The share of the output head's rows a parsed --head puts on the GPU of a split."""
+    return 1.0 if head == "gpu" else 0.0 if head == "cpu" else float(head)
 
 
 GpuLayers.NONE = GpuLayers(0, text="0")

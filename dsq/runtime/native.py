@@ -97,13 +97,23 @@ def _gpu_layers_part(model, x, start: int, slot, cache, pad):
     return model.model.norm(model.forward_layers(x, start, len(model.model.layers), slot, cache, pad)).float()
 
 
+def _gpu_rows_part(model, x, start: int, slot, cache, pad):
+    """The GPU part of a split model whose head is split by rows: layers start.., the final norm,
+    and the head's GPU rows; the normed hidden state in float32 (what the head's C kernels read)
+    and the GPU rows' logits, also in float32, which the CPU joins to its own."""
+    h = model.model.norm(model.forward_layers(x, start, len(model.model.layers), slot, cache, pad))
+    return h.float(), model.lm_head.gpu_rows(h).float()
+
+
 class _SplitStep:
     """The decode step of a model split between the CPU and one GPU: the embedding and the first
     `start` layers run eagerly on the CPU (the C kernels, float32), the rest of the layers, the
     final norm and the head are one CUDA graph (of the torch.compile'd part with `compile`). The
     hidden state crosses once per token, through pinned memory; the GPU's pad is copied only when
     it changes. A head in RAM (--head cpu) runs after the graph, on the CPU: the graph ends with the
-    final norm, and the normed hidden state comes back once more."""
+    final norm, and the normed hidden state comes back once more. A head split by rows (--head
+    0.6) runs its GPU rows at the graph's end; their logits come back with the hidden state, and the
+    CPU runs only the rest."""
 
     def __init__(self, model, cache, start: int, batch: int, compile_mode: str | None | bool = False):
         dev = torch.device("cuda")
@@ -117,14 +127,16 @@ class _SplitStep:
         from dsq.models.base import module_device
 
         self.head_on_cpu = module_device(model.lm_head).type == "cpu"
-        part = _gpu_layers_part if self.head_on_cpu else _gpu_part
+        self.head_rows = hasattr(model.lm_head, "gpu_rows")  # (qmodules.RowSplitLinear)
+        part = _gpu_rows_part if self.head_rows else _gpu_layers_part if self.head_on_cpu else _gpu_part
         if compile_mode is not False:
             # only the GPU part: the CPU layers compiled decoded slower on the H200 host's 16 cores
             # (docs/benchmarks.md#split-between-gpu-and-cpu)
             part = torch.compile(part, dynamic=False, mode=compile_mode)
         self.graph, self.out = _graphed(lambda: part(model, self.x, start, self.slot, cache, self.pad))
-        if self.head_on_cpu:  # the normed hidden state comes back through pinned memory
-            self.back = torch.empty(self.out.shape, dtype=self.out.dtype, pin_memory=True)
+        if self.head_on_cpu:  # the normed hidden state (and any GPU rows' logits) come back through pinned memory
+            outs = self.out if self.head_rows else (self.out,)
+            self.back = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in outs]
             self.back_ready = torch.cuda.Event()
 
     def __call__(self, tok: torch.Tensor, slot: int, pad: torch.Tensor) -> torch.Tensor:
@@ -139,10 +151,14 @@ class _SplitStep:
             self._pad_on_gpu = pad.clone()
         self.graph.replay()
         if self.head_on_cpu:
-            self.back.copy_(self.out, non_blocking=True)
+            outs = self.out if self.head_rows else (self.out,)
+            for b, o in zip(self.back, outs):
+                b.copy_(o, non_blocking=True)
             self.back_ready.record()
             self.back_ready.synchronize()
-            return self.model.logits(self.back)
+            if self.head_rows:
+                return self.model.softcap(self.model.lm_head.join(*self.back))
+            return self.model.logits(self.back[0])
         return self.out
 
 
@@ -213,7 +229,7 @@ class NativeModel:
         dt = parse_dtype(dtype, torch.bfloat16 if placed.n_gpu_layers != 0 else torch.float32)
         loader = load_gguf if kind == "gguf" else load_hf
         # the head: as asked, else where --gpu-layers auto's plan put it, else on the GPU with any layer
-        head = parse_head(head) if head is not None else "cpu" if placed.head_gpu is False else "gpu"
+        head = parse_head(head) if head is not None else placed.head or "gpu"
         model, config = loader(self.path, dt, placed, gpu, experts=self.experts, head=head)
         self._setup(model, config, _tokenizer(self.path, kind, config), ref=ref or ModelRef(kind, self.path),
                     n_ctx=n_ctx, gpu_layers=placed, kv_dtype=kv_dtype, seed=seed, cuda_graph=cuda_graph, fuse=fuse,

@@ -16,9 +16,9 @@ from torch import nn
 from dsq.errors import BadModelFile
 from dsq.models.base import Transformer, module_device
 from dsq.models.registry import arch_for_gguf, build_args
-from dsq.runtime.gpu_layers import GpuLayers
+from dsq.runtime.gpu_layers import GpuLayers, head_share
 from dsq.runtime.host_mapped import map_embedding
-from dsq.runtime.qmodules import GGUFEmbedding, GGUFLinear, prepare_kernels, set_module, to_device
+from dsq.runtime.qmodules import GGUFEmbedding, GGUFLinear, RowSplitLinear, prepare_kernels, set_module, to_device
 
 FLOAT_GGUF = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -42,14 +42,16 @@ def _check_shapes(model: nn.Module, sd: dict[str, torch.Tensor], where: str, sho
 def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None, each=None, head: str = "gpu") -> None:
     """Layers on their devices (GpuLayers.devices: llama.cpp's last N layers). The native runtime
     puts the output head on the GPU whenever any layer is there (head="gpu"; "cpu": where llama.cpp
-    puts it, on the GPU only with every layer there), and keeps the token embedding in
+    puts it, on the GPU only with every layer there; a share such as "0.6": that share of its rows
+    on the GPU at a split, the rest in RAM, qmodules.RowSplitLinear), and keeps the token embedding in
     RAM (one row a token): on the CPU in a split, host-mapped for the GPU with every layer there
     (runtime/host_mapped.py). The head is read every token, so it costs the most where memory is
     slowest (docs/benchmarks.md#split-between-gpu-and-cpu). CPU layers of a split model
     compute in float32, the C kernels' dtype. `each(layer)` runs on each layer once it is in place."""
     per, head_on = gpu_layers.devices(model.args.num_hidden_layers, gpu)
     split = gpu is not None and gpu in per and torch.device("cpu") in per
-    if gpu is not None and gpu in per and (head == "gpu" or not split):
+    share = head_share(head) if split else 0.0  # of the head's rows, on the GPU
+    if gpu is not None and gpu in per and (share == 1 or not split):
         head_on = gpu
     head = head_on
     for i, (layer, dev) in enumerate(zip(model.model.layers, per)):
@@ -72,6 +74,8 @@ def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None, 
 
         model.lm_head = copy.deepcopy(model.lm_head)
     model.lm_head = to_device(model.lm_head, head)
+    if 0 < share < 1:  # --head 0.6: that share of its rows in VRAM, the rest in RAM
+        model.lm_head = RowSplitLinear.split(model.lm_head, share, gpu, model.dtype)
 
 
 STACK_ON = ("cuda",)  # the devices whose routed experts loading stacks (experts.stack_experts)

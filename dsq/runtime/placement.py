@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dsq.errors import DsqError
-from dsq.runtime.gpu_layers import GpuLayers
+from dsq.runtime.gpu_layers import GpuLayers, head_share
 from dsq.runtime.machine import Bandwidths, GpuInfo, detect_gpu, machine_bandwidths
 from dsq.runtime.model_shape import ModelShape, load_shape
 
@@ -119,6 +119,7 @@ class Plan:
     bandwidth_source: str = ""
     experts: str = "gpu"  # the routed experts with their layers ("gpu"), or all in RAM ("cpu")
     expert_bytes_cpu: int = 0  # routed experts held in RAM
+    head: str = "gpu"  # the native backend's --head for it: "gpu", "cpu", or the share of its rows in VRAM
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -132,12 +133,16 @@ def _kv_len(ctx: int, swa: bool, window: int, n_ubatch: int = 512, swa_full: boo
 
 @dataclass(frozen=True)
 class _Option:
-    """One placement: per layer on the GPU?, the output head (both backends keep the token
-    embedding in RAM)."""
+    """One placement: per layer on the GPU?, the output head's share of rows on the GPU (1: all
+    of it; native splits also a share, the rest in RAM); both backends keep the token embedding in RAM."""
 
     n: int  # the backend's --gpu-layers count for it
     on_gpu: tuple[bool, ...]
-    head_gpu: bool
+    head: float
+
+    @property
+    def head_gpu(self) -> bool:
+        return self.head == 1.0
 
     @property
     def split(self) -> bool:
@@ -149,20 +154,25 @@ def _option(shape: ModelShape, backend: str, n: int) -> _Option:
     """The placement `--gpu-layers n` makes on `backend` (n counted as GpuLayers.count counts)."""
     if backend == "llama.cpp":
         on, head = GpuLayers(n).split(shape.n_layer)
-        return _Option(n, tuple(on), head)
+        return _Option(n, tuple(on), float(head))
     k = min(n, shape.n_layer)
     on = tuple(i >= shape.n_layer - k for i in range(shape.n_layer))
-    return _Option(k, on, k > 0)
+    return _Option(k, on, float(k > 0))
 
 
 def _options(shape: ModelShape, backend: str) -> list[_Option]:
     """Every placement the backend can make, from nothing on the GPU to everything; native also
-    each split with its head in RAM (--head cpu)."""
+    each split with its head in RAM (--head cpu) or a share of its rows in VRAM (HEAD_SHARES)."""
     top = shape.n_layer + 1 if backend == "llama.cpp" else shape.n_layer
     opts = [_option(shape, backend, n) for n in range(top + 1)]
     if backend == "native":
-        opts += [_Option(o.n, o.on_gpu, False) for o in opts if 0 < o.n < shape.n_layer]
+        opts += [_Option(o.n, o.on_gpu, h) for o in opts if 0 < o.n < shape.n_layer for h in (0.0, *HEAD_SHARES)]
     return opts
+
+
+# the shares of a split's head rows the planner weighs for VRAM left over by whole layers: tenths,
+# finer than one 8B layer (~0.3 of its Q6_K head) (docs/benchmarks.md#split-between-gpu-and-cpu)
+HEAD_SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 class _Costs:
@@ -217,14 +227,14 @@ class _Costs:
         s = self.shape
         layers = sum(w - self.experts[i] + self.layer_kv(i, True) for i, w in enumerate(self.weights)
                      if opt.on_gpu[i])
-        head = s.output_bytes if opt.head_gpu else 0
+        head = round(s.output_bytes * opt.head)
         return layers + head + self.compute_gpu(opt) + self.reserve
 
     def cpu_bytes(self, opt: _Option) -> int:
         s = self.shape
         layers = sum(w + self.layer_kv(i, False) for i, w in enumerate(self.cpu_weights) if not opt.on_gpu[i])
         layers += sum(e for i, e in enumerate(self.experts) if opt.on_gpu[i])
-        head = s.output_bytes if not opt.head_gpu and not s.tied else 0
+        head = 0 if s.tied else s.output_bytes - round(s.output_bytes * opt.head)
         return layers + head + s.embed_bytes + s.misc_bytes + self.compute_cpu
 
     def per_token(self, opt: _Option) -> tuple[int, int]:
@@ -239,11 +249,8 @@ class _Costs:
                 cpu += self._expert_read(i)
             else:
                 cpu += self.cpu_read[i] + self.kv_read[i] * el["CPU"]
-        if opt.head_gpu:
-            gpu += s.output_bytes
-        else:
-            cpu += s.output_bytes
-        return gpu, cpu + s.misc_bytes
+        on = round(s.output_bytes * opt.head)
+        return gpu + on, cpu + s.output_bytes - on + s.misc_bytes
 
     def seconds(self, opt: _Option, bw: Bandwidths) -> float:
         """Predicted seconds per decoded token."""
@@ -292,7 +299,7 @@ def _choose(costs: _Costs, options: list[_Option], vram: int, bw: Bandwidths) ->
     fits = [o for o in options if costs.gpu_bytes(o) <= vram]
     if costs.backend == "llama.cpp":
         return max(fits, key=lambda o: o.n)
-    return min(fits, key=lambda o: (costs.seconds(o, bw), o.n, not o.head_gpu))
+    return min(fits, key=lambda o: (costs.seconds(o, bw), o.n, -o.head))
 
 
 def _bandwidths(cpu_bw: float | None, gpu_bw: float | None, vram: int, notes: list[str]) -> Bandwidths:
@@ -319,8 +326,8 @@ def plan_placement(model: str | Path | ModelShape, vram: int, ctx: int = 4096, r
     bandwidths: the machine's figures (default: machine_bandwidths, with gpu_bw / cpu_bw first).
     experts: "gpu" (the routed experts with their layers), "cpu" (all in RAM: native only), or
     "auto" (native: of the two, the faster predicted placement that fits).
-    head: with a given native split, "cpu" keeps the output head in RAM (--head cpu); choosing, the
-    plan weighs both.
+    head: with a given native split, "cpu" keeps the output head in RAM (--head cpu), a share such
+    as "0.6" that share of its rows in VRAM; choosing, the plan weighs all of them.
     """
     shape = load_shape(model)
     if ctx < 1:
@@ -344,8 +351,8 @@ def plan_placement(model: str | Path | ModelShape, vram: int, ctx: int = 4096, r
             opt = _choose(costs, _options(shape, backend), vram, bw)
         else:
             opt = _option(shape, backend, given.count(shape.n_layer))
-            if head == "cpu" and backend == "native" and 0 < opt.n < shape.n_layer:
-                opt = _Option(opt.n, opt.on_gpu, False)
+            if head not in (None, "gpu") and backend == "native" and 0 < opt.n < shape.n_layer:
+                opt = _Option(opt.n, opt.on_gpu, head_share(head))
         picked.append((costs.gpu_bytes(opt) > vram, costs.seconds(opt, bw), kind, costs, opt))
     _, _, kind, costs, opt = min(picked, key=lambda p: p[:2])  # one that fits, then the fastest
     plan = _plan(shape, costs, opt, bw, vram, ctx, ram, notes, chosen=given is None or given.auto)
@@ -375,12 +382,13 @@ def _plan(shape: ModelShape, costs: _Costs, opt: _Option, bw: Bandwidths, vram: 
                      f"layers; a token reads {shape.n_expert_used} of {shape.n_expert} in each")
     everything = all(opt.on_gpu) and opt.head_gpu
     return Plan(shape.name, ctx, vram, ram, opt.n, shape.n_layer, layers, shape.output_bytes,
-                "GPU" if opt.head_gpu else "CPU", shape.embed_bytes, costs.compute_gpu(opt) if gpu_total else 0,
+                "GPU" if opt.head_gpu else "CPU" if not opt.head else "GPU+CPU", shape.embed_bytes, costs.compute_gpu(opt) if gpu_total else 0,
                 costs.compute_cpu, gpu_total, cpu_total, bw.gpu, bw.cpu, tok_gpu, tok_cpu,
                 1.0 / t_roof if t_roof else 0.0, 1.0 / t_pred if t_pred else 0.0, fits_ram, notes,
                 backend=costs.backend, gpu_layers_arg="all" if everything else str(opt.n),
                 min_gpu_bytes=min_gpu,
-                split_overhead_s=costs.overhead(opt, bw), bandwidth_source=bw.source)
+                split_overhead_s=costs.overhead(opt, bw), bandwidth_source=bw.source,
+                head="gpu" if opt.head_gpu else "cpu" if not opt.head else f"{opt.head:g}")
 
 
 def _plan_notes(opt: _Option, vram: int, gpu_total: int, min_gpu: int, fits_ram: bool | None, chosen: bool,

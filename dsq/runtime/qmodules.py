@@ -58,6 +58,14 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.qtype}, in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
+    def rows(self, start: int, stop: int) -> GGUFLinear:
+        """Rows start..stop as a module of their own (a copy: this one's blocks can then be freed)."""
+        part = GGUFLinear(self.qtype, self.in_features, stop - start, bias=False, device="meta")
+        part.raw = self.raw[start:stop].clone()
+        if self.bias is not None:
+            part.bias = nn.Parameter(self.bias[start:stop].clone(), requires_grad=False)
+        return part
+
 
 class GGUFEmbedding(nn.Module):
     """Embedding rows kept as GGUF blocks; looked-up rows are dequantized."""
@@ -230,6 +238,61 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.source}, in={self.in_features}, out={self.out_features}"
+
+
+class RowSplitLinear(nn.Module):
+    """An output head split by rows between a GPU and the CPU (--head 0.6 at a split): the first
+    rows in VRAM, run by the GPU's kernels, the rest in RAM, run by the C kernels, the outputs
+    joined in RAM, where sampling reads them. A split's captured decode step runs the GPU rows in
+    its graph and only the CPU rows after it (runtime/native.py _SplitStep); this forward serves
+    every other call (prompts, eager steps)."""
+
+    out_device = torch.device("cpu")  # where its output is (models.base.module_device)
+
+    def __init__(self, gpu_rows: nn.Module, cpu_rows: nn.Module, gpu: torch.device, gpu_dtype: torch.dtype):
+        super().__init__()
+        self.gpu_rows, self.cpu_rows, self.gpu, self.gpu_dtype = gpu_rows, cpu_rows, gpu, gpu_dtype
+        self.in_features = cpu_rows.in_features
+        self.out_features = gpu_rows.out_features + cpu_rows.out_features
+
+    @classmethod
+    def split(cls, head: nn.Module, share: float, gpu: torch.device, gpu_dtype: torch.dtype) -> RowSplitLinear:
+        """`head` (GGUF blocks or a float weight, in RAM) with `share` of its rows moved to `gpu`;
+        the count is rounded to 128 rows (a GEMV tile) and keeps at least one row on each side."""
+        n = head.out_features
+        k = min(n - 1, max(1, round(share * n / 128) * 128))
+        if isinstance(head, GGUFLinear):
+            top, rest = head.rows(0, k), head.rows(k, n)
+        elif type(head) is nn.Linear:
+            top, rest = _linear_rows(head, 0, k).to(gpu_dtype), _linear_rows(head, k, n)
+        else:
+            from dsq.errors import DsqError
+
+            raise DsqError(f"--head with a share of rows takes a GGUF or 16-bit head, not {type(head).__name__}",
+                           "pass --head gpu or --head cpu")
+        return cls(to_device(top, gpu).to(gpu), rest, gpu, gpu_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top = self.gpu_rows(x.to(self.gpu, self.gpu_dtype))
+        return self.join(x, top.cpu())
+
+    def join(self, x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        """The whole output from x (any device) and the GPU rows' output `top`, already in RAM."""
+        w = next(iter(self.cpu_rows.parameters()), None)
+        dt = w.dtype if w is not None and w.is_floating_point() else torch.float32
+        rest = self.cpu_rows(x.to("cpu", dt))
+        return torch.cat([top.to(rest.dtype), rest], -1)
+
+    def extra_repr(self) -> str:
+        return f"gpu rows={self.gpu_rows.out_features}, cpu rows={self.cpu_rows.out_features}"
+
+
+def _linear_rows(m: nn.Linear, start: int, stop: int) -> nn.Linear:
+    part = nn.Linear(m.in_features, stop - start, bias=m.bias is not None, device="meta")
+    part.weight = nn.Parameter(m.weight[start:stop].clone(), requires_grad=False)
+    if m.bias is not None:
+        part.bias = nn.Parameter(m.bias[start:stop].clone(), requires_grad=False)
+    return part
 
 
 def _unpermute(w: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
