@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
 
-    from dsq.bench.metrics import PeakMemory, gpu_used_bytes, release_memory
+    from dsq.bench.metrics import PeakMemory, cuda_context_bytes, gpu_used_bytes, release_memory
     from dsq.bench.runner import _generate, bench_ctx, bench_prompt
     from dsq.runtime.engine import load
     from dsq.runtime.generate import GenStats
@@ -97,6 +97,7 @@ def main(argv=None) -> None:
     heads = heads * len(splits) if len(heads) == 1 else heads
     greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
     results = []
+    cuda_context_bytes()  # the CUDA context made before the first baseline, as dsq bench does: no split counts it
     for split, head in zip(splits, heads):
         ngl = "99" if split == "all" else split
         opts = {k: v for k, v in (("head", head), ("experts", a.experts)) if v}
