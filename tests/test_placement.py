@@ -299,7 +299,8 @@ def test_calibrate_command_keeps_the_figures(runner, tmp_path, monkeypatch):
 
 def test_offload_command_places_the_head(runner, tiny_gguf):
     """dsq offload -b native: a given split with --head cpu plans the head in RAM and says so in
-    the command it suggests; without it the head is on the GPU with the layers."""
+    the command it suggests; --head 0.4 plans that share of its rows in VRAM, between the two;
+    without either the head is on the GPU with the layers."""
     import json
 
     from dsq.cli import app
@@ -307,12 +308,16 @@ def test_offload_command_places_the_head(runner, tiny_gguf):
     path = str(tiny_gguf("llama", "Q8_0"))
     bw = ["--gpu-bw", "1000", "--cpu-bw", "20", "--vram", "1G"]
     plans = {}
-    for head in ([], ["--head", "cpu"]):
-        r = runner.invoke(app, ["offload", path, "-b", "native", "-g", "1", "--json", *bw, *head])
+    for head in ("gpu", "cpu", "0.4"):
+        r = runner.invoke(app, ["offload", path, "-b", "native", "-g", "1", "--json", *bw, "--head", head])
         assert r.exit_code == 0, r.output
-        plans[bool(head)] = json.loads(r.stdout)
-    assert plans[False]["output_device"] == "GPU" and plans[True]["output_device"] == "CPU"
-    assert plans[True]["gpu_total_bytes"] < plans[False]["gpu_total_bytes"]
-    assert plans[True]["bytes_per_token_cpu"] > plans[False]["bytes_per_token_cpu"]
-    r = runner.invoke(app, ["offload", path, "-b", "native", "-g", "1", "--head", "cpu", *bw])
-    assert r.exit_code == 0 and "--gpu-layers 1 --head cpu" in r.stdout.replace("\n", " "), r.output
+        plans[head] = json.loads(r.stdout)
+    assert [plans[h]["output_device"] for h in ("gpu", "cpu", "0.4")] == ["GPU", "CPU", "GPU+CPU"]
+    assert plans["cpu"]["gpu_total_bytes"] < plans["0.4"]["gpu_total_bytes"] < plans["gpu"]["gpu_total_bytes"]
+    on_gpu = plans["0.4"]["gpu_total_bytes"] - plans["cpu"]["gpu_total_bytes"]
+    assert on_gpu == pytest.approx(0.4 * plans["cpu"]["output_bytes"], abs=1)
+    assert plans["cpu"]["bytes_per_token_cpu"] > plans["0.4"]["bytes_per_token_cpu"] > plans["gpu"]["bytes_per_token_cpu"]
+    for head, said in (("cpu", "--head cpu"), ("0.4", "--head 0.4")):
+        r = runner.invoke(app, ["offload", path, "-b", "native", "-g", "1", "--head", head, *bw])
+        assert r.exit_code == 0 and f"--gpu-layers 1 {said}" in r.stdout.replace("\n", " "), r.output
+    assert "40% of its rows on the GPU" in r.stdout.replace("\n", " ")
