@@ -121,12 +121,17 @@ def parse_head(value: str | None) -> str:
     if not 0 < share < 1:
         raise DsqError(f"--head takes gpu, cpu or a share of its rows for the GPU between 0 and 1, got {value!r}",
                        "gpu reads it from VRAM; cpu leaves that VRAM free; 0.6 puts 60% of its rows in VRAM")
-    return f"{share:g}"
+    return head_arg(share)
 
 
 def head_share(head: str) -> float:
     """The share of the output head's rows a parsed --head puts on the GPU of a split."""
     return 1.0 if head == "gpu" else 0.0 if head == "cpu" else float(head)
+
+
+def head_arg(share: float) -> str:
+    """The --head that puts `share` of the head's rows on the GPU (head_share's inverse)."""
+    return "gpu" if share == 1 else "cpu" if share == 0 else f"{share:g}"
 
 
 GpuLayers.NONE = GpuLayers(0, text="0")

@@ -134,9 +134,9 @@ class _SplitStep:
             # (docs/benchmarks.md#split-between-gpu-and-cpu)
             part = torch.compile(part, dynamic=False, mode=compile_mode)
         self.graph, self.out = _graphed(lambda: part(model, self.x, start, self.slot, cache, self.pad))
+        self.outs = self.out if self.head_rows else (self.out,)
         if self.head_on_cpu:  # the normed hidden state (and any GPU rows' logits) come back through pinned memory
-            outs = self.out if self.head_rows else (self.out,)
-            self.back = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in outs]
+            self.back = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in self.outs]
             self.back_ready = torch.cuda.Event()
 
     def __call__(self, tok: torch.Tensor, slot: int, pad: torch.Tensor) -> torch.Tensor:
@@ -151,8 +151,7 @@ class _SplitStep:
             self._pad_on_gpu = pad.clone()
         self.graph.replay()
         if self.head_on_cpu:
-            outs = self.out if self.head_rows else (self.out,)
-            for b, o in zip(self.back, outs):
+            for b, o in zip(self.back, self.outs):
                 b.copy_(o, non_blocking=True)
             self.back_ready.record()
             self.back_ready.synchronize()

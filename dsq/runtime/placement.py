@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dsq.errors import DsqError
-from dsq.runtime.gpu_layers import GpuLayers, head_share
+from dsq.runtime.gpu_layers import GpuLayers, head_arg, head_share
 from dsq.runtime.machine import Bandwidths, GpuInfo, detect_gpu, machine_bandwidths
 from dsq.runtime.model_shape import ModelShape, load_shape
 
@@ -388,7 +388,7 @@ def _plan(shape: ModelShape, costs: _Costs, opt: _Option, bw: Bandwidths, vram: 
                 backend=costs.backend, gpu_layers_arg="all" if everything else str(opt.n),
                 min_gpu_bytes=min_gpu,
                 split_overhead_s=costs.overhead(opt, bw), bandwidth_source=bw.source,
-                head="gpu" if opt.head_gpu else "cpu" if not opt.head else f"{opt.head:g}")
+                head=head_arg(opt.head))
 
 
 def _plan_notes(opt: _Option, vram: int, gpu_total: int, min_gpu: int, fits_ram: bool | None, chosen: bool,

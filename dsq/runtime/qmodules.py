@@ -252,6 +252,8 @@ class RowSplitLinear(nn.Module):
     def __init__(self, gpu_rows: nn.Module, cpu_rows: nn.Module, gpu: torch.device, gpu_dtype: torch.dtype):
         super().__init__()
         self.gpu_rows, self.cpu_rows, self.gpu, self.gpu_dtype = gpu_rows, cpu_rows, gpu, gpu_dtype
+        w = next(iter(cpu_rows.parameters()), None)  # what the CPU rows read: a float head's dtype, else float32
+        self.cpu_dtype = w.dtype if w is not None and w.is_floating_point() else torch.float32
         self.in_features = cpu_rows.in_features
         self.out_features = gpu_rows.out_features + cpu_rows.out_features
 
@@ -278,9 +280,7 @@ class RowSplitLinear(nn.Module):
 
     def join(self, x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
         """The whole output from x (any device) and the GPU rows' output `top`, already in RAM."""
-        w = next(iter(self.cpu_rows.parameters()), None)
-        dt = w.dtype if w is not None and w.is_floating_point() else torch.float32
-        rest = self.cpu_rows(x.to("cpu", dt))
+        rest = self.cpu_rows(x.to("cpu", self.cpu_dtype))
         return torch.cat([top.to(rest.dtype), rest], -1)
 
     def extra_repr(self) -> str:
