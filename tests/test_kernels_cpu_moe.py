@@ -113,6 +113,27 @@ def test_moe_experts_threads_split_across_experts():
         torch.testing.assert_close(cpu.moe_experts(x, ids, w, g, u, d, qtypes, threads=t), one, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("isa", BUILDS)
+def test_moe_experts_take_the_callers_int8_tiles(isa):
+    """A thread's choice of the int8 tiles at M > 1 (set_int8_rows, as a generation's prefill makes
+    it) reaches the pool threads that run the call's units: the experts with several rows round x
+    as the same gguf_linear calls on the calling thread do, whichever thread ran them."""
+    rng = np.random.default_rng()
+    qtypes = ("Q4_K", "Q4_K", "Q6_K")
+    g, u, d = _experts(qtypes, 8, 512, 256, rng)
+    x = torch.randn(19, 512) * 0.1
+    ids, w = _choices(19, 8, 3, rng)
+    lib = cpu.load(isa)
+    cpu.set_int8_rows(True, lib=lib)
+    try:
+        same = _per_expert(x, ids, w, g, u, d, qtypes, lib)
+        ys = [cpu.moe_experts(x, ids, w, g, u, d, qtypes, threads=t, lib=lib) for t in (1, 4)]
+    finally:
+        cpu.set_int8_rows(False, lib=lib)
+    for y in ys:
+        assert float((y - same).abs().max()) <= 1e-5 * float(same.abs().max())
+
+
 def test_moe_experts_bad_input():
     rng = np.random.default_rng()
     qtypes = ("Q8_0", "Q8_0", "Q8_0")
