@@ -97,10 +97,11 @@ def test_a_head_of_another_format_is_refused():
 
 @pytest.mark.parametrize("qtype", ["Q6_K", "Q8_0", "Q4_K", "Q5_K", "Q4_0", "Q5_0"])
 def test_the_planners_bytes_for_a_share_are_the_packed_rows(qtype, monkeypatch):
-    """The planner counts a head share's VRAM as that share of the file's bytes (placement.Costs);
+    """The planner counts a head share's VRAM as that share of the file's bytes (head_gpu_bytes);
     the GPU rows as packed for its kernels hold that within 3% (the K-quants' scales unpacked to a
     byte each: +2.8% for Q4_K), never a dequantized copy."""
     from dsq.kernels import dispatch
+    from dsq.runtime.placement import head_gpu_bytes
     from dsq.runtime.qmodules import RowSplitLinear
 
     head = _gguf_head(qtype, 1024, 512)
@@ -108,5 +109,5 @@ def test_the_planners_bytes_for_a_share_are_the_packed_rows(qtype, monkeypatch):
     gpu = RowSplitLinear.split(head, 0.5, torch.device("cpu"), torch.float32).gpu_rows
     assert gpu.out_features == 512
     packed = sum(t.numel() * t.element_size() for t in [*gpu.parameters(), *gpu.buffers()])
-    planned = round(head.raw.numel() * head.raw.element_size() * 0.5)
+    planned = head_gpu_bytes(head.raw.numel() * head.raw.element_size(), 0.5)
     assert planned <= packed <= 1.03 * planned

@@ -175,6 +175,12 @@ def _options(shape: ModelShape, backend: str) -> list[_Option]:
 HEAD_SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
+def head_gpu_bytes(output_bytes: int, share: float) -> int:
+    """The planner's bytes for `share` of the output head's rows on the GPU: that share of the file's
+    bytes (the packed rows hold it within 3%: tests/test_head_rows.py)."""
+    return round(output_bytes * share)
+
+
 class _Costs:
     """Bytes one model at one context needs on each device, and reads per token, on one backend."""
 
@@ -227,14 +233,13 @@ class _Costs:
         s = self.shape
         layers = sum(w - self.experts[i] + self.layer_kv(i, True) for i, w in enumerate(self.weights)
                      if opt.on_gpu[i])
-        head = round(s.output_bytes * opt.head)
-        return layers + head + self.compute_gpu(opt) + self.reserve
+        return layers + head_gpu_bytes(s.output_bytes, opt.head) + self.compute_gpu(opt) + self.reserve
 
     def cpu_bytes(self, opt: _Option) -> int:
         s = self.shape
         layers = sum(w + self.layer_kv(i, False) for i, w in enumerate(self.cpu_weights) if not opt.on_gpu[i])
         layers += sum(e for i, e in enumerate(self.experts) if opt.on_gpu[i])
-        head = 0 if s.tied else s.output_bytes - round(s.output_bytes * opt.head)
+        head = 0 if s.tied else s.output_bytes - head_gpu_bytes(s.output_bytes, opt.head)
         return layers + head + s.embed_bytes + s.misc_bytes + self.compute_cpu
 
     def per_token(self, opt: _Option) -> tuple[int, int]:
@@ -249,7 +254,7 @@ class _Costs:
                 cpu += self._expert_read(i)
             else:
                 cpu += self.cpu_read[i] + self.kv_read[i] * el["CPU"]
-        on = round(s.output_bytes * opt.head)
+        on = head_gpu_bytes(s.output_bytes, opt.head)
         return gpu + on, cpu + s.output_bytes - on + s.misc_bytes
 
     def seconds(self, opt: _Option, bw: Bandwidths) -> float:
