@@ -5,6 +5,8 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,6 +23,45 @@ def test_kernels_import_as_dsq_kernels():
     import dsq.kernels.dispatch as d
 
     assert Path(d.__file__).parent == ROOT / "kernels"
+
+
+def _from_the_root(code: str) -> str:
+    """What `python -c code` prints when run from the repository root (which puts the root, and so
+    this kernels/ folder, first on sys.path, as `python -m pytest` does)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_import_kernels_from_the_root_is_pypis():
+    """From the repository root, `import kernels` is PyPI's package (transformers imports it), not
+    this kernels/ folder, which stays dsq.kernels."""
+    import importlib.metadata
+
+    try:
+        dist = importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("PyPI's kernels is not installed (the next test covers its absence)")
+    pypi = Path(dist.locate_file("kernels/__init__.py")).resolve()
+    out = _from_the_root("import sys, kernels, dsq.kernels.dispatch as d\n"
+                         "print(kernels.__file__); print(sys.modules['kernels'].__file__); print(d.__file__)")
+    assert out.splitlines() == [str(pypi), str(pypi), str(ROOT / "kernels" / "dispatch.py")]
+
+
+def test_transformers_imports_from_the_root():
+    pytest.importorskip("transformers")
+    assert _from_the_root("from transformers import LlamaForCausalLM; print('imported')") == "imported"
+
+
+def test_import_kernels_from_the_root_without_pypis_fails_as_without_the_folder():
+    out = _from_the_root("import sys\n"
+                         "sys.path = [p for p in sys.path if 'site-packages' not in p and 'dist-packages' not in p]\n"
+                         "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n"
+                         "    print(e.name, 'kernels' in sys.modules)")
+    assert out == "kernels False"
 
 
 def test_wheel_holds_no_probes_or_device_plans(tmp_path):
