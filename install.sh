@@ -6,6 +6,7 @@
 #   --with-qemu               with --dev on x86-64: also apt-get install an aarch64 cross compiler and
 #                             qemu (as root), for the NEON kernel test, without asking
 #   --no-apt                  never run apt-get (the NEON kernel test then skips)
+#   --rebuild-llama           build llama-cpp-python again even where the installed one would do
 #                             (DSQ_INSTALL_APT=yes or =no in the environment says the same)
 #   -h, --help                this text
 #
@@ -42,9 +43,9 @@ build_progress() {
   while IFS= read -r line; do
     printf '%s\n' "$line" >>"$log"
     done=""
-    if [[ "$line" =~ ^\[[[:space:]]*([0-9]+)/([0-9]+)\] ]]; then
+    if [[ "$line" =~ ^[[:space:]]*\[[[:space:]]*([0-9]+)/([0-9]+)\] ]]; then
       tenth=$((10 * BASH_REMATCH[1] / BASH_REMATCH[2])) done="${BASH_REMATCH[1]} of ${BASH_REMATCH[2]} steps"
-    elif [[ "$line" =~ ^\[[[:space:]]*([0-9]+)%\] ]]; then
+    elif [[ "$line" =~ ^[[:space:]]*\[[[:space:]]*([0-9]+)%\] ]]; then
       tenth=$((BASH_REMATCH[1] / 10)) done="${BASH_REMATCH[1]}%"
     fi
     if [ -n "$done" ]; then
@@ -112,38 +113,91 @@ install_torch() {
   fi
 }
 
+# cpu_cmake_args: llama.cpp's CPU code for this CPU's instruction sets, named one by one (no
+# -march=native, which would also turn on the AMX path that crashes)
+cpu_cmake_args() {
+  [ "$(uname -m)" = "x86_64" ] || return 0
+  local flags f on args="-DGGML_NATIVE=OFF"
+  flags=" $(grep -m1 -w '^flags' /proc/cpuinfo 2>/dev/null) "
+  for f in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx512f:AVX512; do
+    on=OFF; [[ "$flags" == *" ${f%%:*} "* ]] && on=ON
+    args="$args -DGGML_${f#*:}=$on"
+  done
+  echo "$args -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+}
+
 llama_cmake_args() {
   if have_gpu && command -v nvcc >/dev/null 2>&1; then
-    echo "-DGGML_CUDA=on -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL"
-  elif [ "$(uname -m)" = "x86_64" ]; then
-    local avx512=OFF
-    grep -qw avx512f /proc/cpuinfo 2>/dev/null && avx512=ON
-    echo "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=$avx512"
+    echo "-DGGML_CUDA=on -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL $(cpu_cmake_args)"
+  else
+    cpu_cmake_args
   fi
 }
 
+# llama_build: what the installed llama-cpp-python was compiled with ("" when it does not import):
+# its CPU features as llama.cpp lists them, and whether it offloads to a GPU
+llama_build() {
+  "$PY" - 2>/dev/null <<'PY' || true
+import llama_cpp
+info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+cpu = [kv.split("=")[0].replace("CPU :", "").strip() for kv in info.split("|") if kv.strip().endswith("= 1")]
+gpu = "GPU offload" if llama_cpp.llama_supports_gpu_offload() else "no GPU offload"
+print(f"llama-cpp-python {llama_cpp.__version__}: {' '.join(cpu)}; {gpu}")
+PY
+}
+
+# llama_build_fits BUILD: whether an installed build is one this script would have made: no AMX,
+# and GPU offload where this machine can build it
+llama_build_fits() {
+  [[ "$1" != *AMX* ]] || return 1
+  if have_gpu && command -v nvcc >/dev/null 2>&1; then [[ "$1" == *"; GPU offload"* ]] || return 1; fi
+  return 0
+}
+
 install_llama_cpp() {
-  "$PY" -c "import llama_cpp" >/dev/null 2>&1 && return 0
+  local built log="${TMPDIR:-/tmp}/dsq-llama-cpp-build.log" start=$SECONDS why="" force=()
+  built=$(llama_build)
+  if [ -n "$built" ]; then
+    if [ "$REBUILD_LLAMA" != yes ] && llama_build_fits "$built"; then
+      say "keeping the installed $built (./install.sh --rebuild-llama builds it again)"
+      return 0
+    fi
+    why="replacing $built"; force=(--force-reinstall --no-deps)
+    [ "$REBUILD_LLAMA" = yes ] || why="$why (not built by install.sh: AMX, or no GPU offload on a GPU machine)"
+    say "$why"
+  fi
   export CMAKE_ARGS="${CMAKE_ARGS:-$(llama_cmake_args)}"
-  local log="${TMPDIR:-/tmp}/dsq-llama-cpp-build.log" start=$SECONDS
-  say "building llama-cpp-python (about 3 minutes on two idle cores, up to 30 on a busy machine;"
+  say "building llama-cpp-python from source (about 3 minutes on two idle cores, up to 30 on a busy machine;"
   say "  CMAKE_ARGS=${CMAKE_ARGS}; full log: $log)"
-  if ! pipi -v "llama-cpp-python>=0.3.8" 2>&1 | build_progress "$log"; then
+  # --no-binary and no cache: a wheel pip built before, or one from an index, was compiled with
+  # other flags (seen: a cached wheel with the AMX path on)
+  if ! pipi -v --no-cache-dir --no-binary llama-cpp-python ${force[@]+"${force[@]}"} "llama-cpp-python>=0.3.8" 2>&1 |
+       build_progress "$log"; then
     tail -n 30 "$log"
     say "building llama-cpp-python failed after $(elapsed $((SECONDS - start))); the full log is $log"
     exit 1
   fi
-  say "built llama-cpp-python in $(elapsed $((SECONDS - start)))"
+  built=$(llama_build)
+  if ! grep -q -E "Building wheel for llama-cpp-python|Created wheel for llama-cpp-python" "$log"; then
+    say "error: pip installed llama-cpp-python without building it (see $log)"
+    exit 1
+  fi
+  say "built ${built:-llama-cpp-python} in $(elapsed $((SECONDS - start)))"
+  if [ -z "$CMAKE_ARGS_GIVEN" ] && ! llama_build_fits "$built"; then
+    say "error: the build does not have the flags asked for (CMAKE_ARGS above); the full log is $log"
+    exit 1
+  fi
 }
 
 main() {
   local extra="" a
-  APT=${DSQ_INSTALL_APT:-ask}
+  APT=${DSQ_INSTALL_APT:-ask} REBUILD_LLAMA=no CMAKE_ARGS_GIVEN=${CMAKE_ARGS:-}
   for a in "$@"; do
     case "$a" in
       --dev) extra="[dev]" ;;
       --with-qemu) APT=yes ;;
       --no-apt) APT=no ;;
+      --rebuild-llama) REBUILD_LLAMA=yes ;;
       -h|--help) usage; return 0 ;;
       *) echo "install.sh: unknown option $a (see ./install.sh --help)" >&2; return 2 ;;
     esac

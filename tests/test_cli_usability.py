@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -345,6 +346,61 @@ def test_install_sh_build_progress(tmp_path):
     assert p.returncode == 0 and len(lines) == 11, p.stdout  # the first step, then each tenth
     assert lines[-1].startswith("install.sh:   compiling llama.cpp: 50 of 50 steps (")
     assert len(log.read_text().splitlines()) == 51  # the whole log is kept
+
+
+def _install_llama(tmp_path, installed: str, *, rebuild: str = "no", builds: str = "llama-cpp-python 0.3.36: AVX2; no GPU offload"):
+    """install_llama_cpp with llama-cpp-python reported as `installed` ("" for none) and pip stood in
+    for: the pip arguments it got (or None if it ran no pip), and what install.sh printed."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    calls = tmp_path / "pip-args"
+    p = _bash(f"""PY=python3 REBUILD_LLAMA={rebuild} CMAKE_ARGS_GIVEN= TMPDIR={tmp_path}
+        have_gpu() {{ return 1; }}
+        state={tmp_path}/state; printf '%s' {shlex.quote(installed)} > $state
+        llama_build() {{ cat $state; }}
+        pipi() {{ echo "$@" > {calls}; echo 'Building wheel for llama-cpp-python (pyproject.toml)';
+                  echo '[1/2] cc a.c'; echo '[2/2] cc b.c'; printf '%s' {shlex.quote(builds)} > $state; }}
+        install_llama_cpp""")
+    assert p.returncode == 0 or "error:" in p.stdout, p.stdout + p.stderr
+    return (calls.read_text().split() if calls.exists() else None), p
+
+
+def test_install_sh_builds_llama_cpp_from_source_every_time(tmp_path):
+    """No wheel from pip's cache or an index (a cached one had the AMX path on): --no-binary and no
+    cache, and it says what it built."""
+    args, p = _install_llama(tmp_path, "")
+    assert "--no-binary" in args and args[args.index("--no-binary") + 1] == "llama-cpp-python"
+    assert "--no-cache-dir" in args and "--force-reinstall" not in args
+    assert "built llama-cpp-python 0.3.36: AVX2; no GPU offload in " in p.stdout
+    assert "-DGGML_AMX_INT8=OFF" in p.stdout or not _x86()
+
+
+def _x86() -> bool:
+    import platform
+
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+def test_install_sh_keeps_its_own_build_and_replaces_another(tmp_path):
+    args, p = _install_llama(tmp_path / "a", "llama-cpp-python 0.3.36: AVX2 AVX512; no GPU offload")
+    assert args is None and "keeping the installed llama-cpp-python 0.3.36" in p.stdout
+    args, p = _install_llama(tmp_path / "b", "llama-cpp-python 0.3.36: AVX2 AVX512 AMX_INT8; no GPU offload")
+    assert "--force-reinstall" in args and "replacing llama-cpp-python 0.3.36" in p.stdout and "AMX" in p.stdout
+    args, p = _install_llama(tmp_path / "c", "llama-cpp-python 0.3.36: AVX2; no GPU offload", rebuild="yes")
+    assert "--force-reinstall" in args and "--no-binary" in args
+    # a build that still has AMX after building (flags that did not apply) is an error, not a success
+    args, p = _install_llama(tmp_path / "d", "", builds="llama-cpp-python 0.3.36: AVX2 AMX_INT8; no GPU offload")
+    assert p.returncode == 1 and "does not have the flags asked for" in p.stdout
+
+
+def test_install_sh_cpu_flags_name_each_instruction_set():
+    if not _x86():
+        pytest.skip("x86-64 flags")
+    p = _bash("cpu_cmake_args")
+    flags = dict(a.removeprefix("-D").split("=") for a in p.stdout.split())
+    assert flags["GGML_NATIVE"] == "OFF" and flags["GGML_AMX_INT8"] == "OFF" and flags["GGML_AMX_TILE"] == "OFF"
+    cpu = open("/proc/cpuinfo").read().split()
+    assert flags["GGML_AVX2"] == ("ON" if "avx2" in cpu else "OFF")
+    assert flags["GGML_AVX512"] == ("ON" if "avx512f" in cpu else "OFF")
 
 
 def test_install_sh_does_not_run_apt_without_asking():
