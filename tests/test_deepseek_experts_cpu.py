@@ -47,17 +47,25 @@ def test_cpu_experts_equal_the_all_in_one_model(kind, qtype, tiny_gguf):
     assert whole.experts == "gpu" and split.experts == "cpu"
     moes = [layer.mlp for layer in split.model.model.layers if isinstance(layer.mlp, MoE)]
     assert moes and all(isinstance(m.experts, CPURoutedExperts) for m in moes)
-    # the stacked blocks are the file's (memory-mapped) tensor, not a copy
-    from dsq.runtime.experts import _stacked
-
-    raws = [e.down_proj.raw for e in whole.model.model.layers[-1].mlp.experts]
-    stacked = _stacked(raws)
-    assert all(stacked[i].data_ptr() == r.data_ptr() and torch.equal(stacked[i], r) for i, r in enumerate(raws))
-    assert _stacked([r.clone() for r in raws]).data_ptr() != raws[0].data_ptr()  # scattered: copied
     a, b = whole.logits(IDS), split.logits(IDS)
     assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
     # decode through the cache: the same greedy tokens
     assert _greedy(whole) == _greedy(split)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stacked_experts_are_the_files_memory(kind, tiny_gguf, monkeypatch):
+    """In RAM, the experts' stacked blocks are the file's (memory-mapped) tensor, not a copy. The
+    all-in-one model is loaded on the CPU for this (on a GPU machine it would go to the GPU)."""
+    from dsq.runtime.experts import _stacked
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    whole = _load(tiny_gguf(kind, "Q4_K_M"), "gpu")
+    raws = [e.down_proj.raw for e in whole.model.model.layers[-1].mlp.experts]
+    assert raws[0].device.type == "cpu"
+    stacked = _stacked(raws)
+    assert all(stacked[i].data_ptr() == r.data_ptr() and torch.equal(stacked[i], r) for i, r in enumerate(raws))
+    assert _stacked([r.clone() for r in raws]).data_ptr() != raws[0].data_ptr()  # scattered: copied
 
 
 def test_queued_call_on_a_stand_in_stream(tiny_gguf, monkeypatch):
