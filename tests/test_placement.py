@@ -321,3 +321,54 @@ def test_offload_command_places_the_head(runner, tiny_gguf):
         r = runner.invoke(app, ["offload", path, "-b", "native", "-g", "1", "--head", head, *bw])
         assert r.exit_code == 0 and f"--gpu-layers 1 {said}" in r.stdout.replace("\n", " "), r.output
     assert "40% of its rows on the GPU" in r.stdout.replace("\n", " ")
+
+
+@pytest.mark.parametrize("n, head", [(0, "gpu"), (1, "cpu"), (8, "0.1"), (16, "0.3"), (24, "0.6"), (32, "gpu")])
+def test_a_split_takes_the_head_rows_its_vram_margin_holds(n, head):
+    """--gpu-layers N without --head: the share of the head's rows that fits in 10% of the N layers'
+    bytes, less what dsq's split takes beyond llama.cpp's with the head in RAM; the head whole where
+    nothing is split."""
+    from dsq.runtime.gpu_layers import head_share
+    from dsq.runtime.placement import SPLIT_BASE_EXTRA, SPLIT_VRAM_MARGIN, head_gpu_bytes, split_head
+
+    shape = llama3_8b_q4_k_m()
+    assert split_head(shape, n, 4096) == head
+    if 0 < n < shape.n_layer:
+        layers = n * sum(shape.layers[0].values())
+        room = SPLIT_VRAM_MARGIN * layers - SPLIT_BASE_EXTRA
+        share = head_share(head)
+        assert share == 0 or head_gpu_bytes(shape.output_bytes, share) <= room  # within the margin
+        if share < max(HEAD_SHARES):  # and the next tenth would not be
+            assert head_gpu_bytes(shape.output_bytes, share + 0.1) > room
+
+
+def test_a_split_head_fits_the_free_vram():
+    from dsq.runtime.placement import split_head
+
+    shape = llama3_8b_q4_k_m()
+    assert split_head(shape, 24, 4096, free_vram=64 * GiB) == "0.6"
+    assert split_head(shape, 24, 4096, free_vram=1 * GiB) == "cpu"  # not even the layers fit: no rows either
+
+
+def test_the_native_default_head_at_a_split_is_the_planners(monkeypatch, tiny_gguf):
+    """NativeModel without --head: at a split on a GPU the planner's share, with the GPU's free memory;
+    without a split, or without a GPU, the head whole (where its layers are)."""
+    import torch
+
+    from dsq.runtime import native
+    from dsq.runtime.gpu_layers import GpuLayers
+
+    path = tiny_gguf("llama", "Q8_0")
+    seen = {}
+
+    def free(dev):
+        seen["dev"] = dev
+        return 10 * GiB, 80 * GiB
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", free)
+    monkeypatch.setattr("dsq.runtime.placement.split_head", lambda m, n, ctx, free_vram: f"{n}:{ctx}:{free_vram}")
+    gpu = torch.device("cuda")
+    assert native._split_head(path, GpuLayers(1), 256, gpu) == f"1:256:{10 * GiB}" and seen["dev"] == gpu
+    assert native._split_head(path, GpuLayers(1), 256, None) == "gpu"
+    assert native._split_head(path, GpuLayers.ALL, 256, gpu) == "gpu"
+    assert native._split_head(path, GpuLayers(0), 256, gpu) == "gpu"

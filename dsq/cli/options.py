@@ -37,9 +37,10 @@ Experts = Annotated[str, typer.Option(
     "auto: the faster placement that fits the free VRAM.")]
 Head = Annotated[Optional[str], typer.Option(
     "--head", help="native backend, a model split between the GPU and the CPU: where the output head runs. "
-    "gpu (the default; with --gpu-layers auto, the plan's choice): in VRAM, read fastest every token; cpu: in "
-    "RAM, as llama.cpp places it unless every layer is on the GPU, leaving its VRAM (~0.4 GB on an 8B) to "
-    "layers; a share such as 0.6: that share of its rows in VRAM, the rest in RAM.", show_default=False)]
+    "gpu: in VRAM, read fastest every token; cpu: in RAM, as llama.cpp places it unless every layer is on the "
+    "GPU, leaving its VRAM (~0.4 GB on an 8B) to layers; a share such as 0.6: that share of its rows in VRAM, "
+    "the rest in RAM. Default: with --gpu-layers auto the plan's choice; with N layers the share that 10% of "
+    "their VRAM holds (the VRAM of llama.cpp's -ngl N + 10%).", show_default=False)]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
 Backend = Annotated[str, typer.Option(
     "--backend", "-b", help="llama.cpp, native (dsq's torch engine), or auto: llama.cpp, and native for AWQ / "

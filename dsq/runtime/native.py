@@ -203,6 +203,17 @@ class _CompiledStep:
         return self.fn(self.model, tok, slots, cache, pad, kv_len)
 
 
+def _split_head(model: Path | None, placed: GpuLayers, n_ctx: int, gpu) -> str:
+    """The default --head of a model split between the GPU and the CPU (placement.split_head), with
+    the GPU's free memory; "gpu" for a model that is not split or whose shape cannot be read."""
+    if gpu is None or model is None or placed.n_gpu_layers <= 0:
+        return "gpu"
+    from dsq.runtime.placement import split_head
+
+    free, _ = torch.cuda.mem_get_info(gpu)
+    return split_head(model, placed.n_gpu_layers, n_ctx, free)
+
+
 class NativeModel:
     backend = "native"
 
@@ -227,8 +238,9 @@ class NativeModel:
         placed = asked.resolve(file, n_ctx, experts=self.experts).on(gpu)
         dt = parse_dtype(dtype, torch.bfloat16 if placed.n_gpu_layers != 0 else torch.float32)
         loader = load_gguf if kind == "gguf" else load_hf
-        # the head: as asked, else where --gpu-layers auto's plan put it, else on the GPU with any layer
-        head = parse_head(head) if head is not None else placed.head or "gpu"
+        # the head: as asked, else where --gpu-layers auto's plan put it, else at a split the share
+        # of its rows that the VRAM of llama.cpp's placement leaves (placement.split_head)
+        head = parse_head(head) if head is not None else placed.head or _split_head(shape_of, placed, n_ctx, gpu)
         model, config = loader(self.path, dt, placed, gpu, experts=self.experts, head=head)
         self._setup(model, config, _tokenizer(self.path, kind, config), ref=ref or ModelRef(kind, self.path),
                     n_ctx=n_ctx, gpu_layers=placed, kv_dtype=kv_dtype, seed=seed, cuda_graph=cuda_graph, fuse=fuse,

@@ -181,6 +181,35 @@ def head_gpu_bytes(output_bytes: int, share: float) -> int:
     return round(output_bytes * share)
 
 
+# How much more VRAM than llama.cpp's at the same --gpu-layers a native split may take by default,
+# as a share of its layers' bytes, spent on the output head's most-read rows; and what dsq's split
+# takes beyond llama.cpp's with the head in RAM (+38..60 MiB measured on the 8B at 8-24 layers), off
+# that margin first (docs/benchmarks.md#does-a-split-beat-llamacpp-and-at-what-vram)
+SPLIT_VRAM_MARGIN = 0.10
+SPLIT_BASE_EXTRA = 64 * MiB
+
+
+def split_head(model: str | Path | ModelShape, n: int, ctx: int, free_vram: int | None = None) -> str:
+    """The --head a native split of the last `n` layers takes when none is asked for: the largest
+    share of the output head's rows (tenths, HEAD_SHARES) that fits in SPLIT_VRAM_MARGIN of those
+    layers' bytes less SPLIT_BASE_EXTRA, and in `free_vram` by the plan's count; "gpu" where the
+    model is not split. --gpu-layers N asks for the VRAM of N layers as llama.cpp places them (its
+    head stays in RAM below all): the head's rows, read every token, are the fastest use of the
+    margin (a head in RAM is ~20% of an 8B split's token)."""
+    shape = load_shape(model)
+    if not 0 < n < shape.n_layer or not shape.output_bytes or shape.tied:
+        return "gpu"
+    on = _option(shape, "native", n).on_gpu
+    layers = sum(sum(t.values()) for t, g in zip(shape.layers, on) if g)
+    room = SPLIT_VRAM_MARGIN * layers - SPLIT_BASE_EXTRA
+    native = _Costs(shape, ctx, "native", 512, True, None, GPU_RESERVE)
+    for share in sorted(HEAD_SHARES, reverse=True):
+        fits = free_vram is None or native.gpu_bytes(_Option(n, on, share)) <= free_vram
+        if head_gpu_bytes(shape.output_bytes, share) <= room and fits:
+            return head_arg(share)
+    return "cpu"
+
+
 class _Costs:
     """Bytes one model at one context needs on each device, and reads per token, on one backend."""
 
