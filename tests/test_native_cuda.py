@@ -74,8 +74,12 @@ def test_split_model_matches_the_cpu_one(qtype, tiny_gguf):
 
     path = tiny_gguf("llama", qtype)
     cpu = NativeModel(path, "gguf", n_ctx=256, gpu_layers=0)
-    split = NativeModel(path, "gguf", n_ctx=256, gpu_layers=1)
-    eager = NativeModel(path, "gguf", n_ctx=256, gpu_layers=1, cuda_graph=False)
+    split = NativeModel(path, "gguf", n_ctx=256, gpu_layers=1, head="gpu")
+    eager = NativeModel(path, "gguf", n_ctx=256, gpu_layers=1, cuda_graph=False, head="gpu")
+    from dsq.runtime.placement import split_head
+
+    default = NativeModel(path, "gguf", n_ctx=256, gpu_layers=1)  # without --head: the planner's share
+    assert split_head(path, 1, 256) == "cpu" and default.head_device.type == "cpu"
     assert [d.type for d in split.model.layer_devices()] == ["cpu", "cuda"] and split.head_device.type == "cuda"
     assert split.model.layer_dtypes() == [torch.float32, torch.bfloat16]
     assert [k.dtype for k in split.cache.k] == [torch.float32, torch.bfloat16]
@@ -142,11 +146,11 @@ def test_streamed_prefill_matches_the_gpu_layers(qtype, gpu_layers, tiny_gguf, m
 
     path = tiny_gguf("llama", qtype)
     gpu = _prefill_two_chunks(NativeModel(path, "gguf", n_ctx=256, gpu_layers=-1, cuda_graph=False))
-    m = NativeModel(path, "gguf", n_ctx=256, gpu_layers=gpu_layers)
+    m = NativeModel(path, "gguf", n_ctx=256, gpu_layers=gpu_layers, head="gpu")
     assert m._streamed is not None and m._streamed.pinned
     streamed = _prefill_two_chunks(m)
     monkeypatch.setattr(native, "STREAM_MIN_ROWS", 0)
-    cpu_kernels = _prefill_two_chunks(NativeModel(path, "gguf", n_ctx=256, gpu_layers=gpu_layers))
+    cpu_kernels = _prefill_two_chunks(NativeModel(path, "gguf", n_ctx=256, gpu_layers=gpu_layers, head="gpu"))
     for got, same, near in zip(streamed, gpu, cpu_kernels):
         assert _rel(got, same) < (1e-3 if gpu_layers else 2e-2)  # at 0 the head runs on the CPU in float32
         assert _rel(got, near) < 5e-2
