@@ -35,7 +35,7 @@ def test_every_round_times_both_and_the_ratios_divide_the_runs(tiny_gguf, tmp_pa
     assert row["prefill"]["llama-bench"] == 50.0
     printed = capsys.readouterr().out
     assert "round 3/3" in printed and "| 0 | cpu | 5.00 |" in printed  # the head as placed: in RAM here
-    assert row["head"] == "gpu" and row["dsq_vram_mib"] is None  # (no GPU here)
+    assert row["head"] == "cpu" and row["dsq_vram_mib"] is None  # (no GPU here)
 
 
 def test_one_head_per_split_or_one_for_all(tiny_gguf, tmp_path):
