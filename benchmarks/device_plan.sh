@@ -11,14 +11,16 @@
 #   bash benchmarks/device_plan.sh 3   # DeepSeek-V2-Lite, experts on the GPU and in RAM, against llama-bench
 #                                      # (-ot exps=CPU); then dsq serve against llama-server at 32 concurrent (~8 min)
 #
-# Each part writes $OUT/partN.json and $OUT/partN.md (benchmarks/device_tables.py) and its log. The same
+# Each part writes $OUT/partN.json and $OUT/partN.md (benchmarks/device_tables.py) and its raw records
+# in $OUT/partN-raw.tgz. The same
 # threads for both engines (THREADS, default the machine's physical cores); llama-bench with flash
 # attention (-fa 1), as dsq bench's llama.cpp backend runs it on a GPU. Every step has its own time limit
 # so that one overrun cannot eat the rest.
 set -uo pipefail
 PART=${1:?usage: device_plan.sh 1|2|3}
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
-R=$OUT/raw; mkdir -p "$R"
+R=/tmp/dsq-raw; rm -rf "$R"; mkdir -p "$R"  # the raw records, back as $OUT/partN-raw.tgz (8 files come back)
+trap 'tar czf "$OUT/part$PART-raw.tgz" -C "$R" . 2>/dev/null' EXIT
 source benchmarks/h200_setup.sh  # setup_python, llama_bins
 START=$SECONDS
 log() { echo "[$((SECONDS - START))s] $*"; }
@@ -75,6 +77,9 @@ if [ "$PART" = 2 ]; then
   log "calibrated"
   race qwen2-7b /tmp/q7b.gguf
   race llama3-8b /tmp/r8b.gguf
+  # where an all-GPU prefill's time goes (the top CUDA kernels of one 512-token chunk)
+  timeout 60 python3 -m benchmarks.gpu_prefill /tmp/q7b.gguf --tokens 512 > "$R/prefill_profile_q7b.txt" 2>&1
+  log "prefill profile"
   python3 -m benchmarks.device_tables race "$R" --out "$OUT/part2"
   log "done"
   exit 0
