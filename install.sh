@@ -14,7 +14,7 @@
 # (saying how to get it) when there is no terminal to ask on.
 #
 # How long: PyTorch and the rest download in a minute or two. llama-cpp-python is compiled here:
-# about 3 minutes on two idle cores, and it took 30 on a busy two-core machine; its progress is
+# about 7 minutes on two idle cores, and it took 30 on a busy two-core machine; its progress is
 # shown as it builds (the full log goes to a file, named when the build fails). The test suite
 # (`python3 -m pytest -q`) then takes about 20 minutes on two cores.
 #
@@ -167,7 +167,7 @@ install_llama_cpp() {
     say "$why"
   fi
   export CMAKE_ARGS="${CMAKE_ARGS:-$(llama_cmake_args)}"
-  say "building llama-cpp-python from source (about 3 minutes on two idle cores, up to 30 on a busy machine;"
+  say "building llama-cpp-python from source (about 7 minutes on two idle cores, up to 30 on a busy machine;"
   say "  CMAKE_ARGS=${CMAKE_ARGS}; full log: $log)"
   # --no-binary and no cache: a wheel pip built before, or one from an index, was compiled with
   # other flags (seen: a cached wheel with the AMX path on)

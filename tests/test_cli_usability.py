@@ -332,7 +332,7 @@ def test_install_sh_flags_and_durations():
     p = subprocess.run(["bash", str(ROOT / "install.sh"), "--help"], capture_output=True, text=True)
     assert p.returncode == 0 and "--with-qemu" in p.stdout and "--no-apt" in p.stdout
     suite = re.search(r"test suite then takes about (\d+) minutes", (ROOT / "README.md").read_text()).group(1)
-    assert "about 3 minutes on two idle cores" in p.stdout and f"about {suite} minutes" in p.stdout  # as the README
+    assert "about 7 minutes on two idle cores" in p.stdout and f"about {suite} minutes" in p.stdout  # as the README
     p = subprocess.run(["bash", str(ROOT / "install.sh"), "--bogus"], capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0
     assert "DSQ_INSTALL_APT=yes" in (ROOT / ".ci" / "run").read_text()  # CI installs them unattended
