@@ -245,7 +245,10 @@ def test_no_hub_to_reach(runner, hub, monkeypatch):
     monkeypatch.setattr(constants, "ENDPOINT", dead)
     r = _pull(runner, HF)
     assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.output
-    assert "cannot reach" in r.stderr or "connection" in r.stderr
+    assert r.stderr.startswith("error: the connection to http://127.0.0.1:9 failed while fetching "
+                                                   "tiny-org/tiny-llama"), r.stderr
+    r = runner.invoke(app, ["run", "models/tiny", "-p", "x"])  # a mistyped local path, or a repo: both tried
+    assert r.exit_code == 1 and r.stderr.startswith("error: no local path models/tiny, and the connection"), r.output
 
 
 def test_cache_lists_and_removes_pulled_repos(runner, hub):

@@ -32,6 +32,10 @@ class RepoNotFound(ModelNotFound):
         self.repo, self.detail = repo, detail
 
 
+class HubUnreachable(DsqError):
+    pass
+
+
 @dataclass(frozen=True)
 class RepoId:
     repo: str
@@ -214,8 +218,8 @@ class _hub_errors:
             if self.offline:
                 return ModelNotFound(f"{_OFFLINE_NOTE}, and it has no complete {_at(repo, rev)}",
                                      f"unset HF_HUB_OFFLINE to download it (or `dsq pull {self.rid}` while online)")
-            return DsqError(f"cannot reach {constants.ENDPOINT} to fetch {repo}, and the Hugging Face cache has no "
-                            "complete copy", "check the network connection and run again")
+            return HubUnreachable(f"cannot reach {constants.ENDPOINT} to fetch {repo}, and the Hugging Face cache "
+                                  "has no complete copy", "check the network connection and run again")
         if isinstance(e, EntryNotFoundError):
             return ModelNotFound(f"{repo} changed while it was fetched: a file it listed is gone", "run again")
         if isinstance(e, HfHubHTTPError):
@@ -225,7 +229,7 @@ class _hub_errors:
                             "free some space (or point HF_HOME at a larger disk) and run again: finished files are "
                             "kept")
         if _is_network_error(e):
-            return DsqError(f"the connection to {constants.ENDPOINT} failed while fetching {repo}: "
+            return HubUnreachable(f"the connection to {constants.ENDPOINT} failed while fetching {repo}: "
                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}",
                             "check the network and run again: finished files are kept")
         return None

@@ -55,13 +55,15 @@ def resolve_model(model: str | Path | None, console=None, revision: str | None =
 
 
 def _from_hub(rid, revision: str | None, console) -> ModelRef:
-    from dsq.runtime.hub import RepoNotFound, fetch
+    from dsq.runtime.hub import HubUnreachable, RepoNotFound, fetch
 
     try:
         path = fetch(rid, revision, console)
     except RepoNotFound as e:  # neither: say both were tried
         raise ModelNotFound(f"{rid} is neither a local path (none here) nor a Hugging Face repo{e.detail}",
                             e.hint) from None
+    except HubUnreachable as e:
+        raise HubUnreachable(f"no local path {rid}, and {e.message}", e.hint) from None
     return ModelRef("gguf" if path.suffix == ".gguf" else "hf", path, repo=str(rid))
 
 
