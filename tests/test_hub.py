@@ -107,6 +107,18 @@ def test_run_by_repo_id_matches_the_local_file(runner, hub, tiny_gguf):
     assert json.loads(r.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
 
 
+@pytest.mark.parametrize("argv, stdin", [
+    (["chat", "-n", "2", "-t", "0"], "Hello\n/exit\n"),
+    (["offload", "--vram", "1G", "--json"], None),
+    (["bench", "--prompt-tokens", "8", "--gen-tokens", "2", "--repeat", "1", "--no-warmup"], None),
+    (["eval", "--ctx", "32", "--max-tokens", "64", "--json"], None),
+])
+def test_every_command_takes_a_repo_id_and_revision(runner, hub, argv, stdin):
+    r = runner.invoke(app, [argv[0], f"{GGUF}:F16", "--revision", "main", *argv[1:]], input=stdin)
+    assert r.exit_code == 0, r.output
+    assert hub.gets("tiny-F16.gguf")  # fetched from the Hub
+
+
 def test_quantize_and_convert_from_a_repo_id(runner, hub, tmp_path, monkeypatch):
     from dsq.formats.gguf_file import GGUFFile
 
