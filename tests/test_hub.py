@@ -78,6 +78,33 @@ def test_repo_ids_parse():
         assert parse_repo_id(not_an_id) is None, not_an_id
 
 
+def test_which_files_a_repo_id_picks():
+    from dsq.errors import DsqError
+    from dsq.runtime.hub import parse_repo_id, pick_files
+
+    unsloth = [".gitattributes", "README.md", "DeepSeek-R1-UD-IQ1_S.gguf", "config.json",
+               *(f"Q4_K_M/DeepSeek-R1-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)),
+               "UD-Q2_K_XL/DeepSeek-R1-UD-Q2_K_XL-00001-of-00002.gguf",
+               "UD-Q2_K_XL/DeepSeek-R1-UD-Q2_K_XL-00002-of-00002.gguf"]
+    assert pick_files(parse_repo_id("u/R1-GGUF:q4_k_m"), unsloth) == (
+        "gguf", [f"Q4_K_M/DeepSeek-R1-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)])
+    assert pick_files(parse_repo_id("u/R1-GGUF:UD-Q2_K_XL"), unsloth)[1][0].endswith("Q2_K_XL-00001-of-00002.gguf")
+    assert pick_files(parse_repo_id("u/R1-GGUF:IQ1_S"), unsloth) == ("gguf", ["DeepSeek-R1-UD-IQ1_S.gguf"])
+    assert pick_files(parse_repo_id("u/R1-GGUF:Q2_K_XL"), unsloth)[1][1].endswith("Q2_K_XL-00002-of-00002.gguf")
+    with pytest.raises(DsqError) as e:
+        pick_files(parse_repo_id("u/R1-GGUF:Q8_0"), unsloth)
+    assert e.value.one_line() == "u/R1-GGUF has no Q8_0 GGUF. It has: IQ1_S, Q2_K_XL, Q4_K_M"
+    with pytest.raises(DsqError, match="lacks its part"):
+        pick_files(parse_repo_id("u/R1-GGUF:Q4_K_M"), unsloth[:-3])
+    with pytest.raises(DsqError):  # Q4_K is not Q4_K_M
+        pick_files(parse_repo_id("u/R1-GGUF:Q4_K"), unsloth)
+    hf = ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+          "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+          "pytorch_model.bin", "modeling_deepseek.py", "original/model.safetensors", "figures/x.png"]
+    assert pick_files(parse_repo_id("d/R1"), hf) == ("hf", sorted(set(hf) - {
+        "pytorch_model.bin", "modeling_deepseek.py", "original/model.safetensors", "figures/x.png"}))
+
+
 def test_pull_hf_model_fetches_only_safetensors_config_and_tokenizer(runner, hub, tiny_dir):
     r = _pull(runner, HF)
     assert r.exit_code == 0, r.output
@@ -167,8 +194,10 @@ def test_a_cut_connection_resumes_where_it_stopped(runner, hub, tiny_gguf, monke
 
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 500)  # bytes are kept a whole chunk at a time
     hub.cut_after("tiny-F16.gguf", 1000)
+    monkeypatch.delenv("DSQ_QUIET", raising=False)  # progress, as lines into a pipe
     r = _pull(runner, f"{GGUF}:F16")
     assert r.exit_code == 0, r.output
+    assert "downloading tiny-org/tiny-GGUF/tiny-F16.gguf ..." in r.stderr and "2.5 MiB" in r.stderr, r.stderr
     assert Path(r.stdout.strip()).read_bytes() == tiny_gguf("qwen2", "F16").read_bytes()
     gets = hub.gets("tiny-F16.gguf")
     assert len(gets) == 2 and "range" not in gets[0] and gets[1]["range"] == "bytes=1000-"
@@ -188,9 +217,7 @@ def test_bad_repo_ids_say_one_line(runner, hub, model, says):
         r = runner.invoke(app, argv)
         assert r.exit_code == 1, r.output
         assert r.stderr.startswith(f"error: {says}") and r.stderr.count("\n") == 1, r.stderr
-    assert not (hub.home / f"models--{model.split(':')[0].replace('/', '--')}" / "snapshots").exists() or \
-        not _snapshot_files(hub, model.split(":")[0].rsplit("/", 1)[0] if model.endswith(".gguf") else
-                            model.split(":")[0])
+    assert not list(hub.home.glob("models--*/snapshots/*/*"))  # nothing fetched
 
 
 def test_a_missing_repo(runner, hub):
@@ -202,8 +229,13 @@ def test_a_missing_repo(runner, hub):
     assert r.exit_code == 1 and r.stderr.startswith("error: no Hugging Face repo nobody/nothing"), r.output
 
 
-def test_gated_repo_with_a_token(runner, hub, monkeypatch):
-    monkeypatch.setenv("HF_TOKEN", hub.token)
+@pytest.mark.parametrize("where", ["HF_TOKEN", "hf auth login"])
+def test_gated_repo_with_a_token(runner, hub, monkeypatch, where):
+    if where == "HF_TOKEN":
+        monkeypatch.setenv("HF_TOKEN", hub.token)
+    else:  # the file `hf auth login` writes
+        hub.home.parent.mkdir()
+        (hub.home.parent / "token").write_text(hub.token)
     r = _pull(runner, "tiny-org/gated")
     assert r.exit_code == 0, r.output
     assert Path(r.stdout.strip()).name == "tiny-F16.gguf"

@@ -60,7 +60,7 @@ def fetch(rid: RepoId, revision: str | None = None, console=None) -> Path:
 
     Files download one after another in this thread, so that Ctrl-C stops at once; a file appears
     in the cache only once whole, and a rerun fetches only those still missing."""
-    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub import constants
 
     offline = constants.is_offline_mode()
     with _hub_errors(rid, revision, offline):
@@ -72,12 +72,58 @@ def fetch(rid: RepoId, revision: str | None = None, console=None) -> Path:
                 console.print(f"[dim]{_OFFLINE_NOTE}[/dim]", highlight=False)
         else:
             kind, files = pick_files(rid, _listing(rid, revision))
-            paths = [Path(hf_hub_download(rid.repo, f, revision=revision)) for f in files]
+            paths = _download(rid, files, revision, console)
     if kind == "gguf":
         return paths[0]
     folder = paths[0].parent
     _check_shards(rid, folder)
     return folder
+
+
+def _download(rid: RepoId, files: list[str], revision: str | None, console) -> list[Path]:
+    """Each file into the cache (a cached one at once), with dsq's progress bars: bars on a
+    terminal, lines in a pipe or a log."""
+    from huggingface_hub import hf_hub_download
+
+    from dsq import __version__
+    from dsq.ui import console as stderr_console, progress_bar
+
+    with progress_bar(console or stderr_console(), in_bytes=True) as bar:
+        return [Path(hf_hub_download(rid.repo, f, revision=revision, library_name="dsq", library_version=__version__,
+                                     tqdm_class=_bar_for(bar, f"downloading {rid.repo}/{f}")))
+                for f in files]
+
+
+def _bar_for(bar, description: str):
+    """A tqdm-like class for huggingface_hub to report one file's bytes into `bar` (dsq.ui's
+    progress_bar): it builds one when the file's download starts."""
+
+    class FileBar:
+        def __init__(self, *_, total=None, initial=0, **__):
+            self.n = initial or 0
+            self.task = bar.add_task(description, total=total)
+            bar.update(self.task, completed=self.n)
+
+        def update(self, n=1) -> None:
+            self.n += n or 0
+            bar.update(self.task, completed=self.n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+        def refresh(self, *_, **__) -> None:
+            pass
+
+        def set_postfix_str(self, *_, **__) -> None:
+            pass
+
+    return FileBar
 
 
 def _listing(rid: RepoId, revision: str | None) -> list[str]:
@@ -130,7 +176,8 @@ def pick_files(rid: RepoId, names: list[str]) -> tuple[str, list[str]]:
         if not ggufs:
             raise BadModelFile(f"{rid.repo} has no GGUF files, so no quant {rid.quant}",
                                f"drop :{rid.quant} to fetch its HF model directory")
-        hits = [g for g in ggufs if rid.quant.upper() in _quants_of(g)]
+        tag = re.compile(rf"(?:^|[-._]){re.escape(rid.quant)}(?=[-.]|$)", re.IGNORECASE)  # Q4_K is not Q4_K_M
+        hits = [g for g in ggufs if tag.search(PurePosixPath(g).name)]
         if not hits:
             raise ModelNotFound(f"{rid.repo} has no {rid.quant} GGUF",
                                 f"it has: {', '.join(available_quants(ggufs)) or ', '.join(ggufs)}")
