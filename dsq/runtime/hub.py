@@ -60,9 +60,7 @@ def fetch(rid: RepoId, revision: str | None = None, console=None) -> Path:
 
     Files download one after another in this thread, so that Ctrl-C stops at once; a file appears
     in the cache only once whole, and a rerun fetches only those still missing."""
-    from huggingface_hub import constants
-
-    offline = constants.is_offline_mode()
+    offline = _offline()
     with _hub_errors(rid, revision, offline):
         if offline:
             folder, names = _cached_listing(rid, revision)
@@ -126,6 +124,12 @@ def _bar_for(bar, description: str):
     return FileBar
 
 
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return constants.is_offline_mode()
+
+
 def _listing(rid: RepoId, revision: str | None) -> list[str]:
     from huggingface_hub import HfApi
 
@@ -159,8 +163,10 @@ def _check_shards(rid: RepoId, folder: Path) -> None:
     shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
     missing = [s for s in shards if not (folder / s).is_file()]
     if missing:
-        raise ModelNotFound(f"the cached copy of {rid.repo} lacks {missing[0]}",
-                            "unset HF_HUB_OFFLINE and run again to finish its download")
+        raise ModelNotFound(f"{rid.repo}: its safetensors index names {missing[0]}, which is not in the "
+                            f"{'cached copy' if _offline() else 'repo'}",
+                            "unset HF_HUB_OFFLINE and run again to finish its download" if _offline()
+                            else "pick a revision whose files are complete (--revision)")
 
 
 def pick_files(rid: RepoId, names: list[str]) -> tuple[str, list[str]]:
