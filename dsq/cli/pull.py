@@ -20,10 +20,10 @@ def pull(
                                               "org/name/file.gguf (a GGUF repo).", show_default=False)],
     revision: Revision = None,
 ) -> None:
-    """Download a model from the Hugging Face Hub into its cache (shared with transformers and the
-    rest) and print where it is, without running it.
+    """Download a model from the Hugging Face Hub and print where it is, without running it.
 
-    Only what dsq loads is fetched: safetensors, config and tokenizer files, or the GGUF file(s)
+    It goes into the Hugging Face cache (HF_HOME, else ~/.cache/huggingface; shared with
+    transformers and the rest), where every command finds it by the same repo id. Only what dsq loads is fetched: safetensors, config and tokenizer files, or the GGUF file(s)
     of one quant (every part of a split GGUF); never pickled weights or code. The token comes from
     HF_TOKEN or `hf auth login`; HF_ENDPOINT picks the Hub; HF_HUB_OFFLINE=1 uses the cache only.
     An interrupted download resumes when run again. `dsq cache` lists what was pulled.
