@@ -448,9 +448,15 @@ def test_random_gguf_qwen2_shape(runner, tmp_path):
     assert r.exit_code == 0, r.output
 
 
-def test_recipe_needs_its_model(runner, tmp_path, monkeypatch):
+def test_recipe_without_model_offline_and_uncached(runner, tmp_path, monkeypatch):
+    """A recipe given no MODEL fetches the repo it names (tests/test_hub.py); offline, with the
+    repo not in the Hugging Face cache, it says so and writes nothing."""
+    from huggingface_hub import constants
+
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     one_line_error(runner.invoke(app, ["quantize", "--recipe", "r1-distill-qwen-32b"]),
-                   "recipe r1-distill-qwen-32b is for deepseek-ai/DeepSeek-R1-Distill-Qwen-32B",
-                   "./DeepSeek-R1-Distill-Qwen-32B")
+                   "HF_HUB_OFFLINE=1: using the Hugging Face cache only, and it holds no cached copy of "
+                   "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "Unset HF_HUB_OFFLINE")
     assert listing(tmp_path) == []

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dsq.cli.common import app
-from dsq.cli import bench, cache, chat, convert, eval, offload, quantize, run, serve  # noqa: F401  (registers commands)
+from dsq.cli import bench, cache, chat, convert, eval, offload, pull, quantize, run, serve  # noqa: F401  (registers commands)
 
 
 def main() -> None:

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Compile, Dtype, Experts, Force, Head, KvDtype, ModelArg, Threads, backend_options
+from dsq.cli.options import (Compile, Dtype, Experts, Force, Head, KvDtype, ModelArg, Revision, Threads,
+                             backend_options)
 
 
 @command("bench", examples=[
@@ -61,6 +62,7 @@ def bench(
     same_prompts: Annotated[bool, typer.Option(
         "--same-prompts/--fresh-prompts", help="With --serve: send every level the same prompts (the server's "
         "prefix cache then finds the earlier levels'); by default each level draws its own.")] = False,
+    revision: Revision = None,
 ) -> None:
     """Benchmark speed and memory: tokens/s, TTFT, TPOT, peak RSS/VRAM, --gpu-layers sweeps.
 
@@ -80,7 +82,7 @@ def bench(
     if serve:
         return _serve_bench(serve, _batches(concurrency, "--concurrency"), requests, gen_tokens, prompt_tokens,
                             serve_model, gpu_cost_per_hour, json_path, plot_path, con, same_prompts)
-    ref = resolve_model(model, con)
+    ref = resolve_model(model, con, revision)
     backends = _backends(ref, backend)
     sweep = _sweep(ref, gpu_layers, ctx, backends, con)
     opts = {b: backend_options(b, dtype if b == "native" else None, kv_dtype, compile and b == "native",

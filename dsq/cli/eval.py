@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import ModelArg, Threads
+from dsq.cli.options import ModelArg, Revision, Threads
 
 
 @command("eval", examples=[
@@ -29,6 +29,7 @@ def eval_(
                                                                             "for GGUF, native otherwise).")] = None,
     threads: Threads = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    revision: Revision = None,
 ) -> None:
     """Score a model on held-out text: perplexity, and against a reference KLD and top-1 agreement."""
     from dsq.eval.quality import evaluate, source_of
@@ -37,7 +38,7 @@ def eval_(
     from dsq.ui import console, out_console, status
 
     con = console()
-    m = resolve_model(model, con)
+    m = resolve_model(model, con, revision)
     reference = ref or source_of(str(m.path))
     if text is not None and not text.is_file():
         raise DsqError(f"{text} does not exist", "pass a text file to --text")

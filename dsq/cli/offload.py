@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Experts, Head, ModelArg, Threads
+from dsq.cli.options import Experts, Head, ModelArg, Revision, Threads
 
 MIB = 2**20
 
@@ -45,6 +45,7 @@ def offload(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan, calibration or measurement as JSON.")] = False,
     experts: Experts = "auto",
     head: Head = None,
+    revision: Revision = None,
 ) -> None:
     """Plan the GPU/CPU split for a memory budget and predict decode speed.
 
@@ -70,7 +71,7 @@ def offload(
         if model is None and not measure:
             return
     be = backend or ("native" if measure else "llama.cpp")
-    ref = resolve_model(model, con)
+    ref = resolve_model(model, con, revision)
     bw_given = {"gpu_bw": gpu_bw * 1e9 if gpu_bw else None, "cpu_bw": cpu_bw * 1e9 if cpu_bw else None}
     from dsq.runtime.experts import check_backend, parse_experts
 

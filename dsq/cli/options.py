@@ -17,7 +17,12 @@ import typer
 from dsq.errors import DsqError
 
 ModelArg = Annotated[Optional[str], typer.Argument(
-    help="A .gguf file or an HF model directory. Omit it to use the built-in model.", show_default=False)]
+    help="A .gguf file, an HF model directory, or a Hugging Face repo id: org/name (an HF model), "
+    "org/name:Q4_K_M or org/name/file.gguf (a GGUF repo), fetched into the Hugging Face cache. A local path of "
+    "the same spelling wins. Omit it to use the built-in model.", show_default=False)]
+Revision = Annotated[Optional[str], typer.Option(
+    "--revision", help="With a Hugging Face repo id: the branch, tag or commit to fetch (default: main).",
+    show_default=False)]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Most tokens to generate.")]
 Temperature = Annotated[float, typer.Option("--temperature", "-t", help="Sampling temperature; 0 = greedy.")]
 TopK = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; 0 = off.")]
@@ -86,6 +91,7 @@ class Loading:
     compile: Compile = False
     experts: Experts = "auto"
     head: Head = None
+    revision: Revision = None
 
     def load(self, model: str | None, seed: int | None = None):
         """The model on the backend that runs it (--backend auto: llama.cpp, or native for weights
@@ -95,7 +101,7 @@ class Loading:
         from dsq.ui import console
 
         con = console()
-        ref = resolve_model(model, con)
+        ref = resolve_model(model, con, self.revision)
         backend = pick_backend(ref, self.backend)
         if backend != self.backend and backend == "native":
             con.print(f"[dim]{native_only_format(ref)} weights: running on the native backend "

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Force, ModelArg, Threads
+from dsq.cli.options import Force, ModelArg, Revision, Threads
 from dsq.quant.spec import EVAL_TOKENS
 
 
@@ -26,10 +26,12 @@ class Method(str, Enum):
 
 @command("quantize", examples=[
     "dsq quantize                                   # built-in model's bf16 export -> Q4_K_M GGUF",
+    "dsq quantize deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --type Q4_K_M --imatrix   # fetched from the Hub",
     "dsq quantize ./DeepSeek-R1-Distill-Qwen-1.5B --type Q4_K_M --imatrix --out r1-1.5b-Q4_K_M.gguf",
     "dsq quantize ./DeepSeek-R1-Distill-Qwen-7B --method awq --out r1-7b-awq",
     "dsq quantize ./DeepSeek-R1-Distill-Llama-8B --method gptq --bits 4 --act-order --out r1-8b-gptq",
     "dsq quantize ./DeepSeek-R1-Distill-Qwen-14B --method fp8 --fp8-scheme block --out r1-14b-fp8",
+    "dsq quantize --recipe r1-distill-qwen-7b      # fetches the recipe's model from the Hub",
     "dsq quantize --recipe r1-distill-qwen-7b ./DeepSeek-R1-Distill-Qwen-7B",
 ])
 def quantize(
@@ -52,12 +54,14 @@ def quantize(
     calib: Annotated[str, typer.Option("--calib", help="builtin, builtin-chat, or a .txt/.jsonl file.")] = "builtin",
     calib_samples: Annotated[int, typer.Option("--calib-samples", help="Calibration sequences.")] = 128,
     calib_seq_len: Annotated[int, typer.Option("--calib-seq-len", help="Tokens per calibration sequence.")] = 512,
-    recipe: Annotated[Optional[str], typer.Option("--recipe", help="Apply a recipe from recipes/; MODEL is then the model it names.")] = None,
+    recipe: Annotated[Optional[str], typer.Option("--recipe", help="Apply a recipe from recipes/; MODEL is then the model "
+                                                                   "it names (default: its Hugging Face repo, fetched).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     eval_tokens: Annotated[int, typer.Option("--eval-tokens", min=0, help="Held-out tokens for the model card's "
                                                                    "eval (0 skips).")] = EVAL_TOKENS,
     threads: Threads = None,
     force: Force = False,
+    revision: Revision = None,
 ) -> None:
     """Quantize a model. With no MODEL, the built-in model's bf16 export is the source.
 
@@ -79,13 +83,14 @@ def quantize(
                 damp=damp, fp8_scheme=fp8_scheme, fp8_format=fp8_format, imatrix=imatrix, calib=calib,
                 calib_samples=calib_samples, calib_seq_len=calib_seq_len)
     if recipe:
-        _check_recipe_model(recipe, model)
+        model = model or _recipe_model(recipe)
         opts = _with_recipe(ctx, recipe, opts)
     spec = spec_from_options(opts).validate()  # refuse bad settings before any work
     if out:
         check_output_path(Path(out), "--out")
     clock = _Clock()
-    src, name = clock.time("export of the built-in model", lambda: _source(model, con))
+    src, name = clock.time("export of the built-in model" if model is None else "download",
+                           lambda: _source(model, con, revision))
     target = Path(out) if out else Path.cwd() / f"{name}-{spec.impl.output_name(spec)}"
     _quantize(src, target, spec, clock, con, device=device, force=force, threads=threads, eval_tokens=eval_tokens)
 
@@ -105,15 +110,11 @@ def _quantize(src: Path, target: Path, spec, clock: "_Clock", con, **kw) -> None
     out_console().print(str(target))
 
 
-def _check_recipe_model(recipe: str, model: str | None) -> None:
-    """A recipe is for the model it names: refuse one given no MODEL (it would run on the built-in model)."""
-    from dsq.errors import DsqError
+def _recipe_model(recipe: str) -> str:
+    """The Hugging Face repo a recipe is for (never the built-in model: the recipe is not for it)."""
     from dsq.quant.recipes import load_recipe
 
-    if model is None:
-        names = load_recipe(recipe)["model"]
-        raise DsqError(f"recipe {recipe} is for {names}, and no MODEL was given",
-                       f"pass that model's directory: dsq quantize --recipe {recipe} ./{names.split('/')[-1]}")
+    return load_recipe(recipe)["model"]
 
 
 class _Clock:
@@ -163,13 +164,18 @@ def _with_recipe(ctx: typer.Context, recipe: str, given: dict) -> dict:
     return opts
 
 
-def _source(model: str | None, con):
+def _source(model: str | None, con, revision: str | None = None):
+    """(the source's local path, the name its output is called by): a repo id is fetched first."""
     if model is None:
         from dsq.runtime.builtin import builtin_hf_export
 
         return builtin_hf_export(con), "gemma-3-270m"
-    src = Path(model)
-    return src, (src.stem if src.is_file() else src.name)
+    from dsq.runtime.model_ref import resolve_model
+
+    ref = resolve_model(model, con, revision)
+    if ref.kind == "gguf":
+        return ref.path, ref.path.stem
+    return ref.path, (ref.repo.split("/")[-1] if ref.repo else ref.path.name)
 
 
 class _Bars:
