@@ -209,8 +209,8 @@ def test_gpu_layers_past_the_last_layer_means_all(runner, tiny_gguf, tmp_path):
         assert plan["gpu_layers_arg"] == "all" and plan["output_device"] == "GPU"
         assert {layer["device"] for layer in plan["layers"]} == {"GPU"}
     jp = tmp_path / "b.json"
-    r = runner.invoke(app, ["bench", path, "-g", "99", "--prompt-tokens", "8", "--gen-tokens", "2", "--repeat", "1",
-                            "--json", str(jp)])
+    r = runner.invoke(app, ["bench", path, "-g", "99", "--prompt-tokens", "8", "--max-tokens", "2", "--repeat", "1",
+                            "--out", str(jp)])
     assert r.exit_code == 0, r.output
     assert [x["gpu_layers_effective"] for x in json.loads(jp.read_text())["runs"]] == [-1]
 

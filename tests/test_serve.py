@@ -263,8 +263,8 @@ def test_bench_serve_load_generator(server, runner, tmp_path):
 
     out, png = tmp_path / "load.json", tmp_path / "load.png"
     r = runner.invoke(app, ["bench", "--serve", server["base"], "--concurrency", "1,4", "--requests", "4",
-                            "--gen-tokens", "4", "--prompt-tokens", "24", "--gpu-cost-per-hour", "3",
-                            "--json", str(out), "--plot", str(png)])
+                            "--max-tokens", "4", "--prompt-tokens", "24", "--gpu-cost-per-hour", "3",
+                            "--out", str(out), "--plot", str(png)])
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
     assert [lv["concurrency"] for lv in res["levels"]] == [1, 4] and res["model"] == "gemma-3-270m-q4_k_m"

@@ -61,14 +61,20 @@ def _window_stats(logits: np.ndarray, ref: np.ndarray | None, targets: np.ndarra
     return out
 
 
+def check_window(window: int, tokens: int) -> None:
+    """A scoring window of at least 16 tokens, and at least one window's worth of tokens to score."""
+    if window < 16 or tokens < window:
+        raise DsqError(f"--window {window} with --tokens {tokens}: the window must be >= 16 tokens and --tokens "
+                       ">= --window", "e.g. --window 512 --tokens 4096")
+
+
 def evaluate(model: str, ref: str | None = None, text: str | None = None, ctx: int = 512, max_tokens: int = 4096,
              backend: str | None = None, ref_backend: str | None = None, threads: int | None = None,
              on_window=None) -> dict:
     """Perplexity of MODEL on held-out text; KLD and top-1 agreement against REF if given."""
     from dsq.eval.corpus import held_out_text
 
-    if ctx < 16 or max_tokens < ctx:
-        raise DsqError("--ctx must be >= 16 and --max-tokens >= --ctx")
+    check_window(ctx, max_tokens)
     if text is None:
         text = held_out_text()
     m = load_for_eval(model, backend, ctx, threads)
@@ -80,7 +86,7 @@ def evaluate(model: str, ref: str | None = None, text: str | None = None, ctx: i
     n_win = min(len(ids) // step, max_tokens // ctx)
     if n_win < 1:
         raise DsqError(f"the evaluation text has {len(ids)} tokens, fewer than one window of {ctx}",
-                       "give more text or a smaller --ctx")
+                       "give more text or a smaller --window")
     if r is not None:
         vm = m.logits(bos + ids[:4]).shape[-1]
         vr = r.logits(bos + ids[:4]).shape[-1]

@@ -1,0 +1,81 @@
+"""One vocabulary across the commands: --json prints JSON, -o/--out writes a file, -n/--max-tokens
+is tokens to generate, --ctx the context; old spellings still work with a note; usage errors name
+the subcommand's help; GPU-less runs say so; small messages (convert's "wrote", SIGTERM)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsq.cli import app
+from test_cli_errors import one_line_error
+
+BENCH = ["--prompt-tokens", "8", "--repeat", "1"]
+
+
+def _notes(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("note: ") and " is now " in ln]
+
+
+# -- --json prints, -o/--out writes, -n generates --------------------------------------------------------
+def test_bench_json_is_a_flag_and_out_writes_the_file(runner, tiny_gguf, tmp_path):
+    path = str(tiny_gguf("llama", "Q8_0"))
+    r = runner.invoke(app, ["bench", path, "--json", "-n", "2", *BENCH])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)  # stdout holds the JSON alone, the table went to stderr
+    assert report["settings"]["gen_tokens"] == 2 and [x["gen_tokens"] for x in report["runs"]] == [2]
+    assert not _notes(r.stderr)
+    out = tmp_path / "b.json"
+    r = runner.invoke(app, ["bench", path, "-o", str(out), "--max-tokens", "2", *BENCH])
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["settings"]["gen_tokens"] == 2 and f"wrote {out}" in r.stderr
+    assert not r.stdout.lstrip().startswith("{")
+
+
+def test_old_bench_spellings_still_work_with_a_note(runner, tiny_gguf, tmp_path):
+    out = tmp_path / "old.json"
+    r = runner.invoke(app, ["bench", str(tiny_gguf("llama", "Q8_0")), "--gen-tokens", "2", "--json", str(out), *BENCH])
+    assert r.exit_code == 0, r.output
+    assert _notes(r.stderr) == ["note: --gen-tokens is now --max-tokens", "note: --json is now --out"]
+    assert json.loads(out.read_text())["settings"]["gen_tokens"] == 2
+
+
+@pytest.mark.parametrize("args, note, flag", [
+    (["offload", "--measure", "--gen-tokens", "0"], "--gen-tokens is now --max-tokens", "--max-tokens"),
+    (["eval", "--max-tokens", "-1"], "--max-tokens is now --tokens", "--tokens"),
+    (["eval", "--ctx", "8"], "--ctx is now --window", "--window"),
+])
+def test_old_spellings_are_renamed_before_their_values_are_checked(runner, args, note, flag):
+    """Each old spelling maps to its new flag (a bad value then names the new one), before any work."""
+    r = runner.invoke(app, args)
+    assert _notes(r.stderr) == [f"note: {note}"]
+    assert r.exit_code == 1 and f"error: invalid value for {flag}:" in r.stderr and "evaluating" not in r.output
+
+
+def test_eval_bad_counts_fail_before_any_work(runner):
+    one_line_error(runner.invoke(app, ["eval", "--tokens", "-1"]), "invalid value for --tokens")
+    one_line_error(runner.invoke(app, ["eval", "--window", "600", "--tokens", "100"]), "--tokens >= --window")
+
+
+def test_usage_errors_name_the_subcommands_help(runner):
+    r = runner.invoke(app, ["bench", "--max-tokens"])
+    assert r.exit_code == 2 and r.stderr.strip().endswith("See 'dsq bench --help'"), r.stderr
+    r = runner.invoke(app, ["offload", "--nope"])
+    assert r.exit_code == 2 and "See 'dsq offload --help'" in r.stderr, r.stderr
+    r = runner.invoke(app, ["rnu"])
+    assert "Did you mean 'run'? See 'dsq --help'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("cmd", [["run", "-p", "hi"], ["chat"], ["bench"]])
+def test_kv_dtype_is_one_option(runner, cmd):
+    """--kv-dtype takes the same values everywhere; fp8 (a paged-cache format) is refused in one line
+    where it does not apply, before loading."""
+    one_line_error(runner.invoke(app, [*cmd, "--kv-dtype", "fp9"]), "invalid value for --kv-dtype", "fp8, bf16")
+    one_line_error(runner.invoke(app, [*cmd, "--kv-dtype", "fp8"]), "--kv-dtype fp8 is dsq serve's", "bf16")
+
+
+def test_serve_takes_the_shared_kv_dtype(runner):
+    one_line_error(runner.invoke(app, ["serve", "--kv-dtype", "fp9"]), "invalid value for --kv-dtype")
+    r = runner.invoke(app, ["serve", "--help"])
+    assert "fp8" in r.stdout
