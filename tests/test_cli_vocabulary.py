@@ -79,3 +79,38 @@ def test_serve_takes_the_shared_kv_dtype(runner):
     one_line_error(runner.invoke(app, ["serve", "--kv-dtype", "fp9"]), "invalid value for --kv-dtype")
     r = runner.invoke(app, ["serve", "--help"])
     assert "fp8" in r.stdout
+
+
+# -- no GPU: said once, and the JSON says where the layers are ------------------------------------------
+@pytest.fixture
+def no_gpu(monkeypatch):
+    import dsq.runtime.placement as placement
+
+    monkeypatch.setattr(placement, "detect_gpu", lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("layers", ["99", "all"])
+def test_gpu_layers_without_a_gpu_says_so(runner, tiny_gguf, no_gpu, layers):
+    r = runner.invoke(app, ["run", str(tiny_gguf("llama", "Q8_0")), "-p", "hi", "-n", "2", "-g", layers, "--json"])
+    assert r.exit_code == 0, r.output
+    assert [ln for ln in r.stderr.splitlines() if "GPU" in ln] == ["note: no GPU: running on the CPU"]
+    assert json.loads(r.stdout)["gpu_layers"] == 0
+    r = runner.invoke(app, ["run", str(tiny_gguf("llama", "Q8_0")), "-p", "hi", "-n", "2", "--json"])
+    assert "GPU" not in r.stderr  # nothing asked of a GPU, nothing to say
+
+
+def test_offload_without_a_gpu_plans_for_the_cpu(runner, tiny_gguf, no_gpu):
+    r = runner.invoke(app, ["offload", str(tiny_gguf("llama", "Q8_0")), "--json", "--cpu-bw", "20"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["gpu_layers"] == 0 and plan["vram_budget"] == 0
+    assert {layer["device"] for layer in plan["layers"]} == {"CPU"}
+    assert "no GPU: planning for the CPU" in r.stderr
+
+
+@pytest.mark.parametrize("backend", ["llama.cpp", "native"])
+def test_offload_json_counts_layers_not_past_the_model(runner, tiny_gguf, backend):
+    r = runner.invoke(app, ["offload", str(tiny_gguf("llama", "Q8_0")), "-b", backend, "-g", "99", "--vram", "8G",
+                            "--json", "--gpu-bw", "1000", "--cpu-bw", "20"])
+    plan = json.loads(r.stdout)
+    assert plan["gpu_layers"] == plan["n_layer"] == len(plan["layers"])

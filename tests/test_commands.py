@@ -146,7 +146,7 @@ def test_offload_json(runner, tiny_gguf):
                             "--gpu-bw", "1000", "--cpu-bw", "20"])
     assert r.exit_code == 0, r.output
     plan = json.loads(r.stdout)
-    assert plan["gpu_layers"] == plan["n_layer"] + 1 and plan["output_device"] == "GPU"
+    assert plan["gpu_layers"] == plan["n_layer"] and plan["gpu_layers_arg"] == "all" and plan["output_device"] == "GPU"
     g = GGUFFile(path)
     blk = sum(t.n_bytes for t in g.tensors if t.name.startswith("blk."))
     assert sum(layer["weight_bytes"] for layer in plan["layers"]) == blk

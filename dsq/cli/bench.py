@@ -202,12 +202,9 @@ def _sweep(ref, gpu_layers: str, ctx: int | None, backends: list[str], con) -> l
 
 def _some_gpu(backends: list[str]) -> bool:
     """Whether one of the backends can put layers on a GPU here."""
-    from dsq.runtime.llama_cpp_backend import supports_gpu_offload
-    from dsq.runtime.placement import detect_gpu
+    from dsq.runtime.gpu_layers import gpu_usable
 
-    if detect_gpu() is None:
-        return False
-    return "native" in backends or supports_gpu_offload()
+    return any(gpu_usable(b) for b in backends)
 
 
 def _emit(report: dict, outputs: tuple, con) -> None:

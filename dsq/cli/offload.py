@@ -127,14 +127,17 @@ def _plan(ref, backend: str, vram: str | None, ram: str | None, ctx: int, gpu_la
 
 
 def _vram_budget(vram: str | None) -> int:
-    from dsq.errors import DsqError
     from dsq.runtime.placement import detect_gpu, parse_size
 
     if vram is not None:
         return parse_size(vram)
     gpu = detect_gpu()
     if gpu is None:
-        raise DsqError("no GPU found here", "pass --vram SIZE to plan for a GPU, e.g. --vram 8G")
+        from dsq.ui import console
+
+        console().print("[yellow]note:[/yellow] no GPU: planning for the CPU (pass --vram SIZE to plan for a GPU, "
+                        "e.g. --vram 8G)")
+        return 0
     return gpu.free_bytes
 
 

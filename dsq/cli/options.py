@@ -109,6 +109,7 @@ class Loading:
         """The model on the backend that runs it (--backend auto: llama.cpp, or native for weights
         only it runs, said on stderr)."""
         from dsq.runtime.engine import load, native_only_format, pick_backend
+        from dsq.runtime.gpu_layers import gpu_usable
         from dsq.runtime.model_ref import resolve_model
         from dsq.ui import console
 
@@ -118,9 +119,12 @@ class Loading:
         if backend != self.backend and backend == "native":
             con.print(f"[dim]{native_only_format(ref)} weights: running on the native backend "
                       "(llama.cpp takes GGUF)[/dim]")
-        return load(ref, backend=backend, ctx=self.ctx, threads=self.threads, gpu_layers=self.gpu_layers, seed=seed,
-                    console=con, **backend_options(backend, self.dtype, self.kv_dtype, self.compile, self.experts,
-                                                    self.head))
+        m = load(ref, backend=backend, ctx=self.ctx, threads=self.threads, gpu_layers=self.gpu_layers, seed=seed,
+                 console=con, **backend_options(backend, self.dtype, self.kv_dtype, self.compile, self.experts,
+                                                 self.head))
+        if self.gpu_layers.strip() != "0" and not gpu_usable(backend):
+            con.print("[yellow]note:[/yellow] no GPU: running on the CPU")
+        return m
 
 
 def grouped(**groups) -> Callable:

@@ -54,7 +54,10 @@ def run(
                       chat=chat, system=system, ignore_eos=ignore_eos, on_text=None if as_json else echo)
     st = result.stats
     if as_json:
-        out = {"model": str(m.ref.path), "backend": m.backend, "gpu_layers": m.gpu_layers.n_gpu_layers,
+        from dsq.runtime.gpu_layers import gpu_usable
+
+        on_gpu = m.gpu_layers.n_gpu_layers if gpu_usable(m.backend) else 0  # what sits on a GPU, none without one
+        out = {"model": str(m.ref.path), "backend": m.backend, "gpu_layers": on_gpu,
                "threads": m.n_threads, **result.as_dict()}
         typer.echo(json.dumps(out, ensure_ascii=False))
         return
