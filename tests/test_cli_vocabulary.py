@@ -114,3 +114,14 @@ def test_offload_json_counts_layers_not_past_the_model(runner, tiny_gguf, backen
                             "--json", "--gpu-bw", "1000", "--cpu-bw", "20"])
     plan = json.loads(r.stdout)
     assert plan["gpu_layers"] == plan["n_layer"] == len(plan["layers"])
+
+
+# -- bench --plot: only where it says something ----------------------------------------------------------
+def test_bench_plot_of_one_point_is_not_drawn(runner, tiny_gguf, tmp_path):
+    png = tmp_path / "p.png"
+    r = runner.invoke(app, ["bench", str(tiny_gguf("llama", "Q8_0")), "-n", "2", *BENCH, "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    assert not png.exists()
+    assert [ln for ln in r.stderr.splitlines() if "plot" in ln] == [
+        f"note: one backend at one configuration: nothing to plot, {png} not written (a --gpu-layers or --batch "
+        "sweep, or two backends, make a plot)"]

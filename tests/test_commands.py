@@ -274,7 +274,7 @@ def test_offload_measure_on_the_cpu(runner, tmp_path, monkeypatch, builtin_gguf)
 
 
 def test_bench_two_backends_side_by_side(runner, tmp_path, monkeypatch):
-    """Both engines at each split with their ratio; --plot draws the offload model's prediction too."""
+    """Both engines at each split with their ratio; --plot draws them side by side."""
     import dsq.runtime.machine as machine
 
     monkeypatch.setattr(machine, "measure_cpu_read", lambda threads, *a, **k: 20e9)

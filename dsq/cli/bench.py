@@ -226,7 +226,7 @@ def _report(ref, records, settings: dict, outputs, plot_path, ctx, threads) -> N
     import datetime
 
     from dsq.bench.metrics import cuda_context_bytes
-    from dsq.bench.report import plot, ratios, summarize, table
+    from dsq.bench.report import plot, plot_kind, ratios, summarize, table
     from dsq.bench.runner import cpu_builds, machine_info
     from dsq.ui import console, out_console
 
@@ -249,8 +249,13 @@ def _report(ref, records, settings: dict, outputs, plot_path, ctx, threads) -> N
                                "cuda_context_mb": None if context is None else round(context / 2**20, 1)},
                   "runs": recs, "summary": rows, "ratios": ratios(rows, *backends[:2]) if len(backends) > 1 else []}
         _emit(report, outputs, con)
-    if plot_path:
-        predicted = plans or _predicted(ref.path, rows, ctx, s["prompt_tokens"], s["gen_tokens"], threads)
+    if plot_path and plot_kind(rows) is None:
+        con.print(f"[yellow]note:[/yellow] one backend at one configuration: nothing to plot, {plot_path} not written (a --gpu-layers "
+                  "or --batch sweep, or two backends, make a plot)")
+    elif plot_path:
+        sweep = plot_kind(rows) == "gpu_layers"
+        predicted = plans or (_predicted(ref.path, rows, ctx, s["prompt_tokens"], s["gen_tokens"], threads)
+                              if sweep else {})
         plot(rows, plot_path, title, {k: p.predicted_tok_s for k, p in predicted.items()})
         con.print(f"wrote {plot_path}")
 
