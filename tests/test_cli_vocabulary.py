@@ -125,3 +125,33 @@ def test_bench_plot_of_one_point_is_not_drawn(runner, tiny_gguf, tmp_path):
     assert [ln for ln in r.stderr.splitlines() if "plot" in ln] == [
         f"note: one backend at one configuration: nothing to plot, {png} not written (a --gpu-layers or --batch "
         "sweep, or two backends, make a plot)"]
+
+
+# -- the model card's evaluation: quick by default, and said -------------------------------------------
+def test_quantize_card_evaluation_is_quick_by_default_and_says_so(runner, tiny_dir, tmp_path):
+    from dsq.quant.spec import QUICK_EVAL_TOKENS
+
+    out = tmp_path / "q"
+    r = runner.invoke(app, ["quantize", str(tiny_dir("llama")), "--method", "rtn", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    record = json.loads((out / "dsq_quant.json").read_text())["eval"]
+    assert record["evaluation"] == "quick" and 0 < record["tokens"] <= QUICK_EVAL_TOKENS
+    card = (out / "README.md").read_text()
+    assert f"## Evaluation (quick: {record['tokens']} held-out tokens" in card and "--eval full" in card
+    assert f"(quick evaluation, {record['tokens']} tokens)" in r.stderr
+    r = runner.invoke(app, ["quantize", str(tiny_dir("llama")), "--method", "rtn", "--eval", "none",
+                            "--out", str(tmp_path / "n")])
+    assert r.exit_code == 0 and "Evaluation" not in (tmp_path / "n" / "README.md").read_text()
+    one_line_error(runner.invoke(app, ["quantize", str(tiny_dir("llama")), "--method", "rtn", "--eval", "fast",
+                                       "--out", str(tmp_path / "x")]), "--eval 'fast'", "quick, full, none")
+    assert not (tmp_path / "x").exists()
+
+
+def test_batched_evaluation_scores_as_one_window_at_a_time(tiny_dir):
+    from dsq.eval.quality import evaluate
+
+    path = str(tiny_dir("llama"))
+    one = evaluate(path, path, ctx=64, max_tokens=256, batch=1)
+    both = evaluate(path, path, ctx=64, max_tokens=256, batch=4)
+    assert both["windows"] == one["windows"] == 4
+    assert both["perplexity"] == pytest.approx(one["perplexity"], rel=1e-4) and both["kld"] < 1e-6

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dsq.quant import faults
 from dsq.quant.moe import Kept, card_lines, kept_linears, read_routing
-from dsq.quant.spec import OnStep, QuantSpec, Step
+from dsq.quant.spec import OnStep, QuantSpec, Step, eval_name
 from dsq.quant.staging import Run, place_shards
 
 EVAL_TASK = "evaluating on held-out text"
@@ -92,6 +92,7 @@ def evaluate_stage(run: Run, hf, spec: QuantSpec, tokens: int, progress: OnStep)
 
 def _evaluate(model: Path, source: Path, tokens: int, progress: OnStep) -> dict:
     from dsq.eval.quality import evaluate
+    from dsq.quant.spec import eval_shape
 
     progress(Step(EVAL_TASK))
 
@@ -99,9 +100,10 @@ def _evaluate(model: Path, source: Path, tokens: int, progress: OnStep) -> dict:
         faults.point("eval")
         progress(Step(EVAL_TASK, done, total))
 
-    r = evaluate(str(model), str(source), ctx=min(512, tokens), max_tokens=tokens, on_window=on_window)
+    window, batch = eval_shape(tokens)
+    r = evaluate(str(model), str(source), ctx=window, max_tokens=tokens, on_window=on_window, batch=batch)
     return {"perplexity": r["perplexity"], "source perplexity": r["reference_perplexity"], "KLD": r["kld"],
-            "top-1 agreement": r["top1_agreement"], "tokens": r["tokens"]}
+            "top-1 agreement": r["top1_agreement"], "tokens": r["tokens"], "evaluation": eval_name(tokens)}
 
 
 def model_card(hf, spec: QuantSpec, size: int, evals: dict | None = None, kept: Kept | None = None,
@@ -117,8 +119,10 @@ def model_card(hf, spec: QuantSpec, size: int, evals: dict | None = None, kept: 
     lines += [f"| {k} | {v} |" for k, v in settings.items()]
     lines += card_lines(routing or {}, spec)
     if evals:
-        lines += ["", "## Evaluation (dsq eval, held-out text)", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {v} |" for k, v in evals.items()]
+        lines += ["", f"## Evaluation ({evals.get('evaluation', 'full')}: {evals['tokens']} held-out tokens scored "
+                  "against the source; `dsq quantize --eval full` reads more, `dsq eval` any number)", "",
+                  "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in evals.items() if k != "evaluation"]
     lines += ["", "Loads in vLLM / SGLang / transformers as its `quantization_config` says, and in dsq's native runtime."]
     return "\n".join(lines) + "\n"
 
