@@ -155,3 +155,68 @@ def test_batched_evaluation_scores_as_one_window_at_a_time(tiny_dir):
     both = evaluate(path, path, ctx=64, max_tokens=256, batch=4)
     assert both["windows"] == one["windows"] == 4
     assert both["perplexity"] == pytest.approx(one["perplexity"], rel=1e-4) and both["kld"] < 1e-6
+
+
+# -- small things ----------------------------------------------------------------------------------------
+def test_sigterm_during_quantize_says_what_it_kept(tiny_dir, tmp_path):
+    """SIGTERM (a scheduler, `kill`) stops a quantization as Ctrl-C does: one line, its work kept."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "s"
+    script = f"""
+import os, signal, sys
+import dsq.cli.quantize as q
+from dsq.cli import app
+calls = q._Bars.__call__
+def term_at_second_block(self, step):
+    calls(self, step)
+    if step.task.endswith("blocks") and step.done == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+q._Bars.__call__ = term_at_second_block
+sys.argv = ["dsq", "quantize", {str(tiny_dir("llama"))!r}, "--method", "rtn", "--eval", "none", "--out", {str(out)!r}]
+app()
+"""
+    env = {**os.environ, "DSQ_QUIET": "1"}
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 143, (p.returncode, p.stderr)
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("terminated; kept s.partial") and "run the same command again to resume" in last, p.stderr
+    assert "Traceback" not in p.stderr and not out.exists()
+
+
+def test_quantize_summary_and_card_give_one_size(runner, tiny_dir, tmp_path):
+    import re
+
+    out = tmp_path / "q"
+    r = runner.invoke(app, ["quantize", str(tiny_dir("llama")), "--method", "rtn", "--eval", "none",
+                            "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    said = re.search(rf"wrote {re.escape(str(out))} \(([\d.]+ MiB),", r.stderr.replace("\n", " ")).group(1)
+    assert f"| size | {said} |" in (out / "README.md").read_text()
+
+
+def test_convert_says_what_it_wrote(runner, tiny_gguf, tmp_path):
+    out = tmp_path / "hf"
+    r = runner.invoke(app, ["convert", str(tiny_gguf("llama", "Q8_0")), str(out)])
+    assert r.exit_code == 0, r.output
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
+    assert f"wrote {out} ({size:.1f} MiB)" in r.stderr.replace("\n", "")
+    assert r.stdout.strip() == str(out)  # stdout: the path alone, for scripts
+
+
+def test_greedy_chat_stops_at_the_second_repeat_of_a_line(runner, tiny_gguf, monkeypatch):
+    from types import SimpleNamespace
+
+    from dsq.runtime.llama_cpp_backend import LlamaCppModel
+
+    def looping(self, ids, sampling, max_tokens, stats):
+        for i, piece in enumerate(["I like ", "cats.\n", "\n"] + ["I like ", "cats.\n"] * 8):
+            yield SimpleNamespace(text=piece, token_id=100 + i)
+
+    monkeypatch.setattr(LlamaCppModel, "stream", looping)
+    r = runner.invoke(app, ["chat", str(tiny_gguf("qwen2", "F16")), "-t", "0", "-b", "llama.cpp"],
+                      input="Hello there\n/exit\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count("I like cats.") == 3 and "stopped: the reply repeats itself" in r.stderr

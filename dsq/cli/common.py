@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
+import signal
 from typing import Annotated, Callable
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
 from dsq import __version__
-from dsq.errors import DsqError
+from dsq.errors import DsqError, Terminated
 
 # click's exception classes as this typer uses them (newer typers vendor click)
 _BadParameter = typer.BadParameter
@@ -153,6 +155,24 @@ def _internal(e: BaseException) -> str:
     return f"internal error: {type(e).__name__}: {e} (run with DSQ_DEBUG=1 for the traceback and please report it)"
 
 
+@contextlib.contextmanager
+def sigterm_stops():
+    """SIGTERM inside: raised as Terminated where the command is, so that it stops as Ctrl-C stops
+    it (its work kept, one line said) instead of dying silently."""
+    def stop(signum, frame):
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: the default stays
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def command(name: str, examples: list[str], renamed: dict[str, str] | None = None, **kwargs) -> Callable:
     """Register a subcommand whose user errors print one line and exit 1; `renamed`: its old
     flag spellings, still accepted with a note (see renamed_args).
@@ -172,8 +192,9 @@ def command(name: str, examples: list[str], renamed: dict[str, str] | None = Non
             except DsqError as e:
                 fail(e.one_line(), e.exit_code)
             except KeyboardInterrupt as e:  # its message, if any, says what a rerun resumes from
-                typer.echo("interrupted" + (f"; {e}" if str(e) else ""), err=True)
-                raise typer.Exit(130) from None
+                word, code = ("terminated", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+                typer.echo(word + (f"; {e}" if str(e) else ""), err=True)
+                raise typer.Exit(code) from None
             except (typer.Exit, typer.Abort):
                 raise
             except MemoryError:

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import command
+from dsq.cli.common import command, sigterm_stops
 from dsq.cli.options import Force, ModelArg, Threads
 from dsq.quant.spec import EVAL_MODES, EVAL_TOKENS, QUICK_EVAL_TOKENS
 
@@ -96,7 +96,9 @@ def quantize(
     clock = _Clock()
     src, name = clock.time("export of the built-in model", lambda: _source(model, con))
     target = Path(out) if out else Path.cwd() / f"{name}-{spec.impl.output_name(spec)}"
-    _quantize(src, target, spec, clock, con, device=device, force=force, threads=threads, eval_tokens=eval_tokens)
+    with sigterm_stops():
+        _quantize(src, target, spec, clock, con, device=device, force=force, threads=threads,
+                  eval_tokens=eval_tokens)
 
 
 def _quantize(src: Path, target: Path, spec, clock: "_Clock", con, **kw) -> None:

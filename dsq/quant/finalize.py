@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from dsq.quant import faults
+from dsq.quant.method import weights_bytes
 from dsq.quant.moe import Kept, card_lines, kept_linears, read_routing
 from dsq.quant.spec import OnStep, QuantSpec, Step, eval_name
 from dsq.quant.staging import Run, place_shards
@@ -37,7 +38,7 @@ def assemble(run: Run, hf, spec: QuantSpec) -> None:
     faults.point("finalize:tokenizer")
     write_json(run.stage / "dsq_quant.json", _record(run, hf, spec, routing))
     faults.point("finalize:record")
-    (run.stage / "README.md").write_text(model_card(hf, spec, size, kept=kept, routing=routing))
+    (run.stage / "README.md").write_text(model_card(hf, spec, weights_bytes(run.stage), kept=kept, routing=routing))
     run.record(phase="staged", size=size)
 
 
@@ -85,7 +86,7 @@ def evaluate_stage(run: Run, hf, spec: QuantSpec, tokens: int, progress: OnStep)
     kept, routing = _facts(run, hf, spec)
     write_json(run.stage / "dsq_quant.json", _record(run, hf, spec, routing, evals))
     shown = {k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in evals.items()} if evals else None
-    (run.stage / "README.md").write_text(model_card(hf, spec, run.state["size"], shown, kept, routing))
+    (run.stage / "README.md").write_text(model_card(hf, spec, weights_bytes(run.stage), shown, kept, routing))
     faults.point("finalize:card")
     run.record(phase="ready", eval_tokens=tokens)
 

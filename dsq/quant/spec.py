@@ -150,7 +150,7 @@ def interrupted(e: BaseException, kept: str | None) -> BaseException:
     """What to raise for a stopped run: a KeyboardInterrupt saying what a rerun resumes from."""
     if not isinstance(e, KeyboardInterrupt) or not kept:
         return e
-    return KeyboardInterrupt(f"{kept}: run the same command again to resume")
+    return type(e)(f"{kept}: run the same command again to resume")  # (a Terminated stays one)
 
 
 OnStep = Callable[[Step], None]  # a progress callback
