@@ -220,3 +220,28 @@ def test_greedy_chat_stops_at_the_second_repeat_of_a_line(runner, tiny_gguf, mon
                       input="Hello there\n/exit\n")
     assert r.exit_code == 0, r.output
     assert r.stdout.count("I like cats.") == 3 and "stopped: the reply repeats itself" in r.stderr
+
+
+# -- the table of shared options -------------------------------------------------------------------------
+def test_the_shared_options_table_is_true(runner):
+    """docs/cli.md's table: every command it lists for an option takes that option."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    table = text.split("| option | meaning | commands |")[1].split("\n\n")[0]
+    helps: dict[str, str] = {}
+    checked = 0
+    for row in table.splitlines()[2:]:
+        option, _, commands = [c.strip() for c in row.strip("|").split(" | ")]
+        flags = re.findall(r"--[a-z][a-z-]*", option)
+        for cmd in re.findall(r"\b(run|chat|eval|offload|bench|serve|quantize|convert)\b", commands.split("(")[0]):
+            if cmd not in helps:
+                r = runner.invoke(app, [cmd, "--help"], env={"COLUMNS": "200"})
+                helps[cmd] = r.stdout
+            for flag in flags:
+                assert re.search(rf"{flag}\b", helps[cmd]), (cmd, flag)
+                checked += 1
+    assert checked > 40
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "docs/cli.md" in readme and "--gen-tokens" not in readme
