@@ -219,7 +219,7 @@ def test_a_client_that_disconnects_frees_its_blocks(server):
     assert m["kv_blocks_held"] == 0 and m["cancelled"] > cancelled and m["running"] == 0
 
 
-@pytest.mark.parametrize("flags, needle", [(["--kv-dtype", "fp7"], "unknown dtype"),
+@pytest.mark.parametrize("flags, needle", [(["--kv-dtype", "fp7"], "is not a KV cache dtype"),
                                            (["--block-size", "12"], "power of two"),
                                            (["--spec-tokens", "-1"], "--spec-tokens"),
                                            (["--kv-tokens", "64", "--kv-memory", "8"], "both size the KV cache")])
