@@ -99,6 +99,14 @@ def test_gpu_layers_without_a_gpu_says_so(runner, tiny_gguf, no_gpu, layers):
     assert "GPU" not in r.stderr  # nothing asked of a GPU, nothing to say
 
 
+def test_bench_gpu_layers_without_a_gpu_runs_and_records_0(runner, tiny_gguf, no_gpu):
+    r = runner.invoke(app, ["bench", str(tiny_gguf("llama", "Q8_0")), "-g", "all", "-n", "2", *BENCH, "--json"])
+    assert r.exit_code == 0, r.output
+    assert "note: no GPU: running on the CPU (--gpu-layers all runs as 0)" in r.stderr
+    report = json.loads(r.stdout)
+    assert [x["gpu_layers_effective"] for x in report["runs"]] == [0] and report["settings"]["gpu_layers"] == ["0"]
+
+
 def test_offload_without_a_gpu_plans_for_the_cpu(runner, tiny_gguf, no_gpu):
     r = runner.invoke(app, ["offload", str(tiny_gguf("llama", "Q8_0")), "--json", "--cpu-bw", "20"])
     assert r.exit_code == 0, r.output

@@ -186,17 +186,14 @@ def _backends(ref, backend: str) -> list[str]:
 
 def _sweep(ref, gpu_layers: str, ctx: int | None, backends: list[str], con) -> list:
     """The --gpu-layers values to run. Where no backend can use a GPU (none here, or a llama.cpp
-    build without GPU support), every value runs on the CPU: a sweep of several runs once, as 0."""
+    build without GPU support), every value runs on the CPU: once, as 0 (as the records say)."""
     from dsq.runtime.gpu_layers import GpuLayers, parse_for
 
     sweep = [parse_for(g, ref.path, ctx or 4096, backends[0]) for g in gpu_layers.split(",") if g.strip()]
     if all(g == GpuLayers.NONE for g in sweep) or _some_gpu(backends):
         return sweep
-    if len(sweep) == 1:
-        con.print("[yellow]note:[/yellow] no GPU this run can use: every layer runs on the CPU")
-        return sweep
-    con.print(f"[yellow]note:[/yellow] no GPU this run can use: --gpu-layers {gpu_layers} would all run on the "
-              "CPU, so it runs once, as 0")
+    con.print(f"[yellow]note:[/yellow] no GPU: running on the CPU (--gpu-layers {gpu_layers} "
+              + ("runs as 0)" if len(sweep) == 1 else "would all run there, so it runs once, as 0)"))
     return [GpuLayers.NONE]
 
 
