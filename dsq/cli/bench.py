@@ -38,8 +38,9 @@ def bench(
                                                                          "prompt + generated).")] = None,
     as_json: JsonFlag = False,
     json_path: OutFile = None,
-    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Plot tok/s against --gpu-layers (PNG), with "
-                                                                     "the offload model's prediction dashed.")] = None,
+    plot_path: Annotated[Optional[Path], typer.Option(
+        "--plot", help="Plot tok/s (PNG) where it says something: against a --gpu-layers sweep (the offload "
+        "model's prediction dashed) or a --batch sweep, or backends side by side as bars.")] = None,
     force: Force = False,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One untimed run of the prompt first (autotuning, compiling).")] = True,
     dtype: Dtype = None,
@@ -69,9 +70,9 @@ def bench(
 
     Prefill and decode tok/s, TTFT and TPOT are reported as the median and the worst of --repeat
     runs (the p99 from 100 runs); peak RSS and VRAM above what the process held before loading.
-    The table goes to stdout (JSON instead with --json), records to --out, a sweep plot to --plot. Two backends are shown
-    side by side at each --gpu-layers with the ratio of the first to the second. Without a GPU,
-    a --gpu-layers sweep runs once, on the CPU.
+    The table goes to stdout (the JSON report instead with --json), the report to --out, a plot
+    to --plot. Two backends are shown side by side at each --gpu-layers with the ratio of the
+    first to the second. Without a GPU, a --gpu-layers sweep runs once, on the CPU.
     """
     from dsq.runtime.model_ref import resolve_model
     from dsq.ui import console, status
@@ -247,8 +248,8 @@ def _report(ref, records, settings: dict, outputs, plot_path, ctx, threads) -> N
                   "runs": recs, "summary": rows, "ratios": ratios(rows, *backends[:2]) if len(backends) > 1 else []}
         _emit(report, outputs, con)
     if plot_path and plot_kind(rows) is None:
-        con.print(f"[yellow]note:[/yellow] one backend at one configuration: nothing to plot, {plot_path} not written (a --gpu-layers "
-                  "or --batch sweep, or two backends, make a plot)")
+        con.print(f"[yellow]note:[/yellow] one backend at one configuration: nothing to plot, {plot_path} not "
+                  "written (a --gpu-layers or --batch sweep, or two backends, make a plot)")
     elif plot_path:
         sweep = plot_kind(rows) == "gpu_layers"
         predicted = plans or (_predicted(ref.path, rows, ctx, s["prompt_tokens"], s["gen_tokens"], threads)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Loading, ModelArg, Sampling, grouped, stdin_text
+from dsq.cli.options import JsonFlag, Loading, ModelArg, Sampling, grouped, stdin_text
 
 
 @command("run", examples=[
@@ -28,7 +28,7 @@ def run(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-text tokens.")] = False,
     loading: Loading = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
+    as_json: JsonFlag = False,
 ) -> None:
     """Generate text from a prompt, streamed to stdout.
 
