@@ -20,6 +20,10 @@ class DsqError(Exception):
         return f"{msg}. {self.hint[:1].upper()}{self.hint[1:]}"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, stopping a command as Ctrl-C does (what it kept is said the same way)."""
+
+
 class ModelNotFound(DsqError):
     pass
 

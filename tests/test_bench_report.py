@@ -55,3 +55,29 @@ def test_plot_draws_the_prediction_dashed(tmp_path, monkeypatch):
     solid = [ln for ln in decode.get_lines() if ln.get_linestyle() == "-"]
     assert [ln.get_color() for ln in solid] == [ln.get_color() for ln in dashed]
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_draws_only_what_says_something():
+    """One backend at one configuration: no figure. Two backends at one: bars, named on the axis,
+    no legend. A sweep: every legend entry is something drawn (a lone predicted point is marked)."""
+    import matplotlib.pyplot as plt
+
+    from dsq.bench.report import figure
+
+    assert figure([_row("native", "0", 20)], "t") is None
+    fig = figure([_row("native", "0", 20), _row("llama.cpp", "0", 10)], "t")
+    decode = fig.axes[0]
+    assert [p.get_height() for p in decode.patches] == [20, 10] and decode.get_legend() is None
+    assert [t.get_text() for t in decode.get_xticklabels()] == ["native", "llama.cpp"]
+    assert "decode and prefill tok/s by backend at --gpu-layers 0" in fig._suptitle.get_text()
+    plt.close(fig)
+    fig = figure([_row("native", "0", 20), _row("native", "8", 30)], "t", {("native", "8"): 33.0})
+    decode = fig.axes[0]
+    drawn = {ln.get_label(): ln for ln in decode.get_lines()}
+    labels = [t.get_text() for t in decode.get_legend().get_texts()]
+    assert labels == ["native measured", "native predicted"]
+    for label in labels:
+        ln = drawn[label]
+        assert len(ln.get_xdata()) > 1 or ln.get_marker() not in (None, "None", "", " "), label
+    assert "against --gpu-layers" in fig._suptitle.get_text()
+    plt.close(fig)

@@ -40,7 +40,7 @@ def test_awq_output_runs_on_the_native_backend(runner, awq_dir):
     line = one_line_error(runner.invoke(app, ["run", str(awq_dir), "-p", "x", "--backend", "llama.cpp"]),
                           "llama.cpp cannot run", "AWQ", "--backend native")
     assert "GGUF counterpart" not in line
-    r = runner.invoke(app, ["bench", str(awq_dir), "--prompt-tokens", "8", "--gen-tokens", "2", "--repeat", "1"])
+    r = runner.invoke(app, ["bench", str(awq_dir), "--prompt-tokens", "8", "--max-tokens", "2", "--repeat", "1"])
     assert r.exit_code == 0 and "native" in r.stdout, r.output
 
 
@@ -185,7 +185,7 @@ def test_empty_outputs_are_refused(kind, runner, tiny_dir, tiny_gguf, tmp_path):
                  ["convert", str(tiny_gguf("llama", "F16"))], ["convert", src]):
         cmd = args + ["--out", str(out)] if args[0] == "quantize" else args + [str(out)]
         one_line_error(runner.invoke(app, cmd), "already exists", "--force")
-    r = runner.invoke(app, ["bench", str(tiny_gguf("llama", "F16")), "--json", str(out), "--repeat", "1"])
+    r = runner.invoke(app, ["bench", str(tiny_gguf("llama", "F16")), "--out", str(out), "--repeat", "1"])
     one_line_error(r, "already exists", "--force")
     assert listing(tmp_path) == ["out"] and (out.is_dir() or out.stat().st_size == 0)
     assert not out.is_dir() or listing(out) == []
@@ -217,7 +217,7 @@ def test_bench_without_a_gpu(runner, tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setattr(metrics, "gpu_used_bytes", lambda: None)
     jp = tmp_path / "b.json"
     r = runner.invoke(app, ["bench", str(tiny_gguf("llama", "Q8_0")), "-g", "0,8", "--prompt-tokens", "16",
-                            "--gen-tokens", "4", "--repeat", "3", "--json", str(jp)])
+                            "--max-tokens", "4", "--repeat", "3", "--out", str(jp)])
     assert r.exit_code == 0, r.output
     assert "runs once, as 0" in r.stderr
     rep = json.loads(jp.read_text())
@@ -232,7 +232,7 @@ def test_bench_rss_is_each_backends_own(runner, tiny_gguf, tmp_path):
     """The second backend's peak RSS is counted above what the process held before it loaded."""
     jp = tmp_path / "b.json"
     r = runner.invoke(app, ["bench", str(tiny_gguf("llama", "Q8_0")), "-b", "native,llama.cpp", "--prompt-tokens",
-                            "16", "--gen-tokens", "4", "--repeat", "1", "--json", str(jp)])
+                            "16", "--max-tokens", "4", "--repeat", "1", "--out", str(jp)])
     assert r.exit_code == 0, r.output
     native, llama = json.loads(jp.read_text())["runs"]
     assert llama["base_rss_mb"] >= native["base_rss_mb"] * 0.9  # the process grew; that is not llama.cpp's

@@ -92,8 +92,8 @@ def test_bench_json_and_plot(runner, tmp_path, tiny_gguf, monkeypatch):
 
     monkeypatch.setattr(bench, "_some_gpu", lambda backends: True)  # a sweep, as on a GPU (here it runs on the CPU)
     jp, pp = tmp_path / "b.json", tmp_path / "b.png"
-    r = runner.invoke(app, ["bench", str(tiny_gguf("qwen2", "Q8_0")), "--prompt-tokens", "64", "--gen-tokens", "8",
-                            "--repeat", "2", "--gpu-layers", "0,all", "--json", str(jp), "--plot", str(pp)])
+    r = runner.invoke(app, ["bench", str(tiny_gguf("qwen2", "Q8_0")), "--prompt-tokens", "64", "--max-tokens", "8",
+                            "--repeat", "2", "--gpu-layers", "0,all", "--out", str(jp), "--plot", str(pp)])
     assert r.exit_code == 0, r.output
     rep = json.loads(jp.read_text())
     assert len(rep["runs"]) == 4
@@ -119,7 +119,7 @@ def test_bench_batch_sweep(runner, tmp_path, tiny_gguf):
     path = tiny_gguf("llama", "Q8_0")
     jp, pp = tmp_path / "b.json", tmp_path / "b.png"
     r = runner.invoke(app, ["bench", str(path), "--backend", "native", "--batch", "1,3", "--prompt-tokens", "20",
-                            "--gen-tokens", "5", "--repeat", "1", "--json", str(jp), "--plot", str(pp)])
+                            "--max-tokens", "5", "--repeat", "1", "--out", str(jp), "--plot", str(pp)])
     assert r.exit_code == 0, r.output
     rep = json.loads(jp.read_text())
     assert [(x["batch"], x["prompt_tokens"], x["gen_tokens"]) for x in rep["runs"]] == [(1, 20, 5), (3, 60, 15)]
@@ -132,7 +132,7 @@ def test_bench_batch_sweep(runner, tmp_path, tiny_gguf):
     if m.add_bos:  # each its own BOS first
         bos = m.tokenize("", add_bos=True)
         assert len(bos) == 1 and all(p[0] == bos[0] and bos[0] not in p[1:] for p in ps)
-    r = runner.invoke(app, ["bench", str(path), "--batch", "2", "--prompt-tokens", "20", "--gen-tokens", "5"])
+    r = runner.invoke(app, ["bench", str(path), "--batch", "2", "--prompt-tokens", "20", "--max-tokens", "5"])
     assert r.exit_code == 1 and "native backend only" in r.output
     r = runner.invoke(app, ["bench", str(path), "--backend", "native", "--batch", "two"])
     assert r.exit_code == 1 and "whole numbers" in r.output
@@ -146,7 +146,7 @@ def test_offload_json(runner, tiny_gguf):
                             "--gpu-bw", "1000", "--cpu-bw", "20"])
     assert r.exit_code == 0, r.output
     plan = json.loads(r.stdout)
-    assert plan["gpu_layers"] == plan["n_layer"] + 1 and plan["output_device"] == "GPU"
+    assert plan["gpu_layers"] == plan["n_layer"] and plan["gpu_layers_arg"] == "all" and plan["output_device"] == "GPU"
     g = GGUFFile(path)
     blk = sum(t.n_bytes for t in g.tensors if t.name.startswith("blk."))
     assert sum(layer["weight_bytes"] for layer in plan["layers"]) == blk
@@ -255,7 +255,7 @@ def test_offload_measure_on_the_cpu(runner, tmp_path, monkeypatch, builtin_gguf)
     import dsq.runtime.placement as placement
 
     monkeypatch.setattr(placement, "detect_gpu", lambda: None)
-    args = ["offload", "--measure", "--prompt-tokens", "16", "--gen-tokens", "4", "--repeat", "1"]
+    args = ["offload", "--measure", "--prompt-tokens", "16", "--max-tokens", "4", "--repeat", "1"]
     r = runner.invoke(app, args + ["--json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
@@ -274,13 +274,13 @@ def test_offload_measure_on_the_cpu(runner, tmp_path, monkeypatch, builtin_gguf)
 
 
 def test_bench_two_backends_side_by_side(runner, tmp_path, monkeypatch):
-    """Both engines at each split with their ratio; --plot draws the offload model's prediction too."""
+    """Both engines at each split with their ratio; --plot draws them side by side."""
     import dsq.runtime.machine as machine
 
     monkeypatch.setattr(machine, "measure_cpu_read", lambda threads, *a, **k: 20e9)
     jp, pp = tmp_path / "race.json", tmp_path / "race.png"
-    r = runner.invoke(app, ["bench", "-b", "native,llama.cpp", "-g", "0", "--prompt-tokens", "16", "--gen-tokens", "4",
-                            "--repeat", "1", "--json", str(jp), "--plot", str(pp)])
+    r = runner.invoke(app, ["bench", "-b", "native,llama.cpp", "-g", "0", "--prompt-tokens", "16", "--max-tokens", "4",
+                            "--repeat", "1", "--out", str(jp), "--plot", str(pp)])
     assert r.exit_code == 0, r.output
     rep = json.loads(jp.read_text())
     native, llama = rep["summary"]
@@ -302,8 +302,8 @@ def test_bench_prints_the_decode_roofline_with_a_calibration(runner, tmp_path, t
     monkeypatch.setenv("DSQ_CACHE", str(tmp_path))
     monkeypatch.setattr(machine, "_cuda_available", lambda: False)
     path = str(tiny_gguf("llama", "Q8_0"))
-    args = ["bench", path, "-b", "native", "--prompt-tokens", "16", "--gen-tokens", "4", "--repeat", "1"]
-    r = runner.invoke(app, args + ["--json", str(tmp_path / "a.json")])
+    args = ["bench", path, "-b", "native", "--prompt-tokens", "16", "--max-tokens", "4", "--repeat", "1"]
+    r = runner.invoke(app, args + ["--out", str(tmp_path / "a.json")])
     assert r.exit_code == 0, r.output
     assert "roofline" not in r.stdout and "decode_roofline_tok_s" not in json.loads((tmp_path / "a.json").read_text())[
         "summary"][0]
@@ -311,7 +311,7 @@ def test_bench_prints_the_decode_roofline_with_a_calibration(runner, tmp_path, t
     # the roofline divides by the faster CPU probe, the kernels' own read
     monkeypatch.setattr(machine, "measure_cpu_peak_read", lambda threads, *a, **k: 28e9)
     assert runner.invoke(app, ["offload", "--calibrate"]).exit_code == 0
-    r = runner.invoke(app, args + ["--json", str(tmp_path / "b.json")])
+    r = runner.invoke(app, args + ["--out", str(tmp_path / "b.json")])
     assert r.exit_code == 0, r.output
     rep = json.loads((tmp_path / "b.json").read_text())
     row = rep["summary"][0]

@@ -358,8 +358,8 @@ def test_cli_quantize_bench_offload_convert(runner, tiny_dir, tmp_path):
                             "--calib-seq-len", "64", "--out", str(q)])
     assert r.exit_code == 0, r.output
     jp = tmp_path / "b.json"
-    r = runner.invoke(app, ["bench", str(q), "-b", "native,llama.cpp", "--prompt-tokens", "32", "--gen-tokens", "4",
-                            "--repeat", "1", "--json", str(jp)])
+    r = runner.invoke(app, ["bench", str(q), "-b", "native,llama.cpp", "--prompt-tokens", "32", "--max-tokens", "4",
+                            "--repeat", "1", "--out", str(jp)])
     assert r.exit_code == 0, r.output
     assert [x["backend"] for x in json.loads(jp.read_text())["runs"]] == ["native", "llama.cpp"]
     for model in (str(q), d):

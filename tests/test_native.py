@@ -323,7 +323,7 @@ def test_cli_native_run_chat_bench(runner, tiny_dir, tiny_gguf, tmp_path):
     assert "native" in r.stderr
     jp = tmp_path / "b.json"
     r = runner.invoke(app, ["bench", str(tiny_gguf("qwen2", "Q8_0")), "--backend", "native,llama.cpp",
-                            "--prompt-tokens", "32", "--gen-tokens", "4", "--repeat", "1", "--json", str(jp)])
+                            "--prompt-tokens", "32", "--max-tokens", "4", "--repeat", "1", "--out", str(jp)])
     assert r.exit_code == 0, r.output
     assert [x["backend"] for x in json.loads(jp.read_text())["runs"]] == ["native", "llama.cpp"]
 
@@ -381,8 +381,8 @@ def test_prompt_longer_than_context_native(runner, tiny_dir):
 
 def test_chat_bench_shows_flat_prefill(runner, tiny_gguf, tmp_path):
     jp = tmp_path / "chat.json"
-    r = runner.invoke(app, ["bench", str(tiny_gguf("qwen2", "F16")), "--chat-turns", "4", "--gen-tokens", "4",
-                            "-b", "native,llama.cpp", "--json", str(jp)])
+    r = runner.invoke(app, ["bench", str(tiny_gguf("qwen2", "F16")), "--chat-turns", "4", "--max-tokens", "4",
+                            "-b", "native,llama.cpp", "--out", str(jp)])
     assert r.exit_code == 0, r.output
     turns = json.loads(jp.read_text())["turns"]
     native = [t for t in turns if t["backend"] == "native"]

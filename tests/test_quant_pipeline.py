@@ -228,13 +228,13 @@ def test_quantize_cli_then_eval(runner, tiny_dir, tmp_path):
     assert r.exit_code == 0, r.output
     card = (out / "README.md").read_text()
     assert "group_size | 128" in card and "KLD" in card
-    r = runner.invoke(app, ["eval", str(out), "--ctx", "128", "--max-tokens", "512", "--json"])
+    r = runner.invoke(app, ["eval", str(out), "--window", "128", "--tokens", "512", "--json"])
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     assert res["reference"] == str(tiny_dir("llama").resolve())  # found from dsq_quant.json
     assert res["perplexity"] > 1 and 0 <= res["kld"] and 0 <= res["top1_agreement"] <= 1
-    r = runner.invoke(app, ["eval", str(tiny_dir("llama")), "--ref", str(tiny_dir("llama")), "--ctx", "128",
-                            "--max-tokens", "256", "--json"])
+    r = runner.invoke(app, ["eval", str(tiny_dir("llama")), "--ref", str(tiny_dir("llama")), "--window", "128",
+                            "--tokens", "256", "--json"])
     same = json.loads(r.stdout)
     assert same["kld"] < 1e-9 and same["top1_agreement"] == 1.0
 

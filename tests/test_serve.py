@@ -219,7 +219,7 @@ def test_a_client_that_disconnects_frees_its_blocks(server):
     assert m["kv_blocks_held"] == 0 and m["cancelled"] > cancelled and m["running"] == 0
 
 
-@pytest.mark.parametrize("flags, needle", [(["--kv-dtype", "fp7"], "unknown dtype"),
+@pytest.mark.parametrize("flags, needle", [(["--kv-dtype", "fp7"], "is not a KV cache dtype"),
                                            (["--block-size", "12"], "power of two"),
                                            (["--spec-tokens", "-1"], "--spec-tokens"),
                                            (["--kv-tokens", "64", "--kv-memory", "8"], "both size the KV cache")])
@@ -263,8 +263,8 @@ def test_bench_serve_load_generator(server, runner, tmp_path):
 
     out, png = tmp_path / "load.json", tmp_path / "load.png"
     r = runner.invoke(app, ["bench", "--serve", server["base"], "--concurrency", "1,4", "--requests", "4",
-                            "--gen-tokens", "4", "--prompt-tokens", "24", "--gpu-cost-per-hour", "3",
-                            "--json", str(out), "--plot", str(png)])
+                            "--max-tokens", "4", "--prompt-tokens", "24", "--gpu-cost-per-hour", "3",
+                            "--out", str(out), "--plot", str(png)])
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
     assert [lv["concurrency"] for lv in res["levels"]] == [1, 4] and res["model"] == "gemma-3-270m-q4_k_m"

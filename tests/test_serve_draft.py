@@ -73,7 +73,7 @@ def test_the_model_as_its_own_draft_keeps_every_proposal(expected, runner):
         assert _metrics(s)["spec_draft_tokens"] == m["spec_draft_tokens"]
         # dsq bench --serve reports the server's acceptance over each level
         b = runner.invoke(app, ["bench", "--serve", s["base"], "--concurrency", "2", "--requests", "2",
-                                "--gen-tokens", "6", "--prompt-tokens", "16"])
+                                "--max-tokens", "6", "--prompt-tokens", "16"])
         assert b.exit_code == 0, b.output
         assert "speculative acceptance" in b.stderr
     finally:

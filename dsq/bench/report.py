@@ -163,44 +163,82 @@ def write_json(path: Path, report: dict) -> None:
         tmp.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def plot(rows: list[dict], path: Path, title: str, predicted: dict[tuple[str, str], float] | None = None) -> None:
-    """Decode and prefill tok/s against --gpu-layers (or against --batch, when only it varies),
-    one line per backend; `predicted` ((backend, gpu layers) -> decode tok/s, the offload model)
-    as a dashed line beside each backend's measured decode."""
+def plot_kind(rows: list[dict]) -> str | None:
+    """What a plot of these rows can show: "gpu_layers" or "batch" (tok/s against that sweep, a line
+    per backend), "backends" (one configuration, the backends side by side as bars), or None (one
+    backend at one configuration: a single point says nothing a table does not)."""
+    layers = {str(r["gpu_layers"]) for r in rows}
+    if len(layers) > 1:
+        return "gpu_layers"
+    if len({r.get("batch", 1) for r in rows}) > 1:
+        return "batch"
+    return "backends" if len({r["backend"] for r in rows}) > 1 else None
+
+
+def figure(rows: list[dict], title: str, predicted: dict[tuple[str, str], float] | None = None):
+    """The matplotlib figure of plot_kind(rows) (None where there is nothing to plot): decode and
+    prefill tok/s; `predicted` ((backend, gpu layers) -> decode tok/s, the offload model) drawn
+    beside each backend's measured decode in a --gpu-layers sweep. The legend names what is drawn,
+    the title what is shown."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dsq.formats.hf import atomic_output_file
-
-    by_batch = len({r.get("batch", 1) for r in rows}) > 1 and len({str(r["gpu_layers"]) for r in rows}) == 1
-    key, label = ("batch", "--batch") if by_batch else ("gpu_layers", "--gpu-layers")
+    kind = plot_kind(rows)
+    if kind is None:
+        return None
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for metric, ax in zip(("decode_tok_s", "prefill_tok_s"), axes):
-        for backend in dict.fromkeys(r["backend"] for r in rows):
-            rs = [r for r in rows if r["backend"] == backend]
-            xs = [str(r.get(key, 1)) for r in rs]
-            ys = [r[f"{metric}_median"] for r in rs]
-            (line,) = ax.plot(xs, ys, marker="o", label=backend)
-            for x, y in zip(xs, ys):
-                ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
-            if metric == "decode_tok_s" and predicted and not by_batch:
-                _plot_predicted(ax, backend, xs, predicted, line.get_color())
-        ax.set_xlabel(label)
-        ax.set_ylabel(metric.replace("_tok_s", " tok/s"))
+        name = metric.replace("_tok_s", " tok/s")
+        if kind == "backends":
+            ys = [next(r for r in rows if r["backend"] == b)[f"{metric}_median"] for b in backends]
+            bars = ax.bar(backends, ys, color=[f"C{i}" for i in range(len(backends))])
+            ax.bar_label(bars, fmt="%.1f", fontsize=8)
+            ax.set_xlabel("backend")
+        else:
+            for backend in backends:
+                rs = [r for r in rows if r["backend"] == backend]
+                xs = [str(r.get(kind, 1)) for r in rs]
+                ys = [r[f"{metric}_median"] for r in rs]
+                (line,) = ax.plot(xs, ys, marker="o", label=f"{backend} measured")
+                for x, y in zip(xs, ys):
+                    ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center",
+                                fontsize=8)
+                if metric == "decode_tok_s" and predicted and kind == "gpu_layers":
+                    _plot_predicted(ax, backend, xs, predicted, line.get_color())
+            ax.set_xlabel(f"--{kind.replace('_', '-')}")
+            ax.legend()
+        ax.set_ylabel(name)
+        ax.set_title(name)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
+    shown = ("by backend at --gpu-layers " + next(iter({str(r['gpu_layers']) for r in rows})) if kind == "backends"
+             else f"against --{kind.replace('_', '-')}")
+    fig.suptitle(f"{title}\ndecode and prefill tok/s {shown}")
     fig.tight_layout()
+    return fig
+
+
+def plot(rows: list[dict], path: Path, title: str, predicted: dict[tuple[str, str], float] | None = None) -> bool:
+    """figure() written to `path` as a PNG; False (nothing written) where there is nothing to plot."""
+    import matplotlib.pyplot as plt
+
+    from dsq.formats.hf import atomic_output_file
+
+    fig = figure(rows, title, predicted)
+    if fig is None:
+        return False
     with atomic_output_file(Path(path), force=True) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
+    return True
 
 
 def _plot_predicted(ax, backend: str, xs: list[str], predicted: dict[tuple[str, str], float], color) -> None:
+    """The offload model's decode tok/s at the measured splits, dashed, each point marked (one alone shows too)."""
     pts = [(x, predicted[(backend, x)]) for x in xs if (backend, x) in predicted]
     if pts:
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="--", color=color, alpha=0.7,
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="--", marker="x", color=color, alpha=0.7,
                 label=f"{backend} predicted")

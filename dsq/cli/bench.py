@@ -8,15 +8,15 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import (Compile, Dtype, Experts, Force, Head, KvDtype, ModelArg, Revision, Threads,
-                             backend_options)
+from dsq.cli.options import (Compile, Dtype, Experts, Force, Head, JsonFlag, KvDtype, MaxTokens, ModelArg, OutFile,
+                             PromptTokens, Repeat, Revision, Threads, backend_options)
 
 
-@command("bench", examples=[
+@command("bench", renamed={"--gen-tokens": "--max-tokens", "--json FILE": "--out"}, examples=[
     "dsq bench",
-    "dsq bench model.gguf --gpu-layers 0,8,16,all --json sweep.json --plot sweep.png",
-    "dsq bench --prompt-tokens 128 --gen-tokens 64 --repeat 5",
-    "dsq bench --backend native,llama.cpp --gen-tokens 64",
+    "dsq bench model.gguf --gpu-layers 0,8,16,all --out sweep.json --plot sweep.png",
+    "dsq bench --prompt-tokens 128 --max-tokens 64 --repeat 5 --json",
+    "dsq bench --backend native,llama.cpp -n 64",
     "dsq bench model.gguf --backend native,llama.cpp --gpu-layers 0,8,16,24,all --plot race.png",
     "dsq bench model.gguf --backend native --gpu-layers all --batch 1,4,16 --plot batch.png",
     "dsq bench --serve http://127.0.0.1:8000 --concurrency 1,8,32 --requests 64 --gpu-cost-per-hour 3",
@@ -26,18 +26,21 @@ def bench(
     backend: Annotated[str, typer.Option("--backend", "-b", help="Backends to compare, comma-separated: llama.cpp, "
                                                                   "native or auto (llama.cpp, and native for AWQ / "
                                                                   "GPTQ / FP8 directories).")] = "auto",
-    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length (real English text).")] = 512,
-    gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="Tokens to generate per run.")] = 128,
-    repeat: Annotated[int, typer.Option("--repeat", "-r", help="Timed runs per configuration.")] = 3,
+    prompt_tokens: PromptTokens = 512,
+    gen_tokens: MaxTokens = 128,
+    repeat: Repeat = 3,
     gpu_layers: Annotated[str, typer.Option("--gpu-layers", "-g",
                                             help="Comma-separated sweep, e.g. 0,8,all (or auto).")] = "0",
     batch: Annotated[str, typer.Option("--batch", help="Sequences decoded together, comma-separated sweep "
                                                         "(native backend; tok/s then count all of them).")] = "1",
     threads: Threads = None,
-    ctx: Annotated[Optional[int], typer.Option("--ctx", help="Context size (default: prompt + gen).")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the records to this JSON file.")] = None,
-    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Plot tok/s against --gpu-layers (PNG), with "
-                                                                     "the offload model's prediction dashed.")] = None,
+    ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", min=1, help="Context length in tokens (default: "
+                                                                         "prompt + generated).")] = None,
+    as_json: JsonFlag = False,
+    json_path: OutFile = None,
+    plot_path: Annotated[Optional[Path], typer.Option(
+        "--plot", help="Plot tok/s (PNG) where it says something: against a --gpu-layers sweep (the offload "
+        "model's prediction dashed) or a --batch sweep, or backends side by side as bars.")] = None,
     force: Force = False,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One untimed run of the prompt first (autotuning, compiling).")] = True,
     dtype: Dtype = None,
@@ -49,7 +52,7 @@ def bench(
                                                                   "(the prefix cache keeps it flat).")] = 0,
     serve: Annotated[Optional[str], typer.Option(
         "--serve", help="Instead: load-test the OpenAI-compatible server at this URL (dsq serve, llama-server, "
-        "vLLM): streaming completions of held-out text, prompts of up to --prompt-tokens words, --gen-tokens "
+        "vLLM): streaming completions of held-out text, prompts of up to --prompt-tokens words, --max-tokens "
         "each.")] = None,
     concurrency: Annotated[str, typer.Option("--concurrency", help="With --serve: requests in flight, "
                                                                     "comma-separated sweep.")] = "1,8,32",
@@ -68,9 +71,9 @@ def bench(
 
     Prefill and decode tok/s, TTFT and TPOT are reported as the median and the worst of --repeat
     runs (the p99 from 100 runs); peak RSS and VRAM above what the process held before loading.
-    The table goes to stdout, records to --json, a sweep plot to --plot. Two backends are shown
-    side by side at each --gpu-layers with the ratio of the first to the second. Without a GPU,
-    a --gpu-layers sweep runs once, on the CPU.
+    The table goes to stdout (the JSON report instead with --json), the report to --out, a plot
+    to --plot. Two backends are shown side by side at each --gpu-layers with the ratio of the
+    first to the second. Without a GPU, a --gpu-layers sweep runs once, on the CPU.
     """
     from dsq.runtime.model_ref import resolve_model
     from dsq.ui import console, status
@@ -81,7 +84,7 @@ def bench(
         _check_output(path, force)
     if serve:
         return _serve_bench(serve, _batches(concurrency, "--concurrency"), requests, gen_tokens, prompt_tokens,
-                            serve_model, gpu_cost_per_hour, json_path, plot_path, con, same_prompts)
+                            serve_model, gpu_cost_per_hour, (as_json, json_path), plot_path, con, same_prompts)
     ref = resolve_model(model, con, revision)
     backends = _backends(ref, backend)
     sweep = _sweep(ref, gpu_layers, ctx, backends, con)
@@ -90,7 +93,7 @@ def bench(
                                head if b == "native" else None)
             for b in backends}
     if chat_turns:
-        return _chat_bench(ref, backends, chat_turns, gen_tokens, threads, ctx, opts, json_path, con)
+        return _chat_bench(ref, backends, chat_turns, gen_tokens, threads, ctx, opts, (as_json, json_path), con)
     settings = {"prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeat": repeat, "backends": backends,
                 "gpu_layers": [str(g) for g in sweep], "batch": list(batches), "experts": experts,
                 "head": head or "gpu"}
@@ -100,7 +103,7 @@ def bench(
         records = run_bench(str(ref.path), backends=backends, gpu_layers=sweep, prompt_tokens=prompt_tokens,
                             gen_tokens=gen_tokens, repeat=repeat, threads=threads, ctx=ctx, warmup=warmup,
                             on_status=lambda s: st.update(s), model_opts=opts, batch=batches)
-    _report(ref, records, settings, json_path, plot_path, ctx, threads)
+    _report(ref, records, settings, (as_json, json_path), plot_path, ctx, threads)
 
 
 def _batches(batch: str, flag: str = "--batch") -> tuple[int, ...]:
@@ -115,11 +118,9 @@ def _batches(batch: str, flag: str = "--batch") -> tuple[int, ...]:
     return out
 
 
-def _serve_bench(url, levels, requests, gen_tokens, prompt_tokens, model, cost, json_path, plot_path, con,
+def _serve_bench(url, levels, requests, gen_tokens, prompt_tokens, model, cost, outputs, plot_path, con,
                  same_prompts: bool = False) -> None:
     """--serve: the load generator's levels as a table, JSON and a plot."""
-    import json
-
     from rich.table import Table
 
     from dsq.bench.serve_load import plot, run_load
@@ -140,7 +141,7 @@ def _serve_bench(url, levels, requests, gen_tokens, prompt_tokens, model, cost, 
         if cost is not None:
             row.append("n/a" if lv["cost_per_1m_output"] is None else f"{lv['cost_per_1m_output']:.3f}")
         t.add_row(*[str(x) for x in row])
-    out_console().print(t)
+    (con if outputs[0] else out_console()).print(t)
     for lv in result["levels"]:
         s = lv.get("server")
         if s:
@@ -163,8 +164,7 @@ def _serve_bench(url, levels, requests, gen_tokens, prompt_tokens, model, cost, 
                           "[/dim]")
     for e in result["errors"][:3]:
         con.print(f"[red]failed: {e}[/red]")
-    if json_path:
-        json_path.write_text(json.dumps(result, indent=2))
+    _emit(result, outputs, con)
     if plot_path:
         plot(result, plot_path)
 
@@ -188,36 +188,44 @@ def _backends(ref, backend: str) -> list[str]:
 
 def _sweep(ref, gpu_layers: str, ctx: int | None, backends: list[str], con) -> list:
     """The --gpu-layers values to run. Where no backend can use a GPU (none here, or a llama.cpp
-    build without GPU support), every value runs on the CPU: a sweep of several runs once, as 0."""
+    build without GPU support), every value runs on the CPU: once, as 0 (as the records say)."""
     from dsq.runtime.gpu_layers import GpuLayers, parse_for
 
     sweep = [parse_for(g, ref.path, ctx or 4096, backends[0]) for g in gpu_layers.split(",") if g.strip()]
     if all(g == GpuLayers.NONE for g in sweep) or _some_gpu(backends):
         return sweep
-    if len(sweep) == 1:
-        con.print("[yellow]note:[/yellow] no GPU this run can use: every layer runs on the CPU")
-        return sweep
-    con.print(f"[yellow]note:[/yellow] no GPU this run can use: --gpu-layers {gpu_layers} would all run on the "
-              "CPU, so it runs once, as 0")
+    con.print(f"[yellow]note:[/yellow] no GPU: running on the CPU (--gpu-layers {gpu_layers} "
+              + ("runs as 0)" if len(sweep) == 1 else "would all run there, so it runs once, as 0)"))
     return [GpuLayers.NONE]
 
 
 def _some_gpu(backends: list[str]) -> bool:
     """Whether one of the backends can put layers on a GPU here."""
-    from dsq.runtime.llama_cpp_backend import supports_gpu_offload
-    from dsq.runtime.placement import detect_gpu
+    from dsq.runtime.gpu_layers import gpu_usable
 
-    if detect_gpu() is None:
-        return False
-    return "native" in backends or supports_gpu_offload()
+    return any(gpu_usable(b) for b in backends)
 
 
-def _report(ref, records, settings: dict, json_path, plot_path, ctx, threads) -> None:
+def _emit(report: dict, outputs: tuple, con) -> None:
+    """The report as JSON: on stdout with --json, into the --out file."""
+    import json
+
+    from dsq.bench.report import write_json
+
+    as_json, path = outputs
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    if path:
+        write_json(path, report)
+        con.print(f"wrote {path}")
+
+
+def _report(ref, records, settings: dict, outputs, plot_path, ctx, threads) -> None:
     """The table on stdout, what computed on the CPU on stderr, the records and the plot."""
     import datetime
 
     from dsq.bench.metrics import cuda_context_bytes
-    from dsq.bench.report import plot, ratios, summarize, table, write_json
+    from dsq.bench.report import plot, plot_kind, ratios, summarize, table
     from dsq.bench.runner import cpu_builds, machine_info
     from dsq.ui import console, out_console
 
@@ -228,21 +236,25 @@ def _report(ref, records, settings: dict, json_path, plot_path, ctx, threads) ->
     plans, s["bandwidths"] = _rooflines(ref.path, rows, ctx, s["prompt_tokens"], s["gen_tokens"], threads)
     title = f"{ref.label}: {s['prompt_tokens']} prompt + {s['gen_tokens']} generated tokens, {s['repeat']} runs"
     context = cuda_context_bytes()
-    out_console().print(table(rows, title, context))
+    (con if outputs[0] else out_console()).print(table(rows, title, context))
     builds = cpu_builds()
     con.print(f"CPU code: native kernels {builds['native_cpu_kernels']}; llama.cpp {builds['llama_cpp_cpu']} "
               f"({builds['llama_cpp_lib']})")
-    if json_path:
+    if any(outputs):
         backends = s["backends"]
         report = {"model": str(ref.path), "label": ref.label, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                   "machine": machine_info(),
                   "settings": {**s, "threads": records[0].threads,
                                "cuda_context_mb": None if context is None else round(context / 2**20, 1)},
                   "runs": recs, "summary": rows, "ratios": ratios(rows, *backends[:2]) if len(backends) > 1 else []}
-        write_json(json_path, report)
-        con.print(f"wrote {json_path}")
-    if plot_path:
-        predicted = plans or _predicted(ref.path, rows, ctx, s["prompt_tokens"], s["gen_tokens"], threads)
+        _emit(report, outputs, con)
+    if plot_path and plot_kind(rows) is None:
+        con.print(f"[yellow]note:[/yellow] one backend at one configuration: nothing to plot, {plot_path} not "
+                  "written (a --gpu-layers or --batch sweep, or two backends, make a plot)")
+    elif plot_path:
+        sweep = plot_kind(rows) == "gpu_layers"
+        predicted = plans or (_predicted(ref.path, rows, ctx, s["prompt_tokens"], s["gen_tokens"], threads)
+                              if sweep else {})
         plot(rows, plot_path, title, {k: p.predicted_tok_s for k, p in predicted.items()})
         con.print(f"wrote {plot_path}")
 
@@ -283,10 +295,9 @@ def _predicted(model, rows, ctx, prompt_tokens: int, gen_tokens: int, threads, b
                            kv_tokens=prompt_tokens + gen_tokens // 2, bandwidths=bw)
 
 
-def _chat_bench(ref, backends, turns, gen_tokens, threads, ctx, opts, json_path, con) -> None:
+def _chat_bench(ref, backends, turns, gen_tokens, threads, ctx, opts, outputs, con) -> None:
     from rich.table import Table
 
-    from dsq.bench.report import write_json
     from dsq.bench.runner import machine_info, run_chat_bench
     from dsq.ui import out_console, status
 
@@ -304,8 +315,6 @@ def _chat_bench(ref, backends, turns, gen_tokens, threads, ctx, opts, json_path,
             r = next(x for x in rows if x["backend"] == b and x["turn"] == turn)
             cells += [str(r["history_tokens"]), f"{r['ttft_ms']:.1f}"]
         t.add_row(*cells)
-    out_console().print(t)
-    if json_path:
-        write_json(json_path, {"model": str(ref.path), "label": ref.label, "machine": machine_info(),
-                               "scenario": "chat", "turns": rows})
-        con.print(f"wrote {json_path}")
+    (con if outputs[0] else out_console()).print(t)
+    _emit({"model": str(ref.path), "label": ref.label, "machine": machine_info(), "scenario": "chat", "turns": rows},
+          outputs, con)

@@ -2,33 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
+import signal
 from typing import Annotated, Callable
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
 from dsq import __version__
-from dsq.errors import DsqError
+from dsq.errors import DsqError, Terminated
 
 # click's exception classes as this typer uses them (newer typers vendor click)
 _BadParameter = typer.BadParameter
 _UsageError = next(c for c in _BadParameter.__mro__ if c.__name__ == "UsageError")
 
 
-def _usage_error(e) -> None:
-    """A bad flag or value: one line on stderr. A bad value exits 1 like every user error; a
-    flag or command that does not exist exits 2 (click's usage error)."""
+def _usage_error(e, where: str | None = None) -> None:
+    """A bad flag or value: one line on stderr, pointing at the help of the command (`where`) it
+    was given to. A bad value exits 1 like every user error; a flag or command that does not exist
+    exits 2 (click's usage error)."""
     if type(e).__name__ == "NoArgsIsHelpError":  # plain `dsq`: its help
         raise e
     if isinstance(e, _BadParameter):
         message = e.message.removeprefix("Value error, ").rstrip(".")
         message = message[:1].lower() + message[1:] if message[1:2].islower() else message
         fail(f"invalid value for {_param_name(e)}: {message}")
-    where = e.ctx.command_path if e.ctx is not None else "dsq"
-    fail(f"{e.format_message().rstrip('.')}. See '{where} --help'", 2)
+    where = where or (e.ctx.command_path if e.ctx is not None else "dsq")
+    message = e.format_message().rstrip()
+    if not message.endswith(("?", "!", ".")):
+        message += "."
+    fail(f"{message} See '{where} --help'", 2)
 
 
 def _param_name(e) -> str:
@@ -46,7 +52,37 @@ def _without_flag_types(cmd, ctx) -> None:
             p.metavar = ""
 
 
+# each command's old flag spellings: {old: new}; "OLD FILE": only where a file path follows it
+_RENAMED: dict[str, dict[str, str]] = {}
+
+
+def renamed_args(args: list[str], renamed: dict[str, str]) -> list[str]:
+    """ARGS with old flag spellings swapped for the new ones, a note on stderr for each."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg == "--":
+            break
+        name, eq, value = arg.partition("=")
+        new = renamed.get(name)
+        file_only = renamed.get(f"{name} FILE")
+        if new is None and file_only is not None and (eq or (i + 1 < len(out) and out[i + 1].endswith(".json"))):
+            new = file_only
+        if new is not None:
+            typer.echo(f"note: {name} is now {new}", err=True)
+            out[i] = new + eq + value
+    return out
+
+
 class _Command(TyperCommand):
+    """A subcommand: old flag spellings accepted with a note, usage errors naming its own help."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        args = renamed_args(args, _RENAMED.get(self.name, {}))
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except _UsageError as e:
+            _usage_error(e, f"{parent.command_path} {info_name}" if parent is not None else info_name)
+
     def format_help(self, ctx, formatter) -> None:
         _without_flag_types(self, ctx)
         return super().format_help(ctx, formatter)
@@ -119,11 +155,31 @@ def _internal(e: BaseException) -> str:
     return f"internal error: {type(e).__name__}: {e} (run with DSQ_DEBUG=1 for the traceback and please report it)"
 
 
-def command(name: str, examples: list[str], **kwargs) -> Callable:
-    """Register a subcommand whose user errors print one line and exit 1.
+@contextlib.contextmanager
+def sigterm_stops():
+    """SIGTERM inside: raised as Terminated where the command is, so that it stops as Ctrl-C stops
+    it (its work kept, one line said) instead of dying silently."""
+    def stop(signum, frame):
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: the default stays
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def command(name: str, examples: list[str], renamed: dict[str, str] | None = None, **kwargs) -> Callable:
+    """Register a subcommand whose user errors print one line and exit 1; `renamed`: its old
+    flag spellings, still accepted with a note (see renamed_args).
 
     DSQ_DEBUG=1 lets every exception through with its traceback.
     """
+    _RENAMED[name] = renamed or {}
     epilog = "[bold]Examples[/bold]\n\n" + "\n\n".join(f"  [cyan]{e}[/cyan]" for e in examples)
 
     def deco(fn: Callable) -> Callable:
@@ -136,8 +192,9 @@ def command(name: str, examples: list[str], **kwargs) -> Callable:
             except DsqError as e:
                 fail(e.one_line(), e.exit_code)
             except KeyboardInterrupt as e:  # its message, if any, says what a rerun resumes from
-                typer.echo("interrupted" + (f"; {e}" if str(e) else ""), err=True)
-                raise typer.Exit(130) from None
+                word, code = ("terminated", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+                typer.echo(word + (f"; {e}" if str(e) else ""), err=True)
+                raise typer.Exit(code) from None
             except (typer.Exit, typer.Abort):
                 raise
             except MemoryError:

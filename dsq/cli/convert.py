@@ -78,4 +78,10 @@ def convert(
             raise DsqError(f"{target} already exists", "pass --force to overwrite it or choose another OUT")
         convert_with_progress(lambda cb: hf_to_gguf(ref.path, target, outtype, force=force, progress=cb),
                               f"converting {name} to GGUF", console())
+    console().print(f"[green]wrote[/green] {target} ({_size(target) / 2**20:.1f} MiB)", highlight=False)
     out_console().print(str(target))
+
+
+def _size(path: Path) -> int:
+    """A file's bytes, or a folder's files' together."""
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

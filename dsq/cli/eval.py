@@ -9,13 +9,13 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import ModelArg, Revision, Threads
+from dsq.cli.options import JsonFlag, ModelArg, Revision, Threads, Tokens, Window
 
 
-@command("eval", examples=[
+@command("eval", renamed={"--max-tokens": "--tokens", "--ctx": "--window"}, examples=[
     "dsq eval gemma-3-270m-awq-w4                 # against the model it was made from",
     "dsq eval r1-7b-Q4_K_M.gguf --ref ./DeepSeek-R1-Distill-Qwen-7B",
-    "dsq eval model.gguf --text wiki.test.raw --ctx 512 --max-tokens 65536 --json",
+    "dsq eval model.gguf --text wiki.test.raw --window 512 --tokens 65536 --json",
 ])
 def eval_(
     model: ModelArg = None,
@@ -23,20 +23,21 @@ def eval_(
                                                               "was made from, when known).")] = None,
     text: Annotated[Optional[Path], typer.Option("--text", help="Evaluation text file (default: dsq's held-out "
                                                                 "built-in text).")] = None,
-    ctx: Annotated[int, typer.Option("--ctx", help="Tokens per window.")] = 512,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to score.")] = 4096,
+    window: Window = 512,
+    tokens: Tokens = 4096,
     backend: Annotated[Optional[str], typer.Option("--backend", "-b", help="native or llama.cpp (default: llama.cpp "
                                                                             "for GGUF, native otherwise).")] = None,
     threads: Threads = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonFlag = False,
     revision: Revision = None,
 ) -> None:
     """Score a model on held-out text: perplexity, and against a reference KLD and top-1 agreement."""
-    from dsq.eval.quality import evaluate, source_of
+    from dsq.eval.quality import check_window, evaluate, source_of
     from dsq.errors import DsqError
     from dsq.runtime.model_ref import resolve_model
     from dsq.ui import console, out_console, status
 
+    check_window(window, tokens)
     con = console()
     m = resolve_model(model, con, revision)
     reference = ref or source_of(str(m.path))
@@ -46,14 +47,14 @@ def eval_(
     if body is not None and not body.strip():
         raise DsqError(f"{text} is empty", "pass a file with text")
     with status("evaluating", con) as st:
-        r = evaluate(str(m.path), reference, body, ctx=ctx, max_tokens=max_tokens, backend=backend, threads=threads,
+        r = evaluate(str(m.path), reference, body, ctx=window, max_tokens=tokens, backend=backend, threads=threads,
                      on_window=lambda i, n: st.update(f"evaluating: window {i}/{n}"))
     if as_json:
         typer.echo(json.dumps(r))
         return
     out = out_console()
     out.print(f"{m.label}: perplexity [bold]{r['perplexity']:.4f}[/bold] over {r['tokens']} tokens "
-              f"({r['windows']} windows of {ctx}, {r['backend']})")
+              f"({r['windows']} windows of {window}, {r['backend']})")
     if reference:
         out.print(f"reference {reference}: perplexity {r['reference_perplexity']:.4f} "
                   f"(delta {r['delta_perplexity']:+.4f}); KLD {r['kld']:.5f}; top-1 agreement {r['top1_agreement']:.2%}")

@@ -9,12 +9,12 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Experts, Head, ModelArg, Revision, Threads
+from dsq.cli.options import Ctx, Experts, Head, JsonFlag, MaxTokens, ModelArg, PromptTokens, Repeat, Revision, Threads
 
 MIB = 2**20
 
 
-@command("offload", examples=[
+@command("offload", renamed={"--gen-tokens": "--max-tokens"}, examples=[
     "dsq offload --vram 2G",
     "dsq offload DeepSeek-R1-Distill-Llama-8B-Q4_K_M.gguf --vram 6G --ram 32G --ctx 8192",
     "dsq offload model.gguf --backend native --vram 24G --json",
@@ -26,7 +26,7 @@ def offload(
     model: ModelArg = None,
     vram: Annotated[Optional[str], typer.Option("--vram", help="GPU memory budget, e.g. 8G (default: free VRAM).")] = None,
     ram: Annotated[Optional[str], typer.Option("--ram", help="CPU memory budget, e.g. 32G.")] = None,
-    ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context length the KV cache must hold.")] = 4096,
+    ctx: Ctx = 4096,
     backend: Annotated[Optional[str], typer.Option(
         "--backend", "-b", help="Plan for native or llama.cpp (default: llama.cpp, as dsq run; native with --measure).")] = None,
     gpu_layers: Annotated[Optional[str], typer.Option(
@@ -36,13 +36,13 @@ def offload(
                                                                 "transfer cost, and keep them for the predictions.")] = False,
     measure: Annotated[bool, typer.Option("--measure", help="Load the model at each split and print predicted "
                                                             "beside measured decode tok/s.")] = False,
-    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="--measure: prompt length.")] = 64,
-    gen_tokens: Annotated[int, typer.Option("--gen-tokens", help="--measure: tokens generated per run.")] = 32,
-    repeat: Annotated[int, typer.Option("--repeat", "-r", help="--measure: timed runs per split.")] = 3,
+    prompt_tokens: PromptTokens = 64,
+    gen_tokens: MaxTokens = 32,
+    repeat: Repeat = 3,
     threads: Threads = None,
     gpu_bw: Annotated[Optional[float], typer.Option("--gpu-bw", help="GPU bandwidth in GB/s (default: calibrated, else known card).")] = None,
     cpu_bw: Annotated[Optional[float], typer.Option("--cpu-bw", help="CPU bandwidth in GB/s (default: calibrated, else measured now).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the plan, calibration or measurement as JSON.")] = False,
+    as_json: JsonFlag = False,
     experts: Experts = "auto",
     head: Head = None,
     revision: Revision = None,
@@ -128,14 +128,17 @@ def _plan(ref, backend: str, vram: str | None, ram: str | None, ctx: int, gpu_la
 
 
 def _vram_budget(vram: str | None) -> int:
-    from dsq.errors import DsqError
     from dsq.runtime.placement import detect_gpu, parse_size
 
     if vram is not None:
         return parse_size(vram)
     gpu = detect_gpu()
     if gpu is None:
-        raise DsqError("no GPU found here", "pass --vram SIZE to plan for a GPU, e.g. --vram 8G")
+        from dsq.ui import console
+
+        console().print("[yellow]note:[/yellow] no GPU: planning for the CPU (pass --vram SIZE to plan for a GPU, "
+                        "e.g. --vram 8G)")
+        return 0
     return gpu.free_bytes
 
 

@@ -52,7 +52,26 @@ Backend = Annotated[str, typer.Option(
     "GPTQ / FP8 directories, which only it runs.")]
 Dtype = Annotated[Optional[str], typer.Option(
     "--dtype", help="native: activation dtype bf16|fp16|fp32 (default: bf16 on GPU, fp32 on CPU).")]
-KvDtype = Annotated[Optional[str], typer.Option("--kv-dtype", help="KV cache dtype: bf16|fp16|fp32.")]
+FP8_NAMES = ("fp8", "fp8_e4m3", "e4m3")
+# the KV cache dtypes some engine here keeps (fp8: dsq serve's paged cache only)
+KV_DTYPES = ("bf16", "fp16", "fp32", "float16", "float32", "bfloat16", "f16", "f32", *FP8_NAMES)
+
+
+def _kv_dtype(value: str | None) -> str | None:
+    if value is not None and value.lower() not in KV_DTYPES:
+        raise typer.BadParameter(f"{value!r} is not a KV cache dtype; use fp8, bf16, fp16 or fp32")
+    return value
+
+
+KvDtype = Annotated[Optional[str], typer.Option(
+    "--kv-dtype", callback=_kv_dtype, help="KV cache dtype: bf16, fp16, fp32 (default: the activations'), or fp8 "
+    "(e4m3, a scale per token and head; dsq serve's paged cache).")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of text.")]
+OutFile = Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the records to this JSON file.")]
+PromptTokens = Annotated[int, typer.Option("--prompt-tokens", min=1, help="Prompt length in tokens (real English text).")]
+Repeat = Annotated[int, typer.Option("--repeat", "-r", min=1, help="Timed runs per configuration.")]
+Tokens = Annotated[int, typer.Option("--tokens", min=1, help="Most tokens to score.")]
+Window = Annotated[int, typer.Option("--window", min=16, help="Tokens per scoring window.")]
 Compile = Annotated[bool, typer.Option(
     "--compile", help="native: torch.compile the decode step, on CUDA or the CPU (starts slower: ~20 s on a "
     "GPU, ~40 s on 2 CPU cores the first time, ~7 s once cached; decodes faster). On the CPU, not where "
@@ -97,6 +116,7 @@ class Loading:
         """The model on the backend that runs it (--backend auto: llama.cpp, or native for weights
         only it runs, said on stderr)."""
         from dsq.runtime.engine import load, native_only_format, pick_backend
+        from dsq.runtime.gpu_layers import gpu_usable
         from dsq.runtime.model_ref import resolve_model
         from dsq.ui import console
 
@@ -106,9 +126,12 @@ class Loading:
         if backend != self.backend and backend == "native":
             con.print(f"[dim]{native_only_format(ref)} weights: running on the native backend "
                       "(llama.cpp takes GGUF)[/dim]")
-        return load(ref, backend=backend, ctx=self.ctx, threads=self.threads, gpu_layers=self.gpu_layers, seed=seed,
-                    console=con, **backend_options(backend, self.dtype, self.kv_dtype, self.compile, self.experts,
-                                                    self.head))
+        m = load(ref, backend=backend, ctx=self.ctx, threads=self.threads, gpu_layers=self.gpu_layers, seed=seed,
+                 console=con, **backend_options(backend, self.dtype, self.kv_dtype, self.compile, self.experts,
+                                                 self.head))
+        if self.gpu_layers.strip() != "0" and not gpu_usable(backend):
+            con.print("[yellow]note:[/yellow] no GPU: running on the CPU")
+        return m
 
 
 def grouped(**groups) -> Callable:
@@ -151,6 +174,8 @@ def backend_options(backend: str, dtype: str | None, kv_dtype: str | None, compi
 
     experts = check_backend(parse_experts(experts), backend)
     head = None if head is None else parse_head(head)
+    if kv_dtype is not None and kv_dtype.lower() in FP8_NAMES:
+        raise DsqError("--kv-dtype fp8 is dsq serve's (its paged KV cache)", "use bf16, fp16 or fp32 here")
     if backend == "native":
         return {"dtype": dtype, "kv_dtype": kv_dtype, "compile": compile, "experts": experts, "head": head}
     if dtype is not None or compile or head is not None:

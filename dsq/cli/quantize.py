@@ -11,9 +11,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from dsq.cli.common import command
+from dsq.cli.common import command, sigterm_stops
 from dsq.cli.options import Force, ModelArg, Revision, Threads
-from dsq.quant.spec import EVAL_TOKENS
+from dsq.quant.spec import EVAL_MODES, EVAL_TOKENS, QUICK_EVAL_TOKENS
 
 
 class Method(str, Enum):
@@ -57,8 +57,11 @@ def quantize(
     recipe: Annotated[Optional[str], typer.Option("--recipe", help="Apply a recipe from recipes/; MODEL is then the model "
                                                                    "it names (default: its Hugging Face repo, fetched).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
-    eval_tokens: Annotated[int, typer.Option("--eval-tokens", min=0, help="Held-out tokens for the model card's "
-                                                                   "eval (0 skips).")] = EVAL_TOKENS,
+    evaluation: Annotated[str, typer.Option(
+        "--eval", help=f"rtn/awq/gptq/fp8: the model card's evaluation against the source: quick ({QUICK_EVAL_TOKENS} "
+        f"held-out tokens, batched), full ({EVAL_TOKENS}) or none.")] = "quick",
+    eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", min=0, help="Held-out tokens for the model "
+                                                       "card's evaluation instead (0 skips).")] = None,
     threads: Threads = None,
     force: Force = False,
     revision: Revision = None,
@@ -86,13 +89,21 @@ def quantize(
         model = model or _recipe_model(recipe)
         opts = _with_recipe(ctx, recipe, opts)
     spec = spec_from_options(opts).validate()  # refuse bad settings before any work
+    if evaluation not in EVAL_MODES:
+        from dsq.errors import DsqError
+
+        raise DsqError(f"--eval {evaluation!r} is not an evaluation", f"choose one of: {', '.join(EVAL_MODES)}")
+    if eval_tokens is None:
+        eval_tokens = EVAL_MODES[evaluation]
     if out:
         check_output_path(Path(out), "--out")
     clock = _Clock()
     src, name = clock.time("export of the built-in model" if model is None else "download",
                            lambda: _source(model, con, revision))
     target = Path(out) if out else Path.cwd() / f"{name}-{spec.impl.output_name(spec)}"
-    _quantize(src, target, spec, clock, con, device=device, force=force, threads=threads, eval_tokens=eval_tokens)
+    with sigterm_stops():
+        _quantize(src, target, spec, clock, con, device=device, force=force, threads=threads,
+                  eval_tokens=eval_tokens)
 
 
 def _quantize(src: Path, target: Path, spec, clock: "_Clock", con, **kw) -> None:
@@ -106,7 +117,8 @@ def _quantize(src: Path, target: Path, spec, clock: "_Clock", con, **kw) -> None
     evals = quant.evals_of(target) if spec.impl.writes_card else None
     con.print(f"[green]wrote[/green] {target} ({spec.impl.describe(target)}) in {clock.summary()}"
               + (f"; held-out perplexity {evals['perplexity']:.3f} (source {evals['source perplexity']:.3f}), "
-                 f"KLD {evals['KLD']:.4f}" if evals else ""), markup=True, highlight=False)
+                 f"KLD {evals['KLD']:.4f} ({evals.get('evaluation', 'full')} evaluation, {evals['tokens']} tokens)"
+                 if evals else ""), markup=True, highlight=False)
     out_console().print(str(target))
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Loading, ModelArg, Sampling, grouped, stdin_text
+from dsq.cli.options import JsonFlag, Loading, ModelArg, Sampling, grouped, stdin_text
 
 
 @command("run", examples=[
@@ -28,7 +28,7 @@ def run(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-text tokens.")] = False,
     loading: Loading = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
+    as_json: JsonFlag = False,
 ) -> None:
     """Generate text from a prompt, streamed to stdout.
 
@@ -54,7 +54,10 @@ def run(
                       chat=chat, system=system, ignore_eos=ignore_eos, on_text=None if as_json else echo)
     st = result.stats
     if as_json:
-        out = {"model": str(m.ref.path), "backend": m.backend, "gpu_layers": m.gpu_layers.n_gpu_layers,
+        from dsq.runtime.gpu_layers import gpu_usable
+
+        on_gpu = m.gpu_layers.n_gpu_layers if gpu_usable(m.backend) else 0  # what sits on a GPU, none without one
+        out = {"model": str(m.ref.path), "backend": m.backend, "gpu_layers": on_gpu,
                "threads": m.n_threads, **result.as_dict()}
         typer.echo(json.dumps(out, ensure_ascii=False))
         return

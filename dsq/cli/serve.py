@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, ModelArg, Threads
+from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, KvDtype, ModelArg, Threads
 
 
 @command("serve", examples=[
@@ -33,9 +33,7 @@ def serve(
         "--kv-memory", help="MiB the paged KV cache takes (instead of --kv-tokens): fp8 holds twice bf16's tokens; "
         "a DeepSeek model's latent rows (MLA) hold many more than a llama's keys and values.")]
     = None,
-    kv_dtype: Annotated[Optional[str], typer.Option(
-        "--kv-dtype", help="KV cache dtype: fp8 (e4m3, a scale per token and head), bf16, fp16, fp32 "
-        "(default: the activations').")] = None,
+    kv_dtype: KvDtype = None,
     block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")] = 16,
     max_seqs: Annotated[int, typer.Option("--max-seqs", help="Most sequences decoded together in a step.")] = 32,
     prefill_chunk: Annotated[int, typer.Option(

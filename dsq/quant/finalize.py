@@ -9,8 +9,9 @@ import shutil
 from pathlib import Path
 
 from dsq.quant import faults
+from dsq.quant.method import weights_bytes
 from dsq.quant.moe import Kept, card_lines, kept_linears, read_routing
-from dsq.quant.spec import OnStep, QuantSpec, Step
+from dsq.quant.spec import OnStep, QuantSpec, Step, eval_name
 from dsq.quant.staging import Run, place_shards
 
 EVAL_TASK = "evaluating on held-out text"
@@ -37,7 +38,7 @@ def assemble(run: Run, hf, spec: QuantSpec) -> None:
     faults.point("finalize:tokenizer")
     write_json(run.stage / "dsq_quant.json", _record(run, hf, spec, routing))
     faults.point("finalize:record")
-    (run.stage / "README.md").write_text(model_card(hf, spec, size, kept=kept, routing=routing))
+    (run.stage / "README.md").write_text(model_card(hf, spec, weights_bytes(run.stage), kept=kept, routing=routing))
     run.record(phase="staged", size=size)
 
 
@@ -85,13 +86,14 @@ def evaluate_stage(run: Run, hf, spec: QuantSpec, tokens: int, progress: OnStep)
     kept, routing = _facts(run, hf, spec)
     write_json(run.stage / "dsq_quant.json", _record(run, hf, spec, routing, evals))
     shown = {k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in evals.items()} if evals else None
-    (run.stage / "README.md").write_text(model_card(hf, spec, run.state["size"], shown, kept, routing))
+    (run.stage / "README.md").write_text(model_card(hf, spec, weights_bytes(run.stage), shown, kept, routing))
     faults.point("finalize:card")
     run.record(phase="ready", eval_tokens=tokens)
 
 
 def _evaluate(model: Path, source: Path, tokens: int, progress: OnStep) -> dict:
     from dsq.eval.quality import evaluate
+    from dsq.quant.spec import eval_shape
 
     progress(Step(EVAL_TASK))
 
@@ -99,9 +101,10 @@ def _evaluate(model: Path, source: Path, tokens: int, progress: OnStep) -> dict:
         faults.point("eval")
         progress(Step(EVAL_TASK, done, total))
 
-    r = evaluate(str(model), str(source), ctx=min(512, tokens), max_tokens=tokens, on_window=on_window)
+    window, batch = eval_shape(tokens)
+    r = evaluate(str(model), str(source), ctx=window, max_tokens=tokens, on_window=on_window, batch=batch)
     return {"perplexity": r["perplexity"], "source perplexity": r["reference_perplexity"], "KLD": r["kld"],
-            "top-1 agreement": r["top1_agreement"], "tokens": r["tokens"]}
+            "top-1 agreement": r["top1_agreement"], "tokens": r["tokens"], "evaluation": eval_name(tokens)}
 
 
 def model_card(hf, spec: QuantSpec, size: int, evals: dict | None = None, kept: Kept | None = None,
@@ -117,8 +120,10 @@ def model_card(hf, spec: QuantSpec, size: int, evals: dict | None = None, kept: 
     lines += [f"| {k} | {v} |" for k, v in settings.items()]
     lines += card_lines(routing or {}, spec)
     if evals:
-        lines += ["", "## Evaluation (dsq eval, held-out text)", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {v} |" for k, v in evals.items()]
+        lines += ["", f"## Evaluation ({evals.get('evaluation', 'full')}: {evals['tokens']} held-out tokens scored "
+                  "against the source; `dsq quantize --eval full` reads more, `dsq eval` any number)", "",
+                  "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in evals.items() if k != "evaluation"]
     lines += ["", "Loads in vLLM / SGLang / transformers as its `quantization_config` says, and in dsq's native runtime."]
     return "\n".join(lines) + "\n"
 

@@ -25,8 +25,10 @@ def check_target(out: Path, force: bool) -> None:
         raise OutputExists(f"{out} already exists", "pass --force to overwrite it or choose another --out")
 
 
-def dir_size(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+def weights_bytes(folder: Path) -> int:
+    """An HF artifact's size as dsq quantize's summary and its model card both give it: its
+    safetensors files (the tokenizer, config and card are not counted)."""
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
 def run_key(source: Path, *settings) -> str:
@@ -163,7 +165,7 @@ class LayerMethod(Method):
         return out
 
     def describe(self, out: Path) -> str:
-        total, kept = dir_size(out), bytes_outside_layers(out)
+        total, kept = weights_bytes(out), bytes_outside_layers(out)
         return (f"{total / 2**20:.1f} MiB, of which {kept / 2**20:.1f} MiB ({100 * kept / max(total, 1):.0f}%) are "
                 "the embeddings, the output head and the final norm, kept 16-bit: only the layers' Linears are "
                 "quantized")

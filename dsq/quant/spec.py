@@ -15,7 +15,23 @@ if TYPE_CHECKING:
 _CALIB_OPTIONS = {"calib": "source", "calib_samples": "samples", "calib_seq_len": "seq_len"}
 _LAYER_OPTIONS = ("bits", "group_size", "sym", "act_order", "damp", "fp8_scheme", "fp8_format", "skip",
                   "quantize_dense", "min_expert_tokens")
-EVAL_TOKENS = 2048  # held-out tokens the model card's evaluation reads by default
+EVAL_TOKENS = 2048  # held-out tokens the model card's full evaluation reads (--eval full)
+QUICK_EVAL_TOKENS = 512  # --eval quick, the default: a quarter of full, two windows scored in one batch
+EVAL_MODES = {"quick": QUICK_EVAL_TOKENS, "full": EVAL_TOKENS, "none": 0}
+
+
+def eval_name(tokens: int) -> str:
+    """The card's name for an evaluation of `tokens` held-out tokens."""
+    return next((k for k, v in EVAL_MODES.items() if v == tokens), "custom")
+
+
+def eval_shape(tokens: int) -> tuple[int, int]:
+    """(tokens a window, windows a forward pass) for the card's evaluation of `tokens` tokens: the
+    quick one as two windows of 256 in one batch, larger ones in windows of 512 one at a time
+    (a batch's logits take batch x window x vocabulary floats)."""
+    if tokens <= QUICK_EVAL_TOKENS:
+        return max(16, tokens // 2), 2
+    return 512, 1
 
 
 def _fields(options: dict, names: dict[str, str]) -> dict:
@@ -134,7 +150,7 @@ def interrupted(e: BaseException, kept: str | None) -> BaseException:
     """What to raise for a stopped run: a KeyboardInterrupt saying what a rerun resumes from."""
     if not isinstance(e, KeyboardInterrupt) or not kept:
         return e
-    return KeyboardInterrupt(f"{kept}: run the same command again to resume")
+    return type(e)(f"{kept}: run the same command again to resume")  # (a Terminated stays one)
 
 
 OnStep = Callable[[Step], None]  # a progress callback

@@ -38,6 +38,22 @@ class LoopGuard:
         return False
 
 
+class LineGuard:
+    """Spots a greedy reply repeating a line: the same non-blank line said, then repeated twice
+    (blank lines between them do not count). Greedy decoding that has repeated a line twice does
+    not leave it."""
+
+    def __init__(self, repeats: int = 3):
+        self.repeats, self.partial, self.lines = repeats, "", []
+
+    def feed(self, text: str) -> bool:
+        """Take the next piece of text; True when a line has now come `repeats` times in a row."""
+        *done, self.partial = (self.partial + text).split("\n")
+        self.lines += [line.strip() for line in done if line.strip()]
+        tail = self.lines[-self.repeats:]
+        return len(tail) == self.repeats and len(set(tail)) == 1
+
+
 class Conversation:
     def __init__(self, model: Backend, system: str | None = None, sampling: SamplingParams | None = None,
                  max_tokens: int = 1024, stop_loops: bool = True, template: str | None = None):
@@ -47,7 +63,7 @@ class Conversation:
         self.system = system
         self.sampling = (sampling or SamplingParams()).validate()
         self.max_tokens = max_tokens
-        self.stop_loops = stop_loops  # end a reply that repeats one cycle of tokens (LoopGuard)
+        self.stop_loops = stop_loops  # end a reply that repeats one cycle of tokens (LoopGuard) or, greedy, a line
         self.template = chat_template_for(model, template)  # template: Jinja text replacing the model's
         self.messages: list[dict] = []
         self.last_stats: GenStats | None = None
@@ -87,12 +103,14 @@ class Conversation:
         stats = GenStats()
         parts: list[str] = ["<think>\n"] if thinking else []
         guard = LoopGuard() if self.stop_loops else None
+        lines = LineGuard() if self.stop_loops and self.sampling.temperature == 0 else None
         events = self.model.stream(ids, self.sampling, self.max_tokens, stats)
         try:
             for ev in events:
                 parts.append(ev.text)
                 _emit(splitter.feed(ev.text), on_part)
-                if guard is not None and ev.token_id >= 0 and guard.feed(ev.token_id):
+                if (guard is not None and ev.token_id >= 0 and guard.feed(ev.token_id)
+                        or lines is not None and lines.feed(ev.text)):
                     stats.finish_reason = "loop"
                     break
             _emit(splitter.flush(), on_part)

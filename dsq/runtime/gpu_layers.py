@@ -174,6 +174,16 @@ def _llama_cpp_offloads() -> bool:
     return supports_gpu_offload()
 
 
+def gpu_usable(backend: str) -> bool:
+    """Whether `backend` can put layers on a GPU here (there is one, and for llama.cpp a build with
+    GPU offload)."""
+    from dsq.runtime.placement import detect_gpu
+
+    if detect_gpu() is None:
+        return False
+    return backend == "native" or _llama_cpp_offloads()
+
+
 def parse_for(value: GpuLayers | str | int | None, model: Path | None, ctx: int, backend: str) -> GpuLayers:
     """GpuLayers.parse, where a negative count's error also says what fits this GPU for `model`."""
     try:

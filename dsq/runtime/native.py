@@ -370,6 +370,11 @@ class NativeModel:
         out = self.model(torch.tensor([tokens]))
         return out[0].float().cpu().numpy()
 
+    @torch.inference_mode()
+    def logits_batch(self, windows: list[list[int]]):
+        """logits() of several sequences of one length in one forward pass. (B, T, V)."""
+        return self.model(torch.tensor(windows)).float().cpu().numpy()
+
     def _prefill(self, ids: list[int], start: int, cache, pad: torch.Tensor) -> torch.Tensor:
         """Run ids (B, T) into cache slots start.. ; return the last position's logits (B, V). On the
         CPU's avx2 kernels the prompt rounds x to int8 as decode does (dispatch.int8_prefill);

@@ -122,7 +122,9 @@ class Plan:
     head: str = "gpu"  # the native backend's --head for it: "gpu", "cpu", or the share of its rows in VRAM
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The plan, its gpu_layers the layers on the GPU (gpu_layers_arg: the backend's count,
+        which for llama.cpp counts the output head as one more)."""
+        return {**asdict(self), "gpu_layers": sum(lc.device == "GPU" for lc in self.layers)}
 
 
 def _kv_len(ctx: int, swa: bool, window: int, n_ubatch: int = 512, swa_full: bool = True) -> int:

@@ -17,7 +17,7 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from dsq.errors import DsqError
@@ -25,6 +25,7 @@ from dsq.runtime.chat_template import ThinkSplitter, prompt_opens_think
 from dsq.runtime.engine import chat_template_for, encode_prompt
 from dsq.runtime.sampling import SamplingParams
 from dsq.serve.engine import Engine, Event, Request
+from dsq.serve.exposition import exposition, registry_for
 
 
 class ApiError(Exception):
@@ -83,6 +84,7 @@ class Api:
         self.template = None
         self.think = self.nm.has_token("<think>") and self.nm.has_token("</think>")
         self.mailbox: Mailbox | None = None
+        self.registry = registry_for(engine)
 
     def app(self) -> Starlette:
         routes = [Route("/health", self.health), Route("/v1/models", self.models), Route("/metrics", self.metrics),
@@ -105,10 +107,10 @@ class Api:
              "max_model_len": self.engine.n_ctx}]})
 
     async def metrics(self, request: HttpRequest):
-        m = self.engine.metrics()
         if request.query_params.get("format") == "json":
-            return JSONResponse(m)
-        return PlainTextResponse("".join(f"dsq_{k} {v}\n" for k, v in m.items()))
+            return JSONResponse(self.engine.metrics())
+        body, content_type = exposition(self.registry)
+        return Response(body, media_type=content_type)
 
     # -- the two generation endpoints ---------------------------------------------------
     async def completions(self, request: HttpRequest):
