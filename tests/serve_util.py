@@ -50,12 +50,12 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def _start(*flags: str, ctx: int = CTX):
+def _start(*flags: str, ctx: int = CTX, env: dict | None = None):
     """`dsq serve` on a free port of 127.0.0.1 with `flags` (a model path among them, or the
-    built-in model), once /health answers."""
+    built-in model) and `env` beside the tests' environment, once /health answers."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dsq", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--ctx", str(ctx), "--max-seqs", "8", *flags], cwd=ROOT, env=_env(),
+                             "--ctx", str(ctx), "--max-seqs", "8", *flags], cwd=ROOT, env={**_env(), **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
@@ -81,3 +81,12 @@ def _stop(server) -> None:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def dsq_run(prompt: str, max_tokens: int, ctx: int = CTX) -> str:
+    """What `dsq run --backend native --temperature 0` prints for PROMPT (the built-in model)."""
+    out = subprocess.run([sys.executable, "-m", "dsq", "run", "--backend", "native", "-p", prompt, "--max-tokens",
+                          str(max_tokens), "--temperature", "0", "--ctx", str(ctx), "--json"],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["text"]

@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-from serve_util import CTX, ROOT, _env, _free_port, _get, _start, _stop, int8_x_build  # noqa: E402, F401 - shared with the other serve tests
+from serve_util import CTX, ROOT, _env, _free_port, _get, _start, _stop, dsq_run, int8_x_build  # noqa: E402, F401 - shared with the other serve tests
 
 PROMPTS = ["The history of the Roman Empire", "Why is the sky blue?", "def fibonacci(n):",
            "Once upon a time, in a land far away", "one two three four five six seven one two three four five"]
@@ -91,14 +91,6 @@ def test_stop_strings_and_seeded_sampling(client, model_id):
     assert a == b
 
 
-def _dsq_run(prompt: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "dsq", "run", "--backend", "native", "-p", prompt, "--max-tokens",
-                          str(N_TOKENS), "--temperature", "0", "--ctx", str(CTX), "--json"],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)["text"]
-
-
 _GENERATE = """
 import json, sys
 from dsq.runtime.engine import generate, load
@@ -114,7 +106,7 @@ def _dsq_run_all(prompts: list[str]) -> dict[str, str]:
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     texts = json.loads(out.stdout.splitlines()[-1])
-    assert texts[0] == _dsq_run(prompts[0])
+    assert texts[0] == dsq_run(prompts[0], N_TOKENS)
     return dict(zip(prompts, texts))
 
 
@@ -199,7 +191,8 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client, model
 def test_a_client_that_disconnects_frees_its_blocks(server):
     host, port = server["base"].removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": CTX, "temperature": 0, "stream": True, "ignore_eos": True})
+    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": CTX - 64, "temperature": 0, "stream": True,
+                       "ignore_eos": True})
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
