@@ -79,7 +79,8 @@ def parse_body(raw: bytes) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ApiError(400, f"the request body is not UTF-8 (byte {e.start}: {e.reason})", code="invalid_utf8") from None
+        raise ApiError(400, f"the request body is not UTF-8 (byte {e.start}: {e.reason})",
+                       code="invalid_utf8") from None
     if too_deep(raw):
         raise ApiError(400, f"the request body nests arrays and objects more than {MAX_DEPTH} deep",
                        code="too_deep")
