@@ -148,6 +148,8 @@ BAD = [  # (id, path, body, status, param, code)
     ("stream-string", C, {"prompt": "hi", "stream": "yes"}, 400, "stream", "invalid_type"),
     ("temperature-bool", C, {"prompt": "hi", "temperature": True}, 400, "temperature", "invalid_type"),
     ("messages-string", CC, {"messages": "hi"}, 400, "messages", "invalid_type"),
+    ("text-part-number", CC, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "messages", None),
     ("stop-number", C, {"prompt": "hi", "stop": 5}, 400, "stop", "invalid_type"),
     ("stream_options-extra", C, {"prompt": "hi", "stream": True, "stream_options": {"x": 1}}, 400,
      "stream_options", None),
@@ -365,3 +367,73 @@ def test_a_soak_of_1000_hostile_requests_leaves_no_trace(server):
     client = openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, timeout=120, max_retries=0)
     got = client.completions.create(model="gemma-3-270m-q4_k_m", prompt=PROMPT, max_tokens=16, temperature=0)
     assert got.choices[0].text == dsq_run(PROMPT, 16)
+
+
+# -- a chat template that refuses some messages -------------------------------------------------------
+class _StrictNative:
+    """A model whose own chat template refuses two turns of one role in a row (as Gemma's and
+    Llama 2's raise_exception do)."""
+
+    n_ctx, arch, bos_token, eos_token, add_bos = 64, "qwen2", "", "", False
+
+    def has_token(self, t: str) -> bool:
+        return False
+
+    def chat_template(self) -> str:
+        return ("{% for m in messages %}{% if loop.index0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+                "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }} {% endfor %}")
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        return list(range(len(text.split())))
+
+
+class _DoneEngine:
+    """Finishes every request at once."""
+
+    n_ctx = 64
+
+    def __init__(self):
+        self.nm = _StrictNative()
+
+    def submit(self, req) -> None:
+        from dsq.serve.engine import Event
+
+        req.emit(Event("done", finish_reason="stop", usage={"prompt_tokens": len(req.prompt), "completion_tokens": 0,
+                                                             "total_tokens": len(req.prompt)}))
+
+    def cancel(self, req) -> None:
+        pass
+
+
+def test_messages_a_template_refuses_get_400_and_the_template_stays():
+    """A request whose messages the model's template refuses gets a 400 naming why; the template
+    does not give way to the architecture's for every later request."""
+    import uvicorn
+
+    from dsq.serve.api import Api
+    from dsq.serve.guard import Guard, Limits
+    from serve_util import _free_port
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(Guard(Api(_DoneEngine(), "strict").app(), Limits()), host="127.0.0.1",
+                                           port=port, log_level="warning", lifespan="off"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    try:
+        deadline = time.time() + 30
+        while not server.started and time.time() < deadline:
+            time.sleep(0.05)
+        s = {"addr": ("127.0.0.1", port)}
+        bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+        good = {"messages": [{"role": "user", "content": "a b c"}]}
+        for body, status in [(bad, 400), (good, 200), (bad, 400)]:
+            got, reply = _request(s, "POST", CC, body, key=None)
+            assert got == status, reply
+            if status == 400:
+                err = reply["error"]
+                assert err["code"] == "invalid_messages" and "roles must alternate" in err["message"]
+            else:
+                assert reply["usage"]["prompt_tokens"] == 3  # the model's template: "a b c "
+    finally:
+        server.should_exit = True
+        t.join(10)

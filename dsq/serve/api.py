@@ -10,6 +10,7 @@ returns it. A streaming client that goes away cancels its request, which frees i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import threading
@@ -255,6 +256,20 @@ class Api:
                            "model", "model_not_found")
         return body
 
+    def _render(self, msgs: list[dict]) -> str:
+        """The chat prompt of MSGS. The model's template gives way to its architecture's for good
+        only when it fails on a plain one-turn chat, at first use; one that refuses a request's
+        messages (raise_exception: roles out of order, ...) refuses that request with a 400, and
+        the next request gets the model's template still."""
+        if self.template is None:
+            self.template = chat_template_for(self.nm)
+            self.template.render([{"role": "user", "content": "Hi"}])
+        try:
+            return dataclasses.replace(self.template, fallback=None).render(msgs)
+        except DsqError as e:
+            raise ApiError(400, f"the messages do not fit the model's chat template: {e.message}", "messages",
+                           "invalid_messages") from None
+
     def _prompt(self, body: dict, chat: bool) -> tuple[list[int], bool]:
         nm = self.nm
         try:
@@ -268,15 +283,15 @@ class Api:
                         raise ApiError(400, "each message needs a 'role' and a 'content'", "messages")
                     content = m.get("content") or ""
                     if isinstance(content, list):  # content parts: the text ones
-                        content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
-                                          and p.get("type") == "text")
+                        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+                        if not all(isinstance(t, str) for t in texts):
+                            raise ApiError(400, "a text part's 'text' must be a string", "messages")
+                        content = "".join(texts)
                     if not isinstance(content, str):
                         raise ApiError(400, "a message's 'content' must be a string or a list of text parts",
                                        "messages")
                     msgs.append({"role": m["role"], "content": content})
-                if self.template is None:
-                    self.template = chat_template_for(nm)
-                text = self.template.render(msgs)
+                text = self._render(msgs)
                 ids = encode_prompt(nm, text, templated=True)
                 think = self.think and prompt_opens_think(text)
             else:
