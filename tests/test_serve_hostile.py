@@ -383,7 +383,12 @@ class _StrictNative:
         return ("{% for m in messages %}{% if loop.index0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
                 "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }} {% endfor %}")
 
+    def __init__(self):
+        self.release = threading.Event()
+
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        if "SLOW" in text:  # a prompt that takes long to tokenize: until the test lets it go
+            self.release.wait(60)
         return list(range(len(text.split())))
 
 
@@ -405,17 +410,17 @@ class _DoneEngine:
         pass
 
 
-def test_messages_a_template_refuses_get_400_and_the_template_stays():
-    """A request whose messages the model's template refuses gets a 400 naming why; the template
-    does not give way to the architecture's for every later request."""
+@pytest.fixture
+def fake_server():
+    """The API on a fake engine (_DoneEngine) behind the guard, in this process."""
     import uvicorn
 
     from dsq.serve.api import Api
     from dsq.serve.guard import Guard, Limits
     from serve_util import _free_port
 
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(Guard(Api(_DoneEngine(), "strict").app(), Limits()), host="127.0.0.1",
+    port, engine = _free_port(), _DoneEngine()
+    server = uvicorn.Server(uvicorn.Config(Guard(Api(engine, "strict").app(), Limits()), host="127.0.0.1",
                                            port=port, log_level="warning", lifespan="off"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
@@ -423,17 +428,37 @@ def test_messages_a_template_refuses_get_400_and_the_template_stays():
         deadline = time.time() + 30
         while not server.started and time.time() < deadline:
             time.sleep(0.05)
-        s = {"addr": ("127.0.0.1", port)}
-        bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
-        good = {"messages": [{"role": "user", "content": "a b c"}]}
-        for body, status in [(bad, 400), (good, 200), (bad, 400)]:
-            got, reply = _request(s, "POST", CC, body, key=None)
-            assert got == status, reply
-            if status == 400:
-                err = reply["error"]
-                assert err["code"] == "invalid_messages" and "roles must alternate" in err["message"]
-            else:
-                assert reply["usage"]["prompt_tokens"] == 3  # the model's template: "a b c "
+        yield {"addr": ("127.0.0.1", port), "engine": engine}
     finally:
+        engine.nm.release.set()
         server.should_exit = True
         t.join(10)
+
+
+def test_a_prompt_being_tokenized_holds_up_no_other_client(fake_server):
+    """Tokenizing runs off the event loop: while one request's prompt is still being tokenized,
+    another request is answered."""
+    s = fake_server
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(_request, s, "POST", C, {"prompt": "SLOW " * 8}, key=None)
+        time.sleep(0.5)  # (its tokenizing has begun, or begins after the next request: either way it waits)
+        status, reply = _request(s, "POST", C, {"prompt": "a b c"}, key=None)
+        assert status == 200 and reply["usage"]["prompt_tokens"] == 3 and not slow.done()
+        s["engine"].nm.release.set()
+        assert slow.result(60)[0] == 200
+
+
+def test_messages_a_template_refuses_get_400_and_the_template_stays(fake_server):
+    """A request whose messages the model's template refuses gets a 400 naming why; the template
+    does not give way to the architecture's for every later request."""
+    s = fake_server
+    bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+    good = {"messages": [{"role": "user", "content": "a b c"}]}
+    for body, status in [(bad, 400), (good, 200), (bad, 400)]:
+        got, reply = _request(s, "POST", CC, body, key=None)
+        assert got == status, reply
+        if status == 400:
+            err = reply["error"]
+            assert err["code"] == "invalid_messages" and "roles must alternate" in err["message"]
+        else:
+            assert reply["usage"]["prompt_tokens"] == 3  # the model's template: "a b c "

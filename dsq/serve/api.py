@@ -230,7 +230,9 @@ class Api:
     async def _handle(self, request: HttpRequest, chat: bool):
         try:
             body = await self._body(request, chat)
-            ids, think = self._prompt(body, chat)
+            # in a thread: tokenizing runs in llama.cpp without the GIL, and a long prompt (~10 s a
+            # million characters) would otherwise hold up every other client's events meanwhile
+            ids, think = await asyncio.to_thread(self._prompt, body, chat)
             req, stream, include_usage = self._request(body, ids)
         except ApiError as e:
             return e.response()
