@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 pytest.importorskip("uvicorn")
 
-from serve_util import CTX, _start, _stop, dsq_run  # noqa: E402
+from serve_util import CTX, FakeEngine, FakeNative, _start, _stop, dsq_run, serve_in_thread  # noqa: E402
 
 KEY = "dsq-test-key-7f3a9c"
 READ_S = WRITE_S = 2.0  # the server's --read-timeout and --write-timeout here
@@ -370,69 +370,24 @@ def test_a_soak_of_1000_hostile_requests_leaves_no_trace(server):
 
 
 # -- a chat template that refuses some messages -------------------------------------------------------
-class _StrictNative:
-    """A model whose own chat template refuses two turns of one role in a row (as Gemma's and
-    Llama 2's raise_exception do)."""
-
-    n_ctx, arch, bos_token, eos_token, add_bos = 64, "qwen2", "", "", False
-
-    def has_token(self, t: str) -> bool:
-        return False
-
-    def chat_template(self) -> str:
-        return ("{% for m in messages %}{% if loop.index0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
-                "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }} {% endfor %}")
-
-    def __init__(self):
-        self.release = threading.Event()
-
-    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
-        if "SLOW" in text:  # a prompt that takes long to tokenize: until the test lets it go
-            self.release.wait(60)
-        return list(range(len(text.split())))
-
-
-class _DoneEngine:
-    """Finishes every request at once."""
-
-    n_ctx = 64
-
-    def __init__(self):
-        self.nm = _StrictNative()
-
-    def submit(self, req) -> None:
-        from dsq.serve.engine import Event
-
-        req.emit(Event("done", finish_reason="stop", usage={"prompt_tokens": len(req.prompt), "completion_tokens": 0,
-                                                             "total_tokens": len(req.prompt)}))
-
-    def cancel(self, req) -> None:
-        pass
+STRICT = ("{% for m in messages %}{% if loop.index0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+          "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }} {% endfor %}")
 
 
 @pytest.fixture
 def fake_server():
-    """The API on a fake engine (_DoneEngine) behind the guard, in this process."""
-    import uvicorn
-
+    """The API behind the guard, in this process, on a fake engine whose model's own chat template
+    refuses two turns of one role in a row (as Gemma's and Llama 2's raise_exception do)."""
     from dsq.serve.api import Api
     from dsq.serve.guard import Guard, Limits
-    from serve_util import _free_port
 
-    port, engine = _free_port(), _DoneEngine()
-    server = uvicorn.Server(uvicorn.Config(Guard(Api(engine, "strict").app(), Limits()), host="127.0.0.1",
-                                           port=port, log_level="warning", lifespan="off"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    try:
-        deadline = time.time() + 30
-        while not server.started and time.time() < deadline:
-            time.sleep(0.05)
-        yield {"addr": ("127.0.0.1", port), "engine": engine}
-    finally:
-        engine.nm.release.set()
-        server.should_exit = True
-        t.join(10)
+    engine = FakeEngine(FakeNative(STRICT))
+    with serve_in_thread(Guard(Api(engine, "strict").app(), Limits())) as base:
+        host, port = base.removeprefix("http://").split(":")
+        try:
+            yield {"addr": (host, int(port)), "engine": engine}
+        finally:
+            engine.nm.release.set()  # a request still tokenizing ends before the server stops
 
 
 def test_a_prompt_being_tokenized_holds_up_no_other_client(fake_server):
