@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -50,12 +52,12 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def _start(*flags: str, ctx: int = CTX):
+def _start(*flags: str, ctx: int = CTX, env: dict | None = None):
     """`dsq serve` on a free port of 127.0.0.1 with `flags` (a model path among them, or the
-    built-in model), once /health answers."""
+    built-in model) and `env` beside the tests' environment, once /health answers."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dsq", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--ctx", str(ctx), "--max-seqs", "8", *flags], cwd=ROOT, env=_env(),
+                             "--ctx", str(ctx), "--max-seqs", "8", *flags], cwd=ROOT, env={**_env(), **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
@@ -81,3 +83,77 @@ def _stop(server) -> None:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def dsq_run(prompt: str, max_tokens: int, ctx: int = CTX) -> str:
+    """What `dsq run --backend native --temperature 0` prints for PROMPT (the built-in model)."""
+    out = subprocess.run([sys.executable, "-m", "dsq", "run", "--backend", "native", "-p", prompt, "--max-tokens",
+                          str(max_tokens), "--temperature", "0", "--ctx", str(ctx), "--json"],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["text"]
+
+
+class FakeNative:
+    """What the API asks of a model: TEMPLATE as its own chat template, SPECIALS as its special
+    tokens, a token a word; a prompt with SLOW in it is tokenized once `release` is set."""
+
+    n_ctx, arch, bos_token, eos_token, add_bos = 64, "qwen2", "", "", False
+
+    def __init__(self, template: str, specials: tuple[str, ...] = ()):
+        self.template, self.specials, self.release = template, specials, threading.Event()
+
+    def has_token(self, t: str) -> bool:
+        return t in self.specials
+
+    def chat_template(self) -> str:
+        return self.template
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        if "SLOW" in text:
+            self.release.wait(60)
+        return list(range(len(text.split())))
+
+
+class FakeEngine:
+    """Replies to every request with PIECES, then stops, from another thread."""
+
+    n_ctx = 64
+
+    def __init__(self, nm: FakeNative, pieces: tuple[str, ...] = ()):
+        self.nm, self.pieces = nm, pieces
+
+    def submit(self, req) -> None:
+        from dsq.serve.engine import Event
+
+        def go():
+            for piece in self.pieces:
+                req.emit(Event("text", piece))
+            n = len(req.prompt)
+            req.emit(Event("done", finish_reason="stop", usage={"prompt_tokens": n, "completion_tokens": len(
+                self.pieces), "total_tokens": n + len(self.pieces)}))
+
+        threading.Thread(target=go).start()
+
+    def cancel(self, req) -> None:
+        pass
+
+
+@contextmanager
+def serve_in_thread(app):
+    """APP (an ASGI app) on uvicorn in a thread of this process, on a free port of 127.0.0.1:
+    yields its base URL."""
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    try:
+        deadline = time.time() + 30
+        while not server.started and time.time() < deadline:
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        t.join(10)

@@ -23,7 +23,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-from serve_util import CTX, ROOT, _env, _free_port, _get, _start, _stop, int8_x_build  # noqa: E402, F401 - shared with the other serve tests
+from serve_util import (CTX, ROOT, FakeEngine, FakeNative, _env, _free_port, _get, _start,  # noqa: E402, F401
+                        _stop, dsq_run, int8_x_build, serve_in_thread)
 
 PROMPTS = ["The history of the Roman Empire", "Why is the sky blue?", "def fibonacci(n):",
            "Once upon a time, in a land far away", "one two three four five six seven one two three four five"]
@@ -91,14 +92,6 @@ def test_stop_strings_and_seeded_sampling(client, model_id):
     assert a == b
 
 
-def _dsq_run(prompt: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "dsq", "run", "--backend", "native", "-p", prompt, "--max-tokens",
-                          str(N_TOKENS), "--temperature", "0", "--ctx", str(CTX), "--json"],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)["text"]
-
-
 _GENERATE = """
 import json, sys
 from dsq.runtime.engine import generate, load
@@ -114,7 +107,7 @@ def _dsq_run_all(prompts: list[str]) -> dict[str, str]:
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     texts = json.loads(out.stdout.splitlines()[-1])
-    assert texts[0] == _dsq_run(prompts[0])
+    assert texts[0] == dsq_run(prompts[0], N_TOKENS)
     return dict(zip(prompts, texts))
 
 
@@ -199,7 +192,8 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client, model
 def test_a_client_that_disconnects_frees_its_blocks(server):
     host, port = server["base"].removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": CTX, "temperature": 0, "stream": True, "ignore_eos": True})
+    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": CTX - 64, "temperature": 0, "stream": True,
+                       "ignore_eos": True})
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
@@ -306,63 +300,14 @@ def test_percentile_is_linear_between_ranks():
     assert percentile([], 99) == 0.0 and percentile([7.0], 99) == 7.0
 
 
-class _FakeNative:
-    """What the API asks of a model, for an R1-style template whose prompt ends inside <think>."""
-
-    n_ctx, arch, bos_token, eos_token, add_bos = 64, "qwen2", "", "", False
-
-    def has_token(self, t: str) -> bool:
-        return t in ("<think>", "</think>")
-
-    def chat_template(self) -> str:
-        return "{% for m in messages %}{{ m['content'] }}{% endfor %}<think>\n"
-
-    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
-        return list(range(len(text.split())))
-
-
-class _FakeEngine:
-    """Replies with a canned R1 answer, piece by piece, from another thread."""
-
-    n_ctx = 64
-
-    def __init__(self):
-        self.nm = _FakeNative()
-
-    def submit(self, req) -> None:
-        import threading
-
-        from dsq.serve.engine import Event
-
-        def go():
-            for piece in ["Two and ", "two.</th", "ink>\n\nIt is ", "4."]:
-                req.emit(Event("text", piece))
-            req.emit(Event("done", finish_reason="stop", usage={"prompt_tokens": 3, "completion_tokens": 9,
-                                                                 "total_tokens": 12}))
-
-        threading.Thread(target=go).start()
-
-    def cancel(self, req) -> None:
-        pass
-
-
 def test_r1_reasoning_comes_back_as_reasoning_content():
-    import threading
-
-    import uvicorn
-
+    """An R1-style template whose prompt ends inside <think>, and a canned answer in pieces."""
     from dsq.serve.api import Api
 
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(Api(_FakeEngine(), "r1").app(), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    try:
-        deadline = time.time() + 30
-        while not server.started and time.time() < deadline:
-            time.sleep(0.05)
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=30, max_retries=0)
+    nm = FakeNative("{% for m in messages %}{{ m['content'] }}{% endfor %}<think>\n", ("<think>", "</think>"))
+    engine = FakeEngine(nm, ("Two and ", "two.</th", "ink>\n\nIt is ", "4."))
+    with serve_in_thread(Api(engine, "r1").app()) as base:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=30, max_retries=0)
         msgs = [{"role": "user", "content": "2+2?"}]
         whole = c.chat.completions.create(model="r1", messages=msgs).choices[0].message
         # as DeepSeek's API: the reasoning apart, the answer without the newlines after </think>
@@ -374,6 +319,3 @@ def test_r1_reasoning_comes_back_as_reasoning_content():
                 thought += (d.model_extra or {}).get("reasoning_content") or ""
                 said += d.content or ""
         assert thought == "Two and two." and said == "It is 4."
-    finally:
-        server.should_exit = True
-        t.join(10)

@@ -49,6 +49,18 @@ def serve(
         "it proposes --spec-tokens tokens for every greedy request, the model checks them all in one batched "
         "pass. Sampled requests (temperature > 0) decode plainly.")] = None,
     drain: Annotated[float, typer.Option("--drain", help="Seconds SIGTERM waits for running requests.")] = 60.0,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="DSQ_API_KEY", show_default=False,
+        help="Require 'Authorization: Bearer KEY' on every endpoint but /health (a missing or wrong key gets 401).")]
+    = None,
+    max_body: Annotated[float, typer.Option(
+        "--max-body", help="Largest request body in MiB; a larger one gets 413 before it is parsed.")] = 4.0,
+    read_timeout: Annotated[float, typer.Option(
+        "--read-timeout", help="Seconds a request's headers and body may take to arrive (from the connection's "
+        "open or the previous reply); a slower one gets 408 and the connection closes.")] = 30.0,
+    write_timeout: Annotated[float, typer.Option(
+        "--write-timeout", help="Seconds a client may leave the reply unread before its connection is cut "
+        "(and its request cancelled).")] = 60.0,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics), on dsq's native engine.
@@ -71,16 +83,29 @@ def serve(
     attention in a Triton kernel that reads the blocks in place (DSQ_PAGED_ATTN=0: gathered, as
     on the CPU); not yet measured there. A model split between the CPU and a GPU is refused.
 
+    Against hostile clients: --api-key (or DSQ_API_KEY), a body cap (--max-body), read and
+    write deadlines (--read-timeout, --write-timeout); bad requests get OpenAI-style 4xx errors,
+    unknown fields included.
+
     Not implemented yet: --backend llama.cpp,
     n > 1, logprobs, tools.
     """
+    from dsq.errors import DsqError
+    from dsq.serve.guard import MIB, Limits
     from dsq.serve.server import build, check_port, run
     from dsq.ui import console
 
+    for flag, v in (("--max-body", max_body), ("--read-timeout", read_timeout), ("--write-timeout", write_timeout)):
+        if not v > 0:
+            raise DsqError(f"{flag} must be > 0, got {v}")
+    if api_key is not None and not api_key.strip():
+        raise DsqError("--api-key (or DSQ_API_KEY) is empty", "pass a key, or leave it out to serve without one")
+    limits = Limits(api_key=api_key, max_body=int(max_body * MIB), read_timeout=read_timeout,
+                    write_timeout=write_timeout)
     check_port(host, port)
     engine, api = build(model, ctx=ctx, threads=threads, dtype=dtype, kv_tokens=kv_tokens, kv_memory_mb=kv_memory,
                         kv_dtype_name=kv_dtype, block_size=block_size,
                         max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
                         spec_tokens=spec_tokens, draft=draft, gpu_layers=gpu_layers, experts=experts,
                         console=console())
-    run(engine, api, host, port, drain)
+    run(engine, api, host, port, drain, limits)

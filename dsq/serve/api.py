@@ -10,10 +10,13 @@ returns it. A streaming client that goes away cancels its request, which frees i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import re
 import threading
 import time
 import uuid
+from itertools import accumulate
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
@@ -51,6 +54,113 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
     if not lo <= v <= hi:
         raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {v}", name)
     return v
+
+
+MAX_DEPTH = 16  # how deep a body's arrays and objects may nest: a chat request needs 5 (content parts)
+_BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but the brackets: translate deletes these
+_DELTA = tuple(1 if c in b"[{" else -1 if c in b"]}" else 0 for c in range(256))
+_ESCAPE = re.compile(rb"\\.", re.S)
+
+
+def too_deep(raw: bytes) -> bool:
+    """Whether RAW's arrays and objects nest past MAX_DEPTH, outside its strings: found without
+    recursion (the parser recurses a level a bracket) and in linear time. Escapes go first, so
+    every quote left delimits a string as the parser reads it, up to any error of its."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return False
+    outside = b"".join(_ESCAPE.sub(b"", raw).split(b'"')[::2])
+    return max(accumulate(map(_DELTA.__getitem__, outside.translate(None, _BRACKETS))), default=0) > MAX_DEPTH
+
+
+def _constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400 saying what is wrong with it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not UTF-8 (byte {e.start}: {e.reason})",
+                       code="invalid_utf8") from None
+    if too_deep(raw):
+        raise ApiError(400, f"the request body nests arrays and objects more than {MAX_DEPTH} deep",
+                       code="too_deep")
+    try:
+        body = json.loads(text, parse_constant=_constant)
+    except ValueError as e:  # (also an integer of more digits than Python converts)
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:  # "\ud800" parses to a lone surrogate, which no tokenizer can encode
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request body holds a lone surrogate (\\ud800-\\udfff) that is not a character",
+                       code="invalid_unicode") from None
+    return body
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object",
+               list: "an array"}
+COMMON_FIELDS = {"model": (str,), "max_tokens": (int,), "temperature": (float,), "top_p": (float,), "n": (int,),
+                 "stream": (bool,), "stream_options": (dict,), "stop": (str, list), "seed": (int,), "user": (str,),
+                 "frequency_penalty": (float,), "presence_penalty": (float,), "logit_bias": (dict,),
+                 "ignore_eos": (bool,)}
+CHAT_FIELDS = {**COMMON_FIELDS, "messages": (list,), "max_completion_tokens": (int,), "logprobs": (bool,),
+               "top_logprobs": (int,)}
+COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": (str, list), "logprobs": (int,), "echo": (bool,), "best_of": (int,),
+                     "suffix": (str,)}
+
+
+def _is(v, t: type) -> bool:
+    if t is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if t is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, t)
+
+
+def _json_type(v) -> str:
+    return next((n for t, n in _TYPE_NAMES.items() if _is(v, t)), type(v).__name__).split()[-1]
+
+
+def check_fields(body: dict, fields: dict) -> None:
+    """Refuse a field this endpoint does not know (as OpenAI's API does), one of the wrong JSON
+    type, and the OpenAI fields this server does not implement unless they hold their neutral
+    value (n = 1, no logprobs, penalties 0, ...); null is every field's default."""
+    for k, v in body.items():
+        if k not in fields:
+            raise ApiError(400, f"unrecognized request argument '{k}'; this endpoint takes "
+                           f"{', '.join(sorted(fields))}", k, "unknown_parameter")
+        if v is not None and not any(_is(v, t) for t in fields[k]):
+            raise ApiError(400, f"'{k}' must be {' or '.join(_TYPE_NAMES[t] for t in fields[k])}, got {_json_type(v)}",
+                           k, "invalid_type")
+
+    def unsupported(name: str, what: str):
+        return ApiError(400, f"'{name}': {what} is not supported by this server", name, "unsupported_value")
+
+    for name in ("n", "best_of"):
+        if _number(body, name, 1, 1, 128, integer=True) != 1:
+            raise unsupported(name, f"{name} = {body[name]} (one choice a request)")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _number(body, name, 0, -2.0, 2.0):
+            raise unsupported(name, "a penalty other than 0")
+    if body.get("logit_bias"):
+        raise unsupported("logit_bias", "logit_bias")
+    if body.get("echo"):
+        raise unsupported("echo", "echo")
+    if body.get("suffix"):
+        raise unsupported("suffix", "suffix (insertion)")
+    if "messages" in fields:
+        top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+        if body.get("logprobs") or top:
+            raise unsupported("logprobs" if body.get("logprobs") else "top_logprobs", "logprobs")
+    elif _number(body, "logprobs", None, 0, 5, integer=True) is not None:
+        raise unsupported("logprobs", "logprobs")
+    opts = body.get("stream_options") or {}
+    for k, v in opts.items():
+        if k != "include_usage" or not isinstance(v, bool):
+            raise ApiError(400, "'stream_options' takes 'include_usage': true or false", "stream_options")
 
 
 class Mailbox:
@@ -121,8 +231,10 @@ class Api:
 
     async def _handle(self, request: HttpRequest, chat: bool):
         try:
-            body = await self._body(request)
-            ids, think = self._prompt(body, chat)
+            body = await self._body(request, chat)
+            # in a thread: tokenizing runs in llama.cpp without the GIL, and a long prompt (~10 s a
+            # million characters) would otherwise hold up every other client's events meanwhile
+            ids, think = await asyncio.to_thread(self._prompt, body, chat)
             req, stream, include_usage = self._request(body, ids)
         except ApiError as e:
             return e.response()
@@ -137,23 +249,30 @@ class Api:
         if stream:
             return StreamingResponse(self._stream(req, queue, rid, chat, think, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._whole(req, queue, rid, chat, think)
+        return await self._whole(request, req, queue, rid, chat, think)
 
-    async def _body(self, request: HttpRequest) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
+    async def _body(self, request: HttpRequest, chat: bool) -> dict:
+        body = parse_body(await request.body())
+        check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
         model = body.get("model")
         if model is not None and model != self.model_id:
             raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_id}'",
                            "model", "model_not_found")
-        if body.get("n", 1) != 1:
-            raise ApiError(400, "only n = 1 is supported", "n")
         return body
+
+    def _render(self, msgs: list[dict]) -> str:
+        """The chat prompt of MSGS. The model's template gives way to its architecture's for good
+        only when it fails on a plain one-turn chat, at first use; one that refuses a request's
+        messages (raise_exception: roles out of order, ...) refuses that request with a 400, and
+        the next request gets the model's template still."""
+        if self.template is None:
+            self.template = chat_template_for(self.nm)
+            self.template.render([{"role": "user", "content": "Hi"}])
+        try:
+            return dataclasses.replace(self.template, fallback=None).render(msgs)
+        except DsqError as e:
+            raise ApiError(400, f"the messages do not fit the model's chat template: {e.message}", "messages",
+                           "invalid_messages") from None
 
     def _prompt(self, body: dict, chat: bool) -> tuple[list[int], bool]:
         nm = self.nm
@@ -168,15 +287,15 @@ class Api:
                         raise ApiError(400, "each message needs a 'role' and a 'content'", "messages")
                     content = m.get("content") or ""
                     if isinstance(content, list):  # content parts: the text ones
-                        content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
-                                          and p.get("type") == "text")
+                        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+                        if not all(isinstance(t, str) for t in texts):
+                            raise ApiError(400, "a text part's 'text' must be a string", "messages")
+                        content = "".join(texts)
                     if not isinstance(content, str):
                         raise ApiError(400, "a message's 'content' must be a string or a list of text parts",
                                        "messages")
                     msgs.append({"role": m["role"], "content": content})
-                if self.template is None:
-                    self.template = chat_template_for(nm)
-                text = self.template.render(msgs)
+                text = self._render(msgs)
                 ids = encode_prompt(nm, text, templated=True)
                 think = self.think and prompt_opens_think(text)
             else:
@@ -207,6 +326,10 @@ class Api:
         mt = body.get("max_completion_tokens", body.get("max_tokens"))
         name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         max_tokens = _number({name: mt}, name, room, 1, 1 << 31, integer=True)
+        if max_tokens > room:
+            raise ApiError(400, f"'{name}' is {max_tokens}, and the prompt is {len(ids)} tokens: together past this "
+                           f"model's context of {self.engine.n_ctx}; ask for at most {room}", name,
+                           "context_length_exceeded")
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
         if top_p == 0:
@@ -220,10 +343,9 @@ class Api:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be true or false", "stream")
-        opts = body.get("stream_options") or {}
-        include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         sp = SamplingParams(temperature=float(temperature), top_k=0, top_p=float(top_p), seed=seed)
-        req = Request(ids, sp, min(max_tokens, room), emit=None, stop=stop,
+        req = Request(ids, sp, max_tokens, emit=None, stop=stop,
                       ignore_eos=bool(body.get("ignore_eos", False)))
         return req, stream, include_usage
 
@@ -272,8 +394,18 @@ class Api:
             if not done:  # the client went away: free the request's blocks
                 self.engine.cancel(req)
 
-    async def _whole(self, req: Request, queue: asyncio.Queue, rid: str, chat: bool, think: bool):
+    async def _gone(self, request: HttpRequest, req: Request, queue: asyncio.Queue) -> None:
+        """A client that goes away before its whole reply cancels its request (its blocks go back
+        at the engine's next step), as a streaming one does."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.engine.cancel(req)
+        queue.put_nowait(Event("gone"))
+
+    async def _whole(self, request: HttpRequest, req: Request, queue: asyncio.Queue, rid: str, chat: bool,
+                     think: bool):
         parts: list[str] = []
+        watch = asyncio.ensure_future(self._gone(request, req, queue))
         try:
             while True:
                 ev = await queue.get()
@@ -281,11 +413,15 @@ class Api:
                     parts.append(ev.text)
                 elif ev.kind == "error":
                     return JSONResponse(error_body(ev.text, "server_error"), status_code=500)
+                elif ev.kind == "gone":  # a reply no one reads
+                    return JSONResponse(error_body("the client went away"), status_code=400)
                 else:
                     break
         except asyncio.CancelledError:
             self.engine.cancel(req)
             raise
+        finally:
+            watch.cancel()
         text = "".join(parts)
         now = int(time.time())
         if not chat:

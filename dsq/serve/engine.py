@@ -96,7 +96,7 @@ class GpuClock:
 
 @dataclass
 class Event:
-    kind: str  # "text", "done" or "error"
+    kind: str  # "text", "done" or "error" (and the API's own "gone": its client left)
     text: str = ""
     finish_reason: str | None = None
     usage: dict | None = None

@@ -130,11 +130,17 @@ def _spec_note(engine) -> str:
             f"{m['draft_kv_bytes'] / 2**20:.0f} MiB more")
 
 
-def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
+def run(engine, api, host: str, port: int, drain_s: float = 60.0, limits=None) -> None:
+    """Serve API on HOST:PORT behind `limits` (serve/guard.py: API key, body cap, read and write
+    deadlines; its defaults when None) until SIGTERM or Ctrl-C."""
     import uvicorn
 
-    config = uvicorn.Config(api.app(), host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=drain_s, lifespan="off")
+    from dsq.serve.guard import Guard, Limits, protocol
+
+    limits = limits or Limits()
+    config = uvicorn.Config(Guard(api.app(), limits), host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=drain_s, lifespan="off",
+                            http=protocol(limits.read_timeout, limits.write_timeout))
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has shut down: a handler of ours takes
     # it, so SIGTERM ends the process with status 0 after the drain
@@ -163,7 +169,7 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0) -> None:
                      f"{m['kv_blocks_total'] * m['kv_block_size']} tokens: {m['kv_blocks_total']} blocks of "
                      f"{m['kv_block_size']} in {m['kv_dtype']}, {m['kv_bytes'] / 2**20:.0f} MiB, "
                      f"context {engine.n_ctx}, up to {engine.max_seqs} "
-                     f"sequences a step{_spec_note(engine)})\n")
+                     f"sequences a step{_spec_note(engine)}{', API key required' if limits.api_key else ''})\n")
     sys.stderr.flush()
     try:
         server.run()
