@@ -74,6 +74,17 @@ def add_key(data: bytes, key: str, vtype: int, payload: bytes) -> bytes:
     return data[:16] + struct.pack("<Q", n_kv) + data[24:end] + kv + data[end:]
 
 
+def set_string(data: bytes, key: str, value: str) -> bytes:
+    """A string key's value replaced by `value` of any length (the padding before the tensor data
+    redone, so the data keeps its alignment)."""
+    pos, vtype = key_value(data, key)
+    assert vtype == 8, vtype
+    n = struct.unpack_from("<Q", data, pos)[0]
+    end = mutate.gguf_layout(data).header_end
+    head = data[:pos] + struct.pack("<Q", len(value.encode())) + value.encode() + data[pos + 8 + n:end]
+    return head + b"\0" * (-len(head) % 32) + data[-(-end // 32) * 32:]
+
+
 def rename_tensor(data: bytes, index: int, name: str) -> bytes:
     pos, old = mutate.gguf_layout(data).names[index]
     assert len(old) == len(name)
