@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from dsq.errors import BadModelFile
+from dsq.errors import BadModelFile, UnsupportedModel
 from dsq.formats.config_check import check_config
 from dsq.formats.hf import HFModelDir, mmap_safetensors
 from dsq.formats.safetensors_file import read_header
@@ -38,11 +38,16 @@ CONFIGS = {
     "rope-theta-negative": ({"rope_theta": -1.0}, "rope_theta"),
     "tie-embeddings-string": ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
     "rope-scaling-list": ({"rope_scaling": [1, 2]}, "rope_scaling"),
+    "rope-scaling-without-factor": ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor is missing"),
+    "rope-yarn-without-context": ({"rope_scaling": {"type": "yarn", "factor": 4.0}},
+                                  "rope_scaling.original_max_position_embeddings is missing"),
+    "rope-mscale-string": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": "1",
+                                             "original_max_position_embeddings": 64}}, "rope_scaling.mscale"),
     "quantization-bits": ({"quantization_config": {"quant_method": "gptq", "bits": 5}}, "bits"),
     "dims-past-the-weights": ({"hidden_size": 1 << 16, "intermediate_size": 1 << 20, "head_dim": 64}, "weights"),
 }
 CLI_CONFIGS = ["hidden-size-string", "hidden-size-negative", "hidden-size-overflow", "heads-zero", "vocab-null",
-               "dims-past-the-weights"]
+               "dims-past-the-weights", "rope-scaling-without-factor"]
 
 
 def _weight_bytes(d):
@@ -58,6 +63,12 @@ def test_config_refused_naming_the_field(case, seed_dir, tmp_path):
         HFModelDir(d)
         check_config(cfg, "config.json", weight_bytes=_weight_bytes(d))
     assert needle in e.value.one_line(), e.value.one_line()
+
+
+def test_an_unknown_rope_type_is_refused(seed_dir):
+    cfg = json.loads((seed_dir / "config.json").read_text())
+    with pytest.raises(UnsupportedModel, match="rope_scaling type 'dynamic' is not supported"):
+        check_config(dict(cfg, rope_scaling={"type": "dynamic", "factor": 2.0}), "config.json")
 
 
 def test_required_fields_come_from_the_caller(seed_dir):
