@@ -52,3 +52,39 @@ def test_max_time_ends_with_the_summary(work, tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     n = int(re.search(r"inputs=(\d+) ", last).group(1))
     assert e.value.code == 0 and last.startswith("dsq.fuzz target=config") and 0 < n < 10_000_000, last
+
+
+class _Timed:
+    """A fork server stand-in whose every run took `seconds`."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.limits = seconds, []
+
+    def run(self, argv, work, timeout):
+        self.limits.append(timeout)
+        return {"code": 0, "signal": None, "timed_out": False, "seconds": self.seconds}
+
+
+@pytest.mark.parametrize(("seed_run", "limit"), [(0.5, 5.0), (3.0, 12.0)])
+def test_the_cli_limit_grows_with_a_slow_start(seed_run, limit, tmp_path):
+    """A machine where a valid seed already takes 3 s through `dsq run` gives each input 4 x that."""
+    from types import SimpleNamespace
+
+    from dsq.fuzz.run import cli_limit
+
+    target = SimpleNamespace(gguf=SimpleNamespace(seeds=[b"GGUF"]))
+    assert cli_limit(target, tmp_path / "run", 5.0, {}, _Timed(seed_run)) == limit
+
+
+def test_a_fork_server_slow_to_exit_is_ended(tmp_path):
+    """Closing the fork server waits for its exit a while, then kills it, instead of raising."""
+    import subprocess
+    import sys
+
+    from dsq.fuzz.cli_target import Zygote
+
+    z = Zygote.__new__(Zygote)
+    z.proc = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdin.read(); time.sleep(60)"],
+                              stdin=subprocess.PIPE, text=True)
+    z.close(grace=0.5)
+    assert z.proc.returncode == -9
