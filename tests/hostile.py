@@ -75,14 +75,7 @@ def add_key(data: bytes, key: str, vtype: int, payload: bytes) -> bytes:
 
 
 def set_string(data: bytes, key: str, value: str) -> bytes:
-    """A string key's value replaced by `value` of any length (the padding before the tensor data
-    redone, so the data keeps its alignment)."""
-    pos, vtype = key_value(data, key)
-    assert vtype == 8, vtype
-    n = struct.unpack_from("<Q", data, pos)[0]
-    end = mutate.gguf_layout(data).header_end
-    head = data[:pos] + struct.pack("<Q", len(value.encode())) + value.encode() + data[pos + 8 + n:end]
-    return head + b"\0" * (-len(head) % 32) + data[-(-end // 32) * 32:]
+    return mutate.set_string(data, key, value)
 
 
 def rename_tensor(data: bytes, index: int, name: str) -> bytes:

@@ -88,3 +88,25 @@ def test_a_fork_server_slow_to_exit_is_ended(tmp_path):
                               stdin=subprocess.PIPE, text=True)
     z.close(grace=0.5)
     assert z.proc.returncode == -9
+
+
+def test_probe_target_ends_clean(work, tmp_path):
+    """A few mutated GGUFs through the child-process check before llama.cpp loads them."""
+    target = TARGETS["probe"](work / "seeds")
+    tally = Tally("target=probe", tmp_path / "found", work / "seeds")
+    run_in_process([target], 4, seed=2024, timeout=60.0, tally=tally, work=tmp_path / "scratch", progress=0)
+    _assert_clean(tally, tmp_path / "found")
+
+
+def test_probe_target_survives_a_file_that_aborts_llama_cpp(work, tmp_path):
+    """A vocabulary declared as tokenizer model 'none' aborts llama.cpp (GGML_ASSERT): the probe
+    target's child takes the abort and this process goes on, the verdict a refusal."""
+    from dsq.errors import BackendError
+    from dsq.fuzz import mutate
+    from dsq.runtime.llama_probe import check_loads
+
+    target = TARGETS["probe"](work / "seeds")
+    bad = mutate.set_string(target.seeds[0], "tokenizer.ggml.model", "none")
+    target.run(bad, tmp_path)
+    with pytest.raises(BackendError, match="Tokenizer not initialized"):
+        check_loads(tmp_path / "input.gguf", {"call": "load", "load": {"n_ctx": 64, "vocab_only": True}})

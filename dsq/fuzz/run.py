@@ -4,6 +4,7 @@ something breaks.
     python -m dsq.fuzz --iterations 1000000                       # every in-process target in turn
     python -m dsq.fuzz --iterations 20000 --target gguf --seed 7
     python -m dsq.fuzz --iterations 10000 --target cli            # run / quantize / chat in children
+    python -m dsq.fuzz --iterations 2000 --target probe           # llama.cpp's loads, in children
     python -m dsq.fuzz --iterations 200000 --target gguf --atheris   # coverage-guided (pip install atheris)
     python -m dsq.fuzz --iterations 1000000 --max-time 600        # stop starting inputs after 10 minutes
 
@@ -255,8 +256,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m dsq.fuzz", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--iterations", "-n", type=int, default=10_000, help="inputs to try")
-    ap.add_argument("--target", default="all", choices=("all", *IN_PROCESS, "cli"),
-                    help="all: the in-process targets in turn; cli: through the CLI in child processes")
+    ap.add_argument("--target", default="all", choices=("all", *IN_PROCESS, "probe", "cli"),
+                    help="all: the in-process targets in turn; probe: GGUFs through the child-process "
+                         "check before llama.cpp loads them; cli: through the CLI in child processes")
     ap.add_argument("--seed", type=int, default=0, help="seed of the mutator (runs are reproducible)")
     ap.add_argument("--timeout", type=float, default=5.0, help="seconds one input may take")
     ap.add_argument("--save", type=Path, default=ROOT / "tests" / "regressions", help="where findings go")
