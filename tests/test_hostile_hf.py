@@ -176,3 +176,43 @@ def test_broken_json_beside_the_config(name, seed_dir, tmp_path):
     (d / name).write_text("{not json")
     p = dsq(["run", "m", "-p", "hi", "-n", "2", "--ctx", "64", "-b", "native"], tmp_path)
     assert_one_line_error(p, name)
+
+
+def test_quantize_into_a_pipe_fails_with_one_line(seed_dir, tmp_path):
+    """Without DSQ_QUIET, a refused input's steps printed into a pipe before the refusal are held
+    back: the error is the only line."""
+    import os
+    import subprocess
+    import sys
+
+    d = hf_copy(seed_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["intermediate_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    env = dict(os.environ, DSQ_CACHE=str(tmp_path / "cache"), GGML_NO_BACKTRACE="1")
+    for k in ("DSQ_QUIET", "CI", "DSQ_DEBUG"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-m", "dsq", "quantize", "m", "--type", "Q8_0", "--out", "out.gguf"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(p, "intermediate_size")
+
+
+def test_held_lines_are_written_on_success_and_after_the_hold():
+    import io
+
+    from dsq.cli.quantize import HeldLines
+
+    out = io.StringIO()
+    held = HeldLines(out, hold_s=60)
+    held.write("step 1\n")
+    assert out.getvalue() == ""
+    held.release()
+    held.write("step 2\n")
+    assert out.getvalue() == "step 1\nstep 2\n"
+    dropped = HeldLines(out := io.StringIO(), hold_s=60)
+    dropped.write("step 1\n")
+    dropped.discard()
+    assert out.getvalue() == ""
+    late = HeldLines(out := io.StringIO(), hold_s=0)
+    late.write("step 1\n")
+    assert out.getvalue() == "step 1\n"

@@ -3,6 +3,8 @@ or an HF directory in AWQ, GPTQ, RTN (GPTQ format) or FP8 (compressed-tensors / 
 
 from __future__ import annotations
 
+import io
+import sys
 import time
 from contextlib import ExitStack
 from enum import Enum
@@ -75,6 +77,12 @@ def quantize(
     from dsq.ui import console
 
     con = console()
+    held = None
+    if not con.is_terminal:
+        from rich.console import Console
+
+        held = HeldLines(sys.stderr)
+        con = Console(file=held, highlight=False, soft_wrap=True)
     opts = dict(method=method.value, qtype=qtype, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
                 damp=damp, fp8_scheme=fp8_scheme, fp8_format=fp8_format, imatrix=imatrix, calib=calib,
                 calib_samples=calib_samples, calib_seq_len=calib_seq_len)
@@ -85,9 +93,54 @@ def quantize(
     if out:
         check_output_path(Path(out), "--out")
     clock = _Clock()
-    src, name = clock.time("export of the built-in model", lambda: _source(model, con))
-    target = Path(out) if out else Path.cwd() / f"{name}-{spec.impl.output_name(spec)}"
-    _quantize(src, target, spec, clock, con, device=device, force=force, threads=threads, eval_tokens=eval_tokens)
+    try:
+        src, name = clock.time("export of the built-in model", lambda: _source(model, con))
+        target = Path(out) if out else Path.cwd() / f"{name}-{spec.impl.output_name(spec)}"
+        _quantize(src, target, spec, clock, con, device=device, force=force, threads=threads,
+                  eval_tokens=eval_tokens)
+    except BaseException:
+        if held:
+            held.discard()
+        raise
+    if held:
+        held.release()
+
+
+# a run's lines into a pipe or a log are held back this long: input that a quantize refuses fails
+# within it with its one error line, and a longer run's log still gets its steps as they come
+HOLD_S = 10.0
+
+
+class HeldLines(io.TextIOBase):
+    """A text stream that keeps what is written for its first `hold_s` seconds, then writes it
+    and everything after through; `discard` drops what it kept (the run failed early), `release`
+    writes it (the run succeeded early)."""
+
+    def __init__(self, out, hold_s: float = HOLD_S):
+        self.out, self.until, self.kept = out, time.monotonic() + hold_s, []
+
+    def write(self, text: str) -> int:
+        if self.kept is not None and time.monotonic() < self.until:
+            self.kept.append(text)
+        else:
+            self.release()
+            self.out.write(text)
+        return len(text)
+
+    def release(self) -> None:
+        if self.kept:
+            self.out.write("".join(self.kept))
+            self.out.flush()
+        self.kept = None
+
+    def discard(self) -> None:
+        self.kept = None
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def isatty(self) -> bool:
+        return False
 
 
 def _quantize(src: Path, target: Path, spec, clock: "_Clock", con, **kw) -> None:
