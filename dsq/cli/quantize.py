@@ -70,7 +70,7 @@ def quantize(
     the embeddings and output head stay 16-bit (most of a small model's size). A killed or
     interrupted run resumes when the same command runs again (from the last finished block, or the
     GGUF pipeline's finished steps). Progress shows as bars on a terminal, as lines in a pipe or a
-    log (from 10 s on: input refused before then prints only its error line); the last line gives
+    log (held back for the first 10 s: input refused by then prints only its error line); the last line gives
     the whole run's time and each stage's.
     """
     from dsq.cli.options import check_output_path
