@@ -9,7 +9,8 @@
 # every shard's summary and one total line per kind; findings come back under $OUT/found/ as
 # regression files (copy them into tests/regressions/).
 #
-#   INPROC=10 CLI=6        shards of each kind (default: 10 and 6 on 16 cores)
+#   INPROC=9 CLI=5 PROBE=2 shards of each kind (default: 9, 5 and 2 on 16 cores; probe: GGUFs through
+#                          the child-process check before llama.cpp loads them)
 #   SECONDS_EACH=480       each shard's time budget (with set-up and the last inputs, under 10 minutes)
 #   SEED0=100              the first seed (a second call with another SEED0 adds new inputs)
 #
@@ -21,8 +22,9 @@ set -uo pipefail
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT/found" "$OUT/logs"
 ROOT=$PWD
 LL=/tmp/ll/llama.cpp
-INPROC=${INPROC:-10}
-CLI=${CLI:-6}
+INPROC=${INPROC:-9}
+CLI=${CLI:-5}
+PROBE=${PROBE:-2}
 SECONDS_EACH=${SECONDS_EACH:-480}
 SEED0=${SEED0:-100}
 export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES= DSQ_FUZZ_PRELOAD_DSQ=1
@@ -41,6 +43,7 @@ nproc; lscpu | grep -E "Model name" || true
 run_shard() {  # kind index core
   local kind=$1 i=$2 core=$3 seed=$((SEED0 + $2)) target=all iters=1000000
   [ "$kind" = cli ] && target=cli iters=10000
+  [ "$kind" = probe ] && target=probe iters=100000
   local pin=(); command -v taskset >/dev/null && pin=(taskset -c "$((core % $(nproc)))")
   "${pin[@]}" python3 -m dsq.fuzz --target "$target" --iterations "$iters" --seed "$seed" \
     --max-time "$SECONDS_EACH" --work "/tmp/fuzz-$kind-$i" --save "$OUT/found" \
@@ -51,10 +54,11 @@ t0=$(date +%s)
 core=0
 for i in $(seq 1 "$INPROC"); do run_shard inproc "$i" $core & core=$((core + 1)); done
 for i in $(seq 1 "$CLI"); do run_shard cli "$i" $core & core=$((core + 1)); done
+for i in $(seq 1 "$PROBE"); do run_shard probe "$i" $core & core=$((core + 1)); done
 wait
 echo "all shards done in $(( $(date +%s) - t0 )) s"
 
-for kind in inproc cli; do
+for kind in inproc cli probe; do
   # the last summary line of each shard, then their sum
   for f in "$OUT"/logs/$kind-*.log; do grep -s "^dsq.fuzz " "$f" | tail -n 1; done > "$OUT/$kind.lines"
   cat "$OUT/$kind.lines"

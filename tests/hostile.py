@@ -74,6 +74,10 @@ def add_key(data: bytes, key: str, vtype: int, payload: bytes) -> bytes:
     return data[:16] + struct.pack("<Q", n_kv) + data[24:end] + kv + data[end:]
 
 
+def set_string(data: bytes, key: str, value: str) -> bytes:
+    return mutate.set_string(data, key, value)
+
+
 def rename_tensor(data: bytes, index: int, name: str) -> bytes:
     pos, old = mutate.gguf_layout(data).names[index]
     assert len(old) == len(name)

@@ -52,3 +52,61 @@ def test_max_time_ends_with_the_summary(work, tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     n = int(re.search(r"inputs=(\d+) ", last).group(1))
     assert e.value.code == 0 and last.startswith("dsq.fuzz target=config") and 0 < n < 10_000_000, last
+
+
+class _Timed:
+    """A fork server stand-in whose every run took `seconds`."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.limits = seconds, []
+
+    def run(self, argv, work, timeout):
+        self.limits.append(timeout)
+        return {"code": 0, "signal": None, "timed_out": False, "seconds": self.seconds}
+
+
+@pytest.mark.parametrize(("seed_run", "limit"), [(0.5, 5.0), (3.0, 12.0)])
+def test_the_cli_limit_grows_with_a_slow_start(seed_run, limit, tmp_path):
+    """A machine where a valid seed already takes 3 s through `dsq run` gives each input 4 x that."""
+    from types import SimpleNamespace
+
+    from dsq.fuzz.run import cli_limit
+
+    target = SimpleNamespace(gguf=SimpleNamespace(seeds=[b"GGUF"]))
+    assert cli_limit(target, tmp_path / "run", 5.0, {}, _Timed(seed_run)) == limit
+
+
+def test_a_fork_server_slow_to_exit_is_ended(tmp_path):
+    """Closing the fork server waits for its exit a while, then kills it, instead of raising."""
+    import subprocess
+    import sys
+
+    from dsq.fuzz.cli_target import Zygote
+
+    z = Zygote.__new__(Zygote)
+    z.proc = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdin.read(); time.sleep(60)"],
+                              stdin=subprocess.PIPE, text=True)
+    z.close(grace=0.5)
+    assert z.proc.returncode == -9
+
+
+def test_probe_target_ends_clean(work, tmp_path):
+    """A few mutated GGUFs through the child-process check before llama.cpp loads them."""
+    target = TARGETS["probe"](work / "seeds")
+    tally = Tally("target=probe", tmp_path / "found", work / "seeds")
+    run_in_process([target], 4, seed=2024, timeout=60.0, tally=tally, work=tmp_path / "scratch", progress=0)
+    _assert_clean(tally, tmp_path / "found")
+
+
+def test_probe_target_survives_a_file_that_aborts_llama_cpp(work, tmp_path):
+    """A vocabulary declared as tokenizer model 'none' aborts llama.cpp (GGML_ASSERT): the probe
+    target's child takes the abort and this process goes on, the verdict a refusal."""
+    from dsq.errors import BackendError
+    from dsq.fuzz import mutate
+    from dsq.runtime.llama_probe import check_loads
+
+    target = TARGETS["probe"](work / "seeds")
+    bad = mutate.set_string(target.seeds[0], "tokenizer.ggml.model", "none")
+    target.run(bad, tmp_path)
+    with pytest.raises(BackendError, match="Tokenizer not initialized"):
+        check_loads(tmp_path / "input.gguf", {"call": "load", "load": {"n_ctx": 64, "vocab_only": True}})

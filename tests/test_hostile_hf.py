@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from dsq.errors import BadModelFile
+from dsq.errors import BadModelFile, UnsupportedModel
 from dsq.formats.config_check import check_config
 from dsq.formats.hf import HFModelDir, mmap_safetensors
 from dsq.formats.safetensors_file import read_header
@@ -38,11 +38,16 @@ CONFIGS = {
     "rope-theta-negative": ({"rope_theta": -1.0}, "rope_theta"),
     "tie-embeddings-string": ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
     "rope-scaling-list": ({"rope_scaling": [1, 2]}, "rope_scaling"),
+    "rope-scaling-without-factor": ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor is missing"),
+    "rope-yarn-without-context": ({"rope_scaling": {"type": "yarn", "factor": 4.0}},
+                                  "rope_scaling.original_max_position_embeddings is missing"),
+    "rope-mscale-string": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": "1",
+                                             "original_max_position_embeddings": 64}}, "rope_scaling.mscale"),
     "quantization-bits": ({"quantization_config": {"quant_method": "gptq", "bits": 5}}, "bits"),
     "dims-past-the-weights": ({"hidden_size": 1 << 16, "intermediate_size": 1 << 20, "head_dim": 64}, "weights"),
 }
 CLI_CONFIGS = ["hidden-size-string", "hidden-size-negative", "hidden-size-overflow", "heads-zero", "vocab-null",
-               "dims-past-the-weights"]
+               "dims-past-the-weights", "rope-scaling-without-factor"]
 
 
 def _weight_bytes(d):
@@ -58,6 +63,12 @@ def test_config_refused_naming_the_field(case, seed_dir, tmp_path):
         HFModelDir(d)
         check_config(cfg, "config.json", weight_bytes=_weight_bytes(d))
     assert needle in e.value.one_line(), e.value.one_line()
+
+
+def test_an_unknown_rope_type_is_refused(seed_dir):
+    cfg = json.loads((seed_dir / "config.json").read_text())
+    with pytest.raises(UnsupportedModel, match="rope_scaling type 'dynamic' is not supported"):
+        check_config(dict(cfg, rope_scaling={"type": "dynamic", "factor": 2.0}), "config.json")
 
 
 def test_required_fields_come_from_the_caller(seed_dir):
@@ -165,3 +176,43 @@ def test_broken_json_beside_the_config(name, seed_dir, tmp_path):
     (d / name).write_text("{not json")
     p = dsq(["run", "m", "-p", "hi", "-n", "2", "--ctx", "64", "-b", "native"], tmp_path)
     assert_one_line_error(p, name)
+
+
+def test_quantize_into_a_pipe_fails_with_one_line(seed_dir, tmp_path):
+    """Without DSQ_QUIET, a refused input's steps printed into a pipe before the refusal are held
+    back: the error is the only line."""
+    import os
+    import subprocess
+    import sys
+
+    d = hf_copy(seed_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["intermediate_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    env = dict(os.environ, DSQ_CACHE=str(tmp_path / "cache"), GGML_NO_BACKTRACE="1")
+    for k in ("DSQ_QUIET", "CI", "DSQ_DEBUG"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-m", "dsq", "quantize", "m", "--type", "Q8_0", "--out", "out.gguf"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(p, "intermediate_size")
+
+
+def test_held_lines_are_written_on_success_and_after_the_hold():
+    import io
+
+    from dsq.cli.quantize import HeldLines
+
+    out = io.StringIO()
+    held = HeldLines(out, hold_s=60)
+    held.write("step 1\n")
+    assert out.getvalue() == ""
+    held.release()
+    held.write("step 2\n")
+    assert out.getvalue() == "step 1\nstep 2\n"
+    dropped = HeldLines(out := io.StringIO(), hold_s=60)
+    dropped.write("step 1\n")
+    dropped.discard()
+    assert out.getvalue() == ""
+    late = HeldLines(out := io.StringIO(), hold_s=0)
+    late.write("step 1\n")
+    assert out.getvalue() == "step 1\n"

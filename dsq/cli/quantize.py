@@ -3,6 +3,8 @@ or an HF directory in AWQ, GPTQ, RTN (GPTQ format) or FP8 (compressed-tensors / 
 
 from __future__ import annotations
 
+import io
+import sys
 import time
 from contextlib import ExitStack
 from enum import Enum
@@ -75,13 +77,20 @@ def quantize(
     the embeddings and output head stay 16-bit (most of a small model's size). A killed or
     interrupted run resumes when the same command runs again (from the last finished block, or the
     GGUF pipeline's finished steps). Progress shows as bars on a terminal, as lines in a pipe or a
-    log; the last line gives the whole run's time and each stage's.
+    log (held back for the first 10 s: input refused by then prints only its error line); the last line gives
+    the whole run's time and each stage's.
     """
     from dsq.cli.options import check_output_path
     from dsq.quant.registry import spec_from_options
     from dsq.ui import console
 
     con = console()
+    held = None
+    if not con.is_terminal:
+        from rich.console import Console
+
+        held = HeldLines(sys.stderr)
+        con = Console(file=held, highlight=False, soft_wrap=True)
     opts = dict(method=method.value, qtype=qtype, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
                 damp=damp, fp8_scheme=fp8_scheme, fp8_format=fp8_format, imatrix=imatrix, calib=calib,
                 calib_samples=calib_samples, calib_seq_len=calib_seq_len)
@@ -98,12 +107,56 @@ def quantize(
     if out:
         check_output_path(Path(out), "--out")
     clock = _Clock()
-    src, name = clock.time("export of the built-in model" if model is None else "download",
-                           lambda: _source(model, con, revision))
-    target = Path(out) if out else Path.cwd() / f"{name}-{spec.impl.output_name(spec)}"
-    with sigterm_stops():
-        _quantize(src, target, spec, clock, con, device=device, force=force, threads=threads,
-                  eval_tokens=eval_tokens)
+    try:
+        src, name = clock.time("export of the built-in model" if model is None else "download",
+                               lambda: _source(model, con, revision))
+        target = Path(out) if out else Path.cwd() / f"{name}-{spec.impl.output_name(spec)}"
+        with sigterm_stops():
+            _quantize(src, target, spec, clock, con, device=device, force=force, threads=threads,
+                      eval_tokens=eval_tokens)
+    except BaseException:
+        if held:
+            held.discard()
+        raise
+    if held:
+        held.release()
+
+
+# a run's lines into a pipe or a log are held back this long: input that a quantize refuses fails
+# within it with its one error line, and a longer run's log still gets its steps as they come
+HOLD_S = 10.0
+
+
+class HeldLines(io.TextIOBase):
+    """A text stream that keeps what is written for its first `hold_s` seconds, then writes it
+    and everything after through; `discard` drops what it kept (the run failed early), `release`
+    writes it (the run succeeded early)."""
+
+    def __init__(self, out, hold_s: float = HOLD_S):
+        self.out, self.until, self.kept = out, time.monotonic() + hold_s, []
+
+    def write(self, text: str) -> int:
+        if self.kept is not None and time.monotonic() < self.until:
+            self.kept.append(text)
+        else:
+            self.release()
+            self.out.write(text)
+        return len(text)
+
+    def release(self) -> None:
+        if self.kept:
+            self.out.write("".join(self.kept))
+            self.out.flush()
+        self.kept = None
+
+    def discard(self) -> None:
+        self.kept = None
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def isatty(self) -> bool:
+        return False
 
 
 def _quantize(src: Path, target: Path, spec, clock: "_Clock", con, **kw) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from dsq.errors import BadModelFile
+from dsq.errors import BadModelFile, UnsupportedModel
 
 I32 = (1 << 31) - 1
 # name -> (low, high) for integers; None in a config means "not set" for the optional ones
@@ -43,7 +43,10 @@ STRINGS = ("model_type", "hidden_act", "hidden_activation", "torch_dtype")
 ROPE_INTS = {"original_max_position_embeddings": (1, I32)}
 ROPE_FLOATS = {"factor": (1e-6, 1e6), "low_freq_factor": (1e-6, 1e6), "high_freq_factor": (1e-6, 1e6),
                "rope_theta": (1e-6, 1e30), "attention_factor": (0.0, 1e6), "beta_fast": (0.0, 1e6),
-               "beta_slow": (0.0, 1e6)}
+               "beta_slow": (0.0, 1e6), "mscale": (0.0, 1e6), "mscale_all_dim": (0.0, 1e6)}
+# rope type -> the fields its frequencies are computed from (models/base.py rope_inv_freq)
+ROPE_TYPES = {"default": (), "linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings")}
 QUANT_BITS = (2, 3, 4, 8)
 
 
@@ -125,6 +128,14 @@ def _rope_fields(rp: dict, where: str, key: str) -> None:
     for name in ("rope_type", "type"):
         if rp.get(name) is not None and not isinstance(rp[name], str):
             raise _bad(where, f"{key}.{name}", "must be a string")
+    kind = rp.get("rope_type") if rp.get("rope_type") is not None else rp.get("type")
+    if kind is not None:
+        if kind not in ROPE_TYPES:
+            raise UnsupportedModel(f"{where}: {key} type {kind!r} is not supported",
+                                   f"supported: {', '.join(ROPE_TYPES)}")
+        missing = [f for f in ROPE_TYPES[kind] if rp.get(f) is None]
+        if missing:
+            raise _bad(where, f"{key}.{missing[0]}", f"is missing (a {kind} rope needs it)")
     lo, hi = rp.get("low_freq_factor"), rp.get("high_freq_factor")
     if _is_number(lo) and _is_number(hi) and lo == hi:
         raise _bad(where, f"{key}.high_freq_factor", "equals low_freq_factor (the ramp between them divides by the gap)")

@@ -133,9 +133,15 @@ class Zygote:
             raise RuntimeError("the fork server ended")
         return json.loads(line)
 
-    def close(self) -> None:
+    def close(self, grace: float = 60.0) -> None:
+        """End the server: it exits on the end of its input; one still there after `grace` seconds
+        (a machine too busy to let it finish) is killed. No input is running then: not a finding."""
         self.proc.stdin.close()
-        self.proc.wait(timeout=10)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def spawn(argv: list[str], work: Path, timeout: float, env: dict) -> dict:

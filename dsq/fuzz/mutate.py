@@ -180,6 +180,29 @@ def gguf_mutation(rng: random.Random, data: bytes, layout: GGUFLayout) -> bytes:
 
 
 # -- JSON documents (config.json, safetensors headers) ---------------------------------------------
+# tokenizer.ggml.model values llama.cpp knows (and some it does not): each takes its vocabulary
+# load down another path, where a vocabulary made for a different one may break it
+TOKENIZER_MODELS = ("llama", "gpt2", "bert", "t5", "rwkv", "plamo2", "none", "no_vocab", "ugm", "")
+
+
+def set_string(data: bytes, key: str, value: str) -> bytes:
+    """A GGUF with string key `key` set to `value` of any length (the padding before the tensor
+    data redone, so the data keeps its 32-byte alignment)."""
+    layout = gguf_layout(data)
+    pos = next(p + len(k) for p, k in layout.keys if k == key.encode())
+    if struct.unpack_from("<I", data, pos)[0] != 8:
+        raise ValueError(f"{key} is not a string")
+    n = struct.unpack_from("<Q", data, pos + 4)[0]
+    end = layout.header_end
+    head = data[:pos + 4] + struct.pack("<Q", len(value.encode())) + value.encode() + data[pos + 12 + n:end]
+    return head + b"\0" * (-len(head) % 32) + data[-(-end // 32) * 32:]
+
+
+def tokenizer_mutation(rng: random.Random, data: bytes) -> bytes:
+    """The vocabulary declared as another tokenizer model (its tokens, scores and types kept)."""
+    return set_string(data, "tokenizer.ggml.model", rng.choice(TOKENIZER_MODELS))
+
+
 def _paths(obj, prefix=()) -> list[tuple]:
     out = [prefix]
     if isinstance(obj, dict):

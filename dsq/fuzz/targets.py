@@ -2,13 +2,15 @@
 
 Each target makes inputs (`make(rng)`: the mutated bytes or text) and runs one (`run(data, work)`):
 returning normally or raising a DsqError is clean; any other exception is an internal error.
-llama.cpp is not called here (a file it aborts on would end this process): cli_target.py runs
-those paths in child processes.
+llama.cpp is not called in this process (a file it aborts on would end it): the probe target
+hands each file to dsq.runtime.llama_probe, which loads it in a child process, and cli_target.py
+runs the CLI's paths in child processes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -170,4 +172,47 @@ def render_template(text: str) -> str:
     return t.render(MESSAGES)
 
 
-TARGETS = {t.name: t for t in (GGUFTarget, SafetensorsTarget, ConfigTarget, TemplateTarget)}
+class ProbeTarget(GGUFTarget):
+    """A mutated GGUF (a third of them declaring another tokenizer model) that dsq's reader passes,
+    through the child-process check before llama.cpp loads it in dsq's process: vocabulary only
+    (the native backend), the whole model (the llama.cpp backend), the quantizer's dry run (float
+    seeds). A file that crashes llama.cpp must come back as a BackendError, never end this process."""
+
+    name = "probe"
+
+    def make(self, rng: random.Random) -> bytes:
+        if rng.random() < 0.35:
+            return mutate.tokenizer_mutation(rng, self.seeds[rng.randrange(len(self.seeds))])
+        return super().make(rng)
+
+    def run(self, data: bytes, work: Path) -> None:
+        from dsq.errors import DsqError
+        from dsq.formats.gguf_file import GGUFFile
+        from dsq.runtime.llama_probe import check_loads
+
+        p = work / "input.gguf"
+        p.write_bytes(data)
+        g = GGUFFile(p)  # what dsq checks before llama.cpp sees a file
+        floats = all(t.type_name in ("F32", "F16", "BF16") for t in g.tensors if len(t.shape) >= 2)
+        load = {"n_ctx": 64, "gpu_layers": 0, "logits_all": False, "f32_kv": False, "kv_dtype": None}
+        whats = [{"call": "load", "load": dict(load, vocab_only=True)},
+                 {"call": "load", "load": dict(load, vocab_only=False)}]
+        if floats:
+            whats.append({"call": "quantize", "qtype": "Q8_0"})
+        cache = os.environ.get("DSQ_CACHE")
+        os.environ["DSQ_CACHE"] = str(work / "cache")  # one verdict per input: not in the user's cache
+        try:
+            for what in whats:
+                try:
+                    check_loads(p, what)
+                except DsqError:
+                    pass
+        finally:
+            if cache is None:
+                os.environ.pop("DSQ_CACHE", None)
+            else:
+                os.environ["DSQ_CACHE"] = cache
+            shutil.rmtree(work / "cache", ignore_errors=True)
+
+
+TARGETS = {t.name: t for t in (GGUFTarget, SafetensorsTarget, ConfigTarget, TemplateTarget, ProbeTarget)}

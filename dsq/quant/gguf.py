@@ -44,6 +44,7 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, threads: int | N
     llama.cpp's importance matrix; the quantizer weighs rounding errors by it.
     """
     from dsq.runtime.llama_cpp_backend import default_threads, import_llama_cpp, last_log
+    from dsq.runtime.llama_probe import check_loads
 
     qtype = parse_gguf_type(qtype)
     if qtype in FLOAT_TYPES:
@@ -57,6 +58,7 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, threads: int | N
     n_params = sum(t.n_elements for t in g.tensors)
     expected = int(n_params * APPROX_BPW.get(qtype, 8) / 8)
     llama_cpp = import_llama_cpp()
+    check_loads(src, {"call": "quantize", "qtype": qtype})
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[qtype]
     params.nthread = threads or default_threads()

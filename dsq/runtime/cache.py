@@ -14,6 +14,7 @@ from pathlib import Path
 KNOWN = {
     "builtin": "the built-in model, assembled from its package, and its bf16 export",
     "converted": "HF models converted to GGUF for llama.cpp",
+    "probed": "which GGUF files llama.cpp loaded without crashing, checked in a child process",
     "calibration.json": "this machine's bandwidths (dsq offload --calibrate)",
     "cpu_bandwidth.json": "a CPU bandwidth an older dsq measured",
 }

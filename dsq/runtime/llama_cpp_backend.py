@@ -238,7 +238,9 @@ class LlamaCppModel:
     def __init__(self, path: str | Path, *, ref: ModelRef | None = None, n_ctx: int = 4096,
                  n_threads: int | None = None, gpu_layers: GpuLayers | int | str = 0, seed: int | None = None,
                  logits_all: bool = False, f32_kv: bool = False, vocab_only: bool = False,
-                 kv_dtype: str | None = None):
+                 kv_dtype: str | None = None, verbose: bool = False):
+        """verbose: llama-cpp-python's own prints; off, it also silences this process's stdout and
+        stderr while the model loads (what llama.cpp prints before an abort goes with them)."""
         from dsq.formats.gguf_file import GGUFFile
 
         self.path = Path(path)
@@ -248,7 +250,7 @@ class LlamaCppModel:
         self.n_threads = n_threads or default_threads()
         self.gpu_layers = GpuLayers.parse(gpu_layers).resolve(self.path, n_ctx, backend="llama.cpp")
         kwargs = dict(n_ctx=n_ctx, n_threads=self.n_threads, n_threads_batch=self.n_threads,
-                      n_gpu_layers=self.gpu_layers.n_gpu_layers, logits_all=logits_all, verbose=False,
+                      n_gpu_layers=self.gpu_layers.n_gpu_layers, logits_all=logits_all, verbose=verbose,
                       vocab_only=vocab_only, n_batch=min(512, n_ctx), n_ubatch=min(512, n_ctx),
                       swa_full=True)  # full-size SWA cache: chat turns can reuse the cached prefix
         if seed is not None:
@@ -258,6 +260,11 @@ class LlamaCppModel:
             raise BackendError("this llama-cpp-python build crashes loading a model in a process that has "
                                "loaded PyTorch (its CUDA library exports its own C++ runtime)", REBUILD_HINT)
         kwargs["flash_attn"] = flash_attn_for(self.gpu_layers)
+        from dsq.runtime.llama_probe import check_loads
+
+        check_loads(self.path, {"call": "load", "load": dict(
+            n_ctx=n_ctx, gpu_layers=self.gpu_layers.n_gpu_layers, logits_all=logits_all, f32_kv=f32_kv,
+            vocab_only=vocab_only, kv_dtype=kv_dtype)})
         safe = {"use_extra_bufts": False} if amx_compiled() else {}
         try:
             with _model_params(**safe), _no_chat_formatter():
