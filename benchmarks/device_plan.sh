@@ -59,14 +59,14 @@ race() {  # race TAG GGUF: both engines at each split, and all-GPU prefill of 20
   timeout 100 "$LB" -m "$g" -ngl 0,8,16,24,99 -fa 1 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_$tag.json" 2>/dev/null
   log "$tag: llama-bench"
   timeout 30 "$LB" -m "$g" -ngl 99 -fa 1 -p 2048 -n 0 -r 2 -t "$TH" -o json > "$R/llama_${tag}_p2048.json" 2>/dev/null
-  timeout 130 python3 -m dsq bench "$g" -b native -g 0,8,16,24,all --prompt-tokens 512 --gen-tokens 32 --repeat 2 \
-    --threads "$TH" --json "$R/dsq_$tag.json" --force > "$R/dsq_$tag.txt" 2>&1
+  timeout 130 python3 -m dsq bench "$g" -b native -g 0,8,16,24,all --prompt-tokens 512 --max-tokens 32 --repeat 2 \
+    --threads "$TH" --out "$R/dsq_$tag.json" --force > "$R/dsq_$tag.txt" 2>&1
   log "$tag: dsq bench"
-  timeout 40 python3 -m dsq bench "$g" -b native -g all --prompt-tokens 2048 --gen-tokens 4 --repeat 2 \
-    --threads "$TH" --json "$R/dsq_${tag}_p2048.json" --force > /dev/null 2>&1
+  timeout 40 python3 -m dsq bench "$g" -b native -g all --prompt-tokens 2048 --max-tokens 4 --repeat 2 \
+    --threads "$TH" --out "$R/dsq_${tag}_p2048.json" --force > /dev/null 2>&1
   # llama.cpp's peak VRAM at each split, measured as dsq bench measures dsq's (its Python binding, same build)
-  timeout 60 python3 -m dsq bench "$g" -b llama.cpp -g 0,8,16,24,all --prompt-tokens 512 --gen-tokens 4 --repeat 1 \
-    --threads "$TH" --json "$R/llama_vram_$tag.json" --force > /dev/null 2>&1
+  timeout 60 python3 -m dsq bench "$g" -b llama.cpp -g 0,8,16,24,all --prompt-tokens 512 --max-tokens 4 --repeat 1 \
+    --threads "$TH" --out "$R/llama_vram_$tag.json" --force > /dev/null 2>&1
   log "$tag: done"
 }
 
@@ -93,15 +93,15 @@ if [ "$PART" = 3 ]; then
   timeout 80 "$LB" -m "$g" -ngl 99 -ot exps=CPU -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_cpu.json" 2>/dev/null
   log "llama-bench"
   for e in gpu cpu; do
-    timeout 100 python3 -m dsq bench "$g" -b native -g all --experts "$e" --prompt-tokens 512 --gen-tokens 32 \
-      --repeat 2 --threads "$TH" --json "$R/dsq_v2l_$e.json" --force > "$R/dsq_v2l_$e.txt" 2>&1
+    timeout 100 python3 -m dsq bench "$g" -b native -g all --experts "$e" --prompt-tokens 512 --max-tokens 32 \
+      --repeat 2 --threads "$TH" --out "$R/dsq_v2l_$e.json" --force > "$R/dsq_v2l_$e.txt" 2>&1
     log "dsq bench --experts $e"
   done
   # dsq serve and llama-server, the same load: 64 requests at 32 concurrent, 512-word prompts, 128 tokens
   PORT=8000
   up() { for _ in $(seq 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0; kill -0 "$1" 2>/dev/null || return 1; sleep 1; done; return 1; }
   load() { timeout 150 python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 32 --requests 64 \
-    --prompt-tokens 512 --gen-tokens 128 --json "$R/serve_$1.json" --force > "$R/serve_$1.txt" 2>&1; }
+    --prompt-tokens 512 --max-tokens 128 --out "$R/serve_$1.json" --force > "$R/serve_$1.txt" 2>&1; }
   python3 -m dsq serve "$g" --gpu-layers all --ctx 4096 --max-seqs 64 --port $PORT > "$R/serve_dsq.log" 2>&1 &
   pid=$!
   if up $pid; then load dsq; fi
