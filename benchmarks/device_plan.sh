@@ -2,7 +2,8 @@
 # The GPU claims in three device calls, each under 9 minutes on a machine that starts bare, with what
 # a user gets without flags (docs/benchmarks.md#the-gpu-claims-in-three-device-calls). From the repo root,
 # through the device tool, carrying .whl (the wheels the image lacks), .llbin and .llsrc (llama.cpp's
-# CUDA binaries and Python package, made on the dev machine by benchmarks/build_llama_cuda.sh):
+# CUDA binaries and Python package, made on the dev machine by benchmarks/build_llama_cuda.sh; part 1
+# also runs on .llcpu/llama_cpp_py.tar.gz, the dev machine's CPU build of llama-cpp-python as installed):
 #
 #   bash benchmarks/device_plan.sh 1   # set up, then every test file that has a CUDA path (~6 min)
 #   bash benchmarks/device_plan.sh 2   # the split race on Qwen2-7B and Llama-3-8B (random Q4_K_M GGUFs):
@@ -34,7 +35,17 @@ case "$PART" in
   3) gguf deepseek-v2-lite /tmp/v2l.gguf > "$R/write_v2l.txt" & ;;
 esac
 setup_python
-llama_bins || exit 1
+if ls .llbin/llbin.tar.xz.* >/dev/null 2>&1; then
+  llama_bins || exit 1
+elif [ "$PART" = 1 ] && [ -f .llcpu/llama_cpp_py.tar.gz ]; then
+  # no CUDA build of llama.cpp carried: the dev machine's CPU build of llama-cpp-python (its package
+  # with its libraries, .llcpu/) serves the tests' GGUF tokenizer and llama.cpp backend
+  mkdir -p /tmp/llcpu && tar xzf .llcpu/llama_cpp_py.tar.gz -C /tmp/llcpu
+  export PYTHONPATH=$ROOT:/tmp/llcpu:/tmp/site; unset LLAMA_CPP_LIB_PATH
+  log "llama.cpp: the CPU build in .llcpu (no .llbin carried)"
+else
+  echo "no llama.cpp binaries: carry .llbin and .llsrc (bash benchmarks/build_llama_cuda.sh)"; exit 1
+fi
 TH=${THREADS:-$(lscpu -p=CORE | grep -v '^#' | sort -u | wc -l)}
 LB=$LL/build/bin/llama-bench
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/gpu.txt"
