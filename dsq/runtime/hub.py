@@ -327,7 +327,7 @@ def cached_repos() -> list[CachedRepo]:
     if not hub_cache_dir().is_dir():
         return []
     try:
-        info = scan_cache_dir()
+        info = scan_cache_dir(hub_cache_dir())  # (its default is the folder as it was when it was imported)
     except CacheNotFound:
         return []
     return [CachedRepo(r.repo_id, sorted(f"{'/'.join(sorted(v.refs)) or 'commit'} ({v.commit_hash[:8]})"
@@ -345,7 +345,7 @@ def remove_cached(repo: str) -> int:
     if not found:
         held = ", ".join(r.repo for r in cached_repos()) or "nothing"
         raise ModelNotFound(f"{name} is not in the Hugging Face cache ({hub_cache_dir()})", f"it holds: {held}")
-    info = scan_cache_dir()
+    info = scan_cache_dir(hub_cache_dir())
     commits = [v.commit_hash for r in info.repos if r.repo_id == name and r.repo_type == "model" for v in r.revisions]
     strategy = info.delete_revisions(*commits)
     strategy.execute()
