@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU claims in three device calls, each under 9 minutes on a machine that starts bare, with what
 # a user gets without flags (docs/benchmarks.md#the-gpu-claims-in-three-device-calls). From the repo root,
-# through the device tool, carrying .whl (the wheels the image lacks), .llbin and .llsrc (llama.cpp's
+# through the device tool, carrying .whl (the wheels the image lacks: benchmarks/device_wheels.sh), .llbin and .llsrc (llama.cpp's
 # CUDA binaries and Python package, made on the dev machine by benchmarks/build_llama_cuda.sh; part 1
 # also runs on .llcpu/llama_cpp_py.tar.gz, the dev machine's CPU build of llama-cpp-python as installed):
 #
