@@ -52,13 +52,17 @@ Backend = Annotated[str, typer.Option(
     "GPTQ / FP8 directories, which only it runs.")]
 Dtype = Annotated[Optional[str], typer.Option(
     "--dtype", help="native: activation dtype bf16|fp16|fp32 (default: bf16 on GPU, fp32 on CPU).")]
-FP8_NAMES = ("fp8", "fp8_e4m3", "e4m3")
-# the KV cache dtypes some engine here keeps (fp8: dsq serve's paged cache only)
-KV_DTYPES = ("bf16", "fp16", "fp32", "float16", "float32", "bfloat16", "f16", "f32", *FP8_NAMES)
+def _fp8_names() -> tuple[str, ...]:
+    from dsq.serve.paged import FP8_NAMES
+
+    return FP8_NAMES
 
 
 def _kv_dtype(value: str | None) -> str | None:
-    if value is not None and value.lower() not in KV_DTYPES:
+    """A KV cache dtype some engine here keeps: the native dtypes, or fp8 (dsq serve's paged cache only)."""
+    from dsq.runtime.native import _DTYPES
+
+    if value is not None and value.lower() not in (*_DTYPES, *_fp8_names()):
         raise typer.BadParameter(f"{value!r} is not a KV cache dtype; use fp8, bf16, fp16 or fp32")
     return value
 
@@ -174,7 +178,7 @@ def backend_options(backend: str, dtype: str | None, kv_dtype: str | None, compi
 
     experts = check_backend(parse_experts(experts), backend)
     head = None if head is None else parse_head(head)
-    if kv_dtype is not None and kv_dtype.lower() in FP8_NAMES:
+    if kv_dtype is not None and kv_dtype.lower() in _fp8_names():
         raise DsqError("--kv-dtype fp8 is dsq serve's (its paged KV cache)", "use bf16, fp16 or fp32 here")
     if backend == "native":
         return {"dtype": dtype, "kv_dtype": kv_dtype, "compile": compile, "experts": experts, "head": head}

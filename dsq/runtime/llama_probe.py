@@ -68,11 +68,11 @@ def _read_verdict(vpath: Path, key: dict) -> dict | None:
 
 
 def _write_verdict(vpath: Path, key: dict, ok: bool, detail: str) -> None:
+    from dsq.formats.hf import atomic_output_file
+
     try:
-        vpath.parent.mkdir(parents=True, exist_ok=True)
-        tmp = vpath.with_name(f"{vpath.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "ok": ok, "detail": detail}) + "\n")
-        os.replace(tmp, vpath)
+        with atomic_output_file(vpath, force=True) as tmp:
+            tmp.write_text(json.dumps({"key": key, "ok": ok, "detail": detail}) + "\n")
     except OSError:  # a read-only cache: the next run probes again
         pass
 

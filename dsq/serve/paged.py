@@ -35,6 +35,7 @@ from dsq.kernels import dispatch
 from dsq.models.base import KVCache, Transformer, rope_tables
 
 FP8 = torch.float8_e4m3fn
+FP8_NAMES = ("fp8", "fp8_e4m3", "e4m3")  # --kv-dtype's names for it
 FP8_MAX = 448.0  # the largest finite e4m3 value
 # cache spans a captured prompt chunk attends over (and the longest context): a chunk attends over a
 # span padded up to one of these, each doubling the last, so a short prompt never pays for the

@@ -38,9 +38,9 @@ def check_port(host: str, port: int) -> None:
 def kv_dtype(name: str | None):
     """--kv-dtype: fp8 (e4m3, a scale per token and head), bf16, fp16, fp32, or None (the model's)."""
     from dsq.runtime.native import parse_dtype
-    from dsq.serve.paged import FP8
+    from dsq.serve.paged import FP8, FP8_NAMES
 
-    if name is not None and name.lower() in ("fp8", "fp8_e4m3", "e4m3"):
+    if name is not None and name.lower() in FP8_NAMES:
         return FP8
     return parse_dtype(name, None) if name else None
 
