@@ -393,9 +393,10 @@ def test_install_sh_keeps_its_own_build_and_replaces_another(tmp_path):
 
 
 def test_install_sh_cpu_flags_name_each_instruction_set():
-    if not _x86():
-        pytest.skip("x86-64 flags")
     p = _bash("cpu_cmake_args")
+    if not _x86():  # elsewhere llama.cpp's own defaults (no x86 flags to name)
+        assert p.returncode == 0 and p.stdout.strip() == ""
+        return
     flags = dict(a.removeprefix("-D").split("=") for a in p.stdout.split())
     assert flags["GGML_NATIVE"] == "OFF" and flags["GGML_AMX_INT8"] == "OFF" and flags["GGML_AMX_TILE"] == "OFF"
     cpu = open("/proc/cpuinfo").read().split()

@@ -204,9 +204,9 @@ def split_head(model: str | Path | ModelShape, n: int, ctx: int, free_vram: int 
     on = _option(shape, "native", n).on_gpu
     layers = sum(sum(t.values()) for t, g in zip(shape.layers, on) if g)
     room = SPLIT_VRAM_MARGIN * layers - SPLIT_BASE_EXTRA
-    native = _Costs(shape, ctx, "native", 512, True, None, GPU_RESERVE)
+    native = None if free_vram is None else _Costs(shape, ctx, "native", 512, True, None, GPU_RESERVE)
     for share in sorted(HEAD_SHARES, reverse=True):
-        fits = free_vram is None or native.gpu_bytes(_Option(n, on, share)) <= free_vram
+        fits = native is None or native.gpu_bytes(_Option(n, on, share)) <= free_vram
         if head_gpu_bytes(shape.output_bytes, share) <= room and fits:
             return head_arg(share)
     return "cpu"
