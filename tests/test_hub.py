@@ -195,6 +195,7 @@ def test_a_cut_connection_resumes_where_it_stopped(runner, hub, tiny_gguf, monke
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 500)  # bytes are kept a whole chunk at a time
     hub.cut_after("tiny-F16.gguf", 1000)
     monkeypatch.delenv("DSQ_QUIET", raising=False)  # progress, as lines into a pipe
+    monkeypatch.delenv("CI", raising=False)  # CI with stderr not a terminal quiets progress
     r = _pull(runner, f"{GGUF}:F16")
     assert r.exit_code == 0, r.output
     assert "downloading tiny-org/tiny-GGUF/tiny-F16.gguf ..." in r.stderr and "2.5 MiB" in r.stderr, r.stderr
