@@ -16,7 +16,7 @@
 # How long: PyTorch and the rest download in a minute or two. llama-cpp-python is compiled here:
 # about 7 minutes on two idle cores, and it took 30 on a busy two-core machine; its progress is
 # shown as it builds (the full log goes to a file, named when the build fails). The test suite
-# (`python3 -m pytest -q`) then takes about 20 minutes on two cores.
+# (`python3 -m pytest -q`) then takes about 35 minutes on two cores.
 #
 # Two choices a plain `pip install -e .` would get wrong:
 # - PyTorch: with no NVIDIA GPU, the CPU build (a plain `torch` requirement pulls a multi-GB CUDA
