@@ -39,11 +39,11 @@ gguf() {  # gguf SHAPE PATH: a random Q4_K_M GGUF of a named shape (dsq.bench.ra
   [ -f "$2" ] || python3 -m dsq.bench.random_gguf "$2" --shape "$1" --mix Q4_K_M --force 2>&1 | tail -1
 }
 
+setup_python  # before the GGUF writes: they need the carried gguf wheel
 case "$PART" in
-  2) gguf qwen2-7b /tmp/q7b.gguf > "$R/write_q7b.txt" & gguf llama3-8b /tmp/r8b.gguf > "$R/write_r8b.txt" & ;;
-  3) gguf deepseek-v2-lite /tmp/v2l.gguf > "$R/write_v2l.txt" & ;;
+  2) gguf qwen2-7b /tmp/q7b.gguf > "$R/write_q7b.txt" 2>&1 & gguf llama3-8b /tmp/r8b.gguf > "$R/write_r8b.txt" 2>&1 & ;;
+  3) gguf deepseek-v2-lite /tmp/v2l.gguf > "$R/write_v2l.txt" 2>&1 & ;;
 esac
-setup_python
 if ls .llbin/llbin.tar.xz.* >/dev/null 2>&1; then
   llama_bins || exit 1
 elif [ "$PART" = 1 ] && [ -f .llcpu/llama_cpp_py.tar.gz ]; then
