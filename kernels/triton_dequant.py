@@ -43,27 +43,46 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor
     return w
 
 
-# A weight written out for cuBLAS is written and multiplied a slab of rows of at most this many bytes
-# at a time: the transient is one slab, not the whole weight in bf16 (235 MB for an 8B's fused
-# gate/up), at a few more GEMM calls (docs/benchmarks.md#split-between-gpu-and-cpu)
-SLAB_BYTES = 32 << 20
+# A weight written out for cuBLAS is written and multiplied in slabs of rows of at most this many bytes:
+# the transient is one slab, not the whole weight in bf16 (271 MB for Qwen2-7B's fused gate/up). Each slab
+# costs a dequantize launch and a GEMM launch, and a 512-token prefill all on the GPU is bound by the
+# host's launches: 32 MiB slabs (17 a Qwen2-7B layer) left the H100 idle 60% of it
+# (docs/benchmarks.md#prefill)
+SLAB_BYTES = 128 << 20
+
+
+def slab_rows(N: int, K: int, element_size: int, slab_bytes: int | None = None) -> int:
+    """Rows of W per slab: as few equal slabs as keep each within `slab_bytes` (SLAB_BYTES), in whole
+    multiples of 128 rows (an FP8 block's rows), so no slab is a sliver."""
+    limit = slab_bytes or SLAB_BYTES
+    n = max(1, -(-N * K * element_size // limit))
+    step = -(-(-(-N // n)) // 128) * 128
+    if step > 128 and step * K * element_size > limit:  # rounding up to 128 rows passed the limit
+        step -= 128
+    return min(N, max(128, step))
 
 
 def dequant_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, slab_bytes: int | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) by writing W out in x's dtype (`dequantize`) and cuBLAS GEMMs: for many
     rows of x (prefill), where the GEMM's arithmetic outweighs writing W once; in slabs of rows of
-    at most `slab_bytes` (SLAB_BYTES) of W. `out` (M, N) may be given."""
+    at most `slab_bytes` (SLAB_BYTES) of W, each GEMM writing its columns of y in place. `out`
+    (M, N) may be given."""
     x2 = x_rows(x, p)
-    step = max(128, (slab_bytes or SLAB_BYTES) // (p.K * x.element_size()) // 128 * 128)  # whole FP8 blocks
+    step = slab_rows(p.N, p.K, x.element_size(), slab_bytes)
     if step >= p.N:
         wt = dequantize(p, x.dtype).t()
         y = torch.mm(x2, wt, out=out) if bias is None else torch.addmm(bias.to(x.dtype), x2, wt, out=out)
         return y.reshape(*x.shape[:-1], p.N)
     y = out if out is not None else torch.empty(x2.shape[0], p.N, dtype=x.dtype, device=x.device)
     buf = torch.empty(step, p.K, dtype=x.dtype, device=x.device)
+    b16 = bias.to(x.dtype) if bias is not None else None
     for a in range(0, p.N, step):
         b = min(a + step, p.N)
         wt = dequantize(p.rows(a, b), x.dtype, out=buf[:b - a]).t()
-        y[:, a:b] = torch.mm(x2, wt) if bias is None else torch.addmm(bias[a:b].to(x.dtype), x2, wt)
+        # y[:, a:b] (row stride N, unit column stride) is a matrix cuBLAS writes directly: no temporary, no copy
+        if b16 is None:
+            torch.mm(x2, wt, out=y[:, a:b])
+        else:
+            torch.addmm(b16[a:b], x2, wt, out=y[:, a:b])
     return y.reshape(*x.shape[:-1], p.N)

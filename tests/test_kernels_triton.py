@@ -234,6 +234,31 @@ def test_dequant_linear_in_slabs(fmt, monkeypatch):
     check(y, packed.linear_ref(x.double(), p, bias.double()), torch.float32)
 
 
+@pytest.mark.parametrize("N,K", [(37888, 3584), (3584, 18944), (28672, 4096), (4608, 3584), (1000, 64), (300, 1 << 20)])
+def test_slab_rows_are_few_equal_and_within_the_limit(N, K):
+    """Slabs: whole 128-row blocks, each within SLAB_BYTES unless one block alone is larger, as few as
+    that allows (a prefill's launches), and no sliver at the end."""
+    step = triton_dequant.slab_rows(N, K, 2)
+    limit = triton_dequant.SLAB_BYTES
+    n = -(-N // step)
+    assert step == N or step % 128 == 0
+    assert step * K * 2 <= limit or step == min(N, 128)
+    fewest = -(-N * K * 2 // limit)
+    assert n <= fewest + 1
+    if n > 1 and step > 128:
+        assert N - (n - 1) * step >= 128  # the last slab holds at least a block
+
+
+def test_dequant_linear_slabs_write_into_out():
+    """Each slab's GEMM writes its columns of the given `out` (no temporary y)."""
+    p = packed.from_gguf(torch.from_numpy(random_blocks("Q4_K", 300, 256, np.random.default_rng())), "Q4_K", 256)
+    x, bias = torch.randn(3, p.K), torch.randn(p.N)
+    out = torch.full((3, p.N), float("nan"), device=DEV)
+    y = triton_dequant.dequant_linear(x.to(DEV), p.to(DEV), bias.to(DEV), out=out, slab_bytes=1)
+    assert y.data_ptr() == out.data_ptr()
+    check(out, packed.linear_ref(x.double(), p, bias.double()), torch.float32)
+
+
 @pytest.mark.skipif(not CUDA, reason="real shapes need a GPU")
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "int4", "fp8"])
 def test_dequant_linear_real_shapes(fmt):
