@@ -323,31 +323,47 @@ def test_offload_command_places_the_head(runner, tiny_gguf):
     assert "40% of its rows on the GPU" in r.stdout.replace("\n", " ")
 
 
-@pytest.mark.parametrize("n, head", [(0, "gpu"), (1, "cpu"), (8, "0.1"), (16, "0.3"), (24, "0.6"), (32, "gpu")])
+@pytest.mark.parametrize("n, head", [(0, "gpu"), (1, "gpu"), (8, "gpu"), (16, "gpu"), (24, "gpu"), (32, "gpu")])
 def test_a_split_takes_the_head_rows_its_vram_margin_holds(n, head):
-    """--gpu-layers N without --head: the share of the head's rows that fits in 10% of the N layers'
-    bytes, less what dsq's split takes beyond llama.cpp's with the head in RAM; the head whole where
-    nothing is split."""
+    """--gpu-layers N without --head: the share of the head's rows that fits in what llama.cpp's CUDA
+    split reserves for its copy of the head and a micro-batch's logits, plus 10% of the N layers'
+    bytes less what dsq's split takes beyond llama.cpp's: the whole head of an 8B at every split."""
     from dsq.runtime.gpu_layers import head_share
-    from dsq.runtime.placement import SPLIT_BASE_EXTRA, SPLIT_VRAM_MARGIN, head_gpu_bytes, split_head
+    from dsq.runtime.placement import (SPLIT_BASE_EXTRA, SPLIT_VRAM_MARGIN, head_gpu_bytes, llama_split_reserve,
+                                       split_head)
 
     shape = llama3_8b_q4_k_m()
     assert split_head(shape, n, 4096) == head
     if 0 < n < shape.n_layer:
         layers = n * sum(shape.layers[0].values())
-        room = SPLIT_VRAM_MARGIN * layers - SPLIT_BASE_EXTRA
-        share = head_share(head)
-        assert share == 0 or head_gpu_bytes(shape.output_bytes, share) <= room  # within the margin
-        if share < max(HEAD_SHARES):  # and the next tenth would not be
-            assert head_gpu_bytes(shape.output_bytes, share + 0.1) > room
+        room = SPLIT_VRAM_MARGIN * layers - SPLIT_BASE_EXTRA + llama_split_reserve(shape)
+        assert llama_split_reserve(shape) == shape.output_bytes + 512 * 4 * 128256  # the head's copy, the logits
+        assert head_gpu_bytes(shape.output_bytes, head_share(head)) <= room
+
+
+def test_a_split_head_without_llama_cpps_reserve_takes_the_margins_share(monkeypatch):
+    """Where the head is larger than what llama.cpp's split reserves (a huge vocabulary over few
+    bytes of layers), the share that fits the margin, in tenths; none where no tenth fits."""
+    from dsq.runtime import placement
+
+    shape = llama3_8b_q4_k_m()
+    monkeypatch.setattr(placement, "llama_split_reserve", lambda s: 0)
+    assert [placement.split_head(shape, n, 4096) for n in (1, 8, 16, 24)] == ["cpu", "0.1", "0.3", "0.6"]
 
 
 def test_a_split_head_fits_the_free_vram():
     from dsq.runtime.placement import split_head
 
     shape = llama3_8b_q4_k_m()
-    assert split_head(shape, 24, 4096, free_vram=64 * GiB) == "0.6"
+    assert split_head(shape, 24, 4096, free_vram=64 * GiB) == "gpu"
     assert split_head(shape, 24, 4096, free_vram=1 * GiB) == "cpu"  # not even the layers fit: no rows either
+    # free memory for the layers and part of the head: the largest tenth of its rows that fits
+    from dsq.runtime.placement import GPU_RESERVE, _Costs, _option, _Option
+
+    on = _option(shape, "native", 24).on_gpu
+    costs = _Costs(shape, 4096, "native", 512, True, None, GPU_RESERVE)
+    free = (costs.gpu_bytes(_Option(24, on, 0.4)) + costs.gpu_bytes(_Option(24, on, 0.5))) // 2
+    assert split_head(shape, 24, 4096, free_vram=free) == "0.4"
 
 
 def test_the_native_default_head_at_a_split_is_the_planners(monkeypatch, tiny_gguf):

@@ -184,28 +184,41 @@ def head_gpu_bytes(output_bytes: int, share: float) -> int:
 
 
 # How much more VRAM than llama.cpp's at the same --gpu-layers a native split may take by default,
-# as a share of its layers' bytes, spent on the output head's most-read rows; and what dsq's split
-# takes beyond llama.cpp's with the head in RAM (+38..60 MiB measured on the 8B at 8-24 layers), off
-# that margin first (docs/benchmarks.md#does-a-split-beat-llamacpp-and-at-what-vram)
+# as a share of its layers' bytes; and what dsq's split takes beyond llama.cpp's with the head in RAM
+# (+38..60 MiB measured on the 8B at 8-24 layers), off that margin first
+# (docs/benchmarks.md#does-a-split-beat-llamacpp-and-at-what-vram)
 SPLIT_VRAM_MARGIN = 0.10
 SPLIT_BASE_EXTRA = 64 * MiB
+# llama.cpp's CUDA build, at every split, reserves GPU memory for its worst-case prompt graph: a copy
+# of the output head it keeps in RAM (it runs a prompt's large matmuls on the GPU) and a micro-batch's
+# float32 logits. Measured at 0 layers: 1256 MiB against dsq's 720 on Qwen2-7B (head 426 + logits 297
+# = 723), 1194 against 702 on Llama-3-8B (docs/benchmarks.md#the-gpu-claims-in-three-device-calls).
+# dsq holds the head itself in that room.
+LLAMA_SPLIT_UBATCH = 512
+
+
+def llama_split_reserve(shape: ModelShape) -> int:
+    """GPU bytes llama.cpp's CUDA build reserves at a split beyond its layers: the output head's copy
+    and a micro-batch's logits."""
+    return shape.output_bytes + LLAMA_SPLIT_UBATCH * 4 * shape.n_vocab
 
 
 def split_head(model: str | Path | ModelShape, n: int, ctx: int, free_vram: int | None = None) -> str:
     """The --head a native split of the last `n` layers takes when none is asked for: the largest
-    share of the output head's rows (tenths, HEAD_SHARES) that fits in SPLIT_VRAM_MARGIN of those
-    layers' bytes less SPLIT_BASE_EXTRA, and in `free_vram` by the plan's count; "gpu" where the
-    model is not split. --gpu-layers N asks for the VRAM of N layers as llama.cpp places them (its
-    head stays in RAM below all): the head's rows, read every token, are the fastest use of the
-    margin (a head in RAM is ~20% of an 8B split's token)."""
+    share of the output head's rows ("gpu", the whole, then tenths, HEAD_SHARES) that fits in what
+    llama.cpp's split reserves for the head and its logits (llama_split_reserve) plus
+    SPLIT_VRAM_MARGIN of those layers' bytes less SPLIT_BASE_EXTRA, and in `free_vram` by the plan's
+    count; "gpu" where the model is not split. --gpu-layers N asks for the VRAM of N layers as
+    llama.cpp places them: the head's rows, read every token, are the fastest use of it (a head in
+    RAM is ~20% of an 8B split's token)."""
     shape = load_shape(model)
     if not 0 < n < shape.n_layer or not shape.output_bytes or shape.tied:
         return "gpu"
     on = _option(shape, "native", n).on_gpu
     layers = sum(sum(t.values()) for t, g in zip(shape.layers, on) if g)
-    room = SPLIT_VRAM_MARGIN * layers - SPLIT_BASE_EXTRA
+    room = SPLIT_VRAM_MARGIN * layers - SPLIT_BASE_EXTRA + llama_split_reserve(shape)
     native = None if free_vram is None else _Costs(shape, ctx, "native", 512, True, None, GPU_RESERVE)
-    for share in sorted(HEAD_SHARES, reverse=True):
+    for share in (1.0, *sorted(HEAD_SHARES, reverse=True)):
         fits = native is None or native.gpu_bytes(_Option(n, on, share)) <= free_vram
         if head_gpu_bytes(shape.output_bytes, share) <= room and fits:
             return head_arg(share)
@@ -317,7 +330,7 @@ def _transfer(nbytes: int, rate: float) -> float:
 
 
 # a weight written out for a long prompt's cuBLAS GEMM, a slab of rows at a time (triton_dequant.SLAB_BYTES)
-_DEQUANT_SLAB = 32 << 20
+_DEQUANT_SLAB = 128 << 20
 
 
 def _native_compute_bytes(shape: ModelShape, widest_layer: int, split: bool) -> int:
