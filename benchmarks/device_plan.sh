@@ -105,6 +105,8 @@ if [ "$PART" = 2 ]; then
   DSQ_DEQUANT_ROWS=0 timeout $(t 40) python3 -m benchmarks.gpu_prefill /tmp/q7b.gguf --tokens 512 --no-profile \
     > "$R/prefill_nodequant_q7b.txt" 2>&1
   log "prefill without dequant"
+  timeout $(t 40) python3 -m benchmarks.gpu_prefill /tmp/r8b.gguf --tokens 512 > "$R/prefill_profile_r8b.txt" 2>&1
+  log "prefill profile, 8B"
   python3 -m benchmarks.device_tables race "$R" --out "$OUT/part2"
   log "done"
   exit 0
