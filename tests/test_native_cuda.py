@@ -320,3 +320,36 @@ def test_split_head_in_ram(qtype, tiny_gguf):
     assert held_c < held_r < held_g
     for c, r, g in zip(steps_c, steps_r, steps_g):
         assert torch.isfinite(c).all() and _rel(c, g) < 0.02 and _rel(r, g) < 0.02
+
+
+@pytest.mark.parametrize("kind, qtype", [("llama", "Q4_K_M"), ("gemma3", "F32")])
+def test_prefill_graphs_equal_eager_chunks(kind, qtype, tiny_gguf, monkeypatch):
+    """Full prompt chunks replayed from CUDA graphs (one per attention span) give the eager chunks'
+    logits and greedy tokens: a prompt of several chunks, the same prompt again (replays), and a
+    prompt that shares a prefix, so its chunks start at other slots."""
+    from dsq.runtime import native
+    from dsq.runtime.sampling import SamplingParams
+
+    monkeypatch.setattr(native, "PREFILL_CHUNK", 16)  # chunks of 16 tokens: spans 16, 32, 64, 128
+    path = tiny_gguf(kind, qtype)
+    graphs = native.NativeModel(path, "gguf", n_ctx=128, gpu_layers=-1)
+    eager = native.NativeModel(path, "gguf", n_ctx=128, gpu_layers=-1)
+    eager._prefill_graphs = None
+    assert graphs._prefill_graphs is not None
+    prompt = (IDS * 2)[:90]
+    other = prompt[:37] + [11, 12, 13] * 13  # 76 tokens; after the shared 37 its chunks start at slot 37
+    greedy = SamplingParams(temperature=0)
+    for p, fresh in ((prompt, True), (prompt, True), (other, False)):
+        toks = []
+        for m in (graphs, eager):
+            if fresh:
+                m.reset()
+            toks.append([e.token_id for e in m.stream(p, greedy, 8, ignore_eos=True)])
+        assert toks[0] == toks[1]
+    assert set(graphs._prefill_graphs.graphs) == {16, 32, 64, 128} and not graphs._prefill_graphs.failed
+    with torch.inference_mode():
+        for m in (graphs, eager):
+            m.reset()
+        a = graphs._prefill(prompt, 0, graphs.cache, torch.zeros(1, dtype=torch.long, device="cuda")).float()
+        b = eager._prefill(prompt, 0, eager.cache, torch.zeros(1, dtype=torch.long, device="cuda")).float()
+    assert torch.allclose(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item())

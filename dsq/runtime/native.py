@@ -10,6 +10,7 @@ around the C kernels (_CompiledStep).
 
 from __future__ import annotations
 
+import os
 import types
 import warnings
 from pathlib import Path
@@ -84,6 +85,63 @@ class _GraphedStep:
         self.pad.copy_(pad)
         self.graph.replay()
         return self.out
+
+
+# A model all on one GPU runs a full prompt chunk (PREFILL_CHUNK tokens) as a CUDA graph: eagerly the
+# host's launches, ~800 for Qwen2-7B's 512 tokens, took 45-80 ms on the H100 machine where the GPU's
+# kernels took 19 (docs/benchmarks.md#prefill); DSQ_PREFILL_GRAPH=0 keeps the chunks eager
+PREFILL_GRAPH = os.environ.get("DSQ_PREFILL_GRAPH", "1") != "0"
+
+
+class _PrefillGraphs:
+    """Full prompt chunks of one sequence, captured as CUDA graphs: one per attention span S (the
+    chunk's last slot + 1 rounded up to PREFILL_CHUNK times a power of two, at most the cache), over
+    static ids and slots, so a chunk at any position replays the graph of its span, masked to its
+    slots as the eager chunk is. A span's first chunk runs eagerly (its kernels built, its output
+    real), then its graph is captured (recorded, not run) for the next; a capture that fails leaves
+    every chunk eager, with a warning."""
+
+    def __init__(self, model, cache):
+        dev = torch.device("cuda")
+        self.model, self.cache = model, cache
+        self.ids = torch.zeros(1, PREFILL_CHUNK, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(PREFILL_CHUNK, dtype=torch.long, device=dev)
+        self.pad = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed = False
+
+    def span(self, end: int) -> int:
+        """The attention span of a chunk ending before slot `end`."""
+        s = PREFILL_CHUNK
+        while s < end:
+            s *= 2
+        return min(s, self.cache.length)
+
+    def takes(self, chunk: torch.Tensor, start: int) -> bool:
+        return not self.failed and chunk.shape == (1, PREFILL_CHUNK) and start + PREFILL_CHUNK <= self.cache.length
+
+    def __call__(self, chunk: torch.Tensor, start: int) -> torch.Tensor:
+        """Logits (1, 1, V) of the chunk's last token; its keys and values written at start.."""
+        S = self.span(start + PREFILL_CHUNK)
+        self.ids.copy_(chunk, non_blocking=True)
+        torch.arange(start, start + PREFILL_CHUNK, out=self.slots)
+        if S in self.graphs:
+            graph, out = self.graphs[S]
+            graph.replay()
+            return out.clone()  # the next replay rewrites the graph's own
+        run = lambda: self.model(self.ids, self.slots, self.cache, self.pad, kv_len=S, last_only=True)  # noqa: E731
+        out = run()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.graphs[S] = (graph, run())
+        except Exception as e:  # noqa: BLE001 - eager chunks work without the graphs
+            self.failed = True
+            self.graphs.clear()
+            warnings.warn(f"capturing a prompt chunk failed, prefilling eagerly: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}", RuntimeWarning, stacklevel=3)
+        return out
 
 
 def _gpu_part(model, x, start: int, slot, cache, pad):
@@ -314,6 +372,9 @@ class NativeModel:
                 self._graph = self._capture_moe(model) if self._moe else self._capture(self.cache, 1)
             elif split:
                 self._split = self._capture_split(model, devs.index("cuda:0"), mode if compile else False)
+        # full prompt chunks as CUDA graphs where the decode step is one (every layer on one GPU, no routing)
+        self._prefill_graphs = (_PrefillGraphs(model, self.cache) if PREFILL_GRAPH and self._graph is not None
+                                and not self._moe else None)
         self._streamed = None  # the CPU layers' prompt chunks on the GPU
         n_cpu = devs.count("cpu")
         if n_cpu and torch.cuda.is_available() and (split or on_cpu):
@@ -394,6 +455,8 @@ class NativeModel:
             kv_len = start + i + chunk.shape[1]
             if self._streamed is not None and STREAM_MIN_ROWS and chunk.numel() >= STREAM_MIN_ROWS:
                 out, streamed = self._streamed_prefill(chunk, slots, cache, pad, kv_len), True
+            elif self._prefill_graphs is not None and cache is self.cache and self._prefill_graphs.takes(chunk, start + i):
+                out = self._prefill_graphs(chunk, start + i)
             else:
                 out = self.model(chunk, slots, cache, pad, kv_len=kv_len, last_only=True)
         if streamed:  # the streamed layers' transient GPU memory goes back (decode holds none of it)
