@@ -417,3 +417,28 @@ def test_messages_a_template_refuses_get_400_and_the_template_stays(fake_server)
             assert err["code"] == "invalid_messages" and "roles must alternate" in err["message"]
         else:
             assert reply["usage"]["prompt_tokens"] == 3  # the model's template: "a b c "
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenized(fake_server):
+    """A prompt longer than the context's tokens could spell (each at most the vocabulary's
+    longest, 8 bytes for the fake model) gets 400 by its length alone: the tokenizer never sees
+    it. One within that length is tokenized and counted."""
+    s = fake_server
+    nm = s["engine"].nm
+    cap = 64 * 8 * 2  # n_ctx x longest token x api.NORMALIZE_SLACK
+    for path, body, param in [(C, {"prompt": "a " * cap}, "prompt"),
+                              (CC, {"messages": [{"role": "user", "content": "a " * cap}]}, "messages")]:
+        status, reply = _request(s, "POST", path, body, key=None)
+        err = reply["error"]
+        assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == param, reply
+        assert "characters" in err["message"] and "context of 64 tokens" in err["message"], err
+    assert not any(n > cap for n in nm.tokenized), nm.tokenized
+    status, reply = _request(s, "POST", C, {"prompt": "a " * 100}, key=None)  # 200 characters, 100 tokens
+    assert status == 400 and "100 tokens" in reply["error"]["message"] and 200 in nm.tokenized
+
+
+def test_a_huge_prompt_gets_400_by_its_length_on_the_real_model(server):
+    status, reply = _request(server, "POST", C, {"prompt": "x" * (MAX_BODY - 1024), "max_tokens": 1})
+    err = reply["error"]
+    assert status == 400 and err["code"] == "context_length_exceeded" and "characters" in err["message"], reply
+    assert _request(server, "POST", C, {"prompt": "hi", "max_tokens": 1})[0] == 200
