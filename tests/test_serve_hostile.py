@@ -121,7 +121,8 @@ def test_the_api_key_guards_every_endpoint_but_health(server):
 @pytest.mark.parametrize("flags, env, needle", [(["--api-key", " "], {}, "--api-key"),
                                                 ([], {"DSQ_API_KEY": " "}, "--api-key"),
                                                 (["--max-body", "0"], {}, "--max-body"),
-                                                (["--read-timeout", "-1"], {}, "--read-timeout")])
+                                                (["--read-timeout", "-1"], {}, "--read-timeout"),
+                                                (["--max-connections", "0"], {}, "--max-connections")])
 def test_bad_guard_flags_are_one_line_before_loading(runner, flags, env, needle):
     from dsq.cli import app
 
@@ -442,3 +443,54 @@ def test_a_huge_prompt_gets_400_by_its_length_on_the_real_model(server):
     err = reply["error"]
     assert status == 400 and err["code"] == "context_length_exceeded" and "characters" in err["message"], reply
     assert _request(server, "POST", C, {"prompt": "hi", "max_tokens": 1})[0] == 200
+
+
+def test_a_connection_past_max_connections_gets_503_and_the_others_are_served():
+    """--max-connections 2: with two connections open (one mid-request, one idle between
+    requests), a request on a third gets 503 and its connection closes; the two go on being
+    served, and once one closes a new connection is served."""
+    import uvicorn
+
+    from dsq.serve.api import Api
+    from dsq.serve.guard import Limits
+    from dsq.serve.server import uvicorn_config
+    from serve_util import _free_port
+
+    engine = FakeEngine(FakeNative(STRICT), ("ok",))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn_config(Api(engine, "m").app(), "127.0.0.1", port, Limits(max_connections=2)))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    addr = ("127.0.0.1", port)
+
+    def post(conn, prompt: str):
+        conn.request("POST", C, json.dumps({"prompt": prompt}), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read(), r.getheader("connection")
+
+    try:
+        deadline = time.time() + 30
+        while not server.started and time.time() < deadline:
+            time.sleep(0.05)
+        busy, idle = http.client.HTTPConnection(*addr, timeout=30), http.client.HTTPConnection(*addr, timeout=30)
+        assert post(idle, "a b")[0] == 200
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(post, busy, "SLOW a")
+            time.sleep(0.3)
+            extra = http.client.HTTPConnection(*addr, timeout=30)
+            status, body, connection = post(extra, "a b")
+            assert status == 503 and connection == "close", (status, body)
+            extra.close()
+            assert post(idle, "a b c")[0] == 200 and not slow.done()
+            engine.nm.release.set()
+            assert slow.result(30)[0] == 200
+        idle.close()
+        time.sleep(0.3)  # (the server sees the close)
+        fresh = http.client.HTTPConnection(*addr, timeout=30)
+        assert post(fresh, "a")[0] == 200
+        fresh.close()
+        busy.close()
+    finally:
+        engine.nm.release.set()
+        server.should_exit = True
+        t.join(10)

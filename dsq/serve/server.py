@@ -130,18 +130,30 @@ def _spec_note(engine) -> str:
             f"{m['draft_kv_bytes'] / 2**20:.0f} MiB more")
 
 
-def run(engine, api, host: str, port: int, drain_s: float = 60.0, limits=None) -> None:
-    """Serve API on HOST:PORT behind `limits` (serve/guard.py: API key, body cap, read and write
-    deadlines; its defaults when None) until SIGTERM or Ctrl-C."""
+def uvicorn_config(app, host: str, port: int, limits, drain_s: float = 60.0):
+    """uvicorn's settings for APP behind `limits` (serve/guard.py): the guard, the deadlines, and
+    --max-connections, above which a request gets 503 and its connection closes."""
     import uvicorn
 
-    from dsq.serve.guard import Guard, Limits, protocol
+    from dsq.serve.guard import Guard, protocol
+
+    # uvicorn answers 503 once its open connections reach the limit, counting the one asking
+    limit = limits.max_connections + 1 if limits.max_connections else None
+    # (uvicorn's warnings are one line per refused or malformed request: a hostile client's to write)
+    return uvicorn.Config(Guard(app, limits), host=host, port=port, log_level="error", access_log=False,
+                          timeout_graceful_shutdown=drain_s, lifespan="off", limit_concurrency=limit,
+                          http=protocol(limits.read_timeout, limits.write_timeout))
+
+
+def run(engine, api, host: str, port: int, drain_s: float = 60.0, limits=None) -> None:
+    """Serve API on HOST:PORT behind `limits` (serve/guard.py: API key, body cap, read and write
+    deadlines, most connections; its defaults when None) until SIGTERM or Ctrl-C."""
+    import uvicorn
+
+    from dsq.serve.guard import Limits
 
     limits = limits or Limits()
-    config = uvicorn.Config(Guard(api.app(), limits), host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=drain_s, lifespan="off",
-                            http=protocol(limits.read_timeout, limits.write_timeout))
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(api.app(), host, port, limits, drain_s))
     # uvicorn re-raises the signal that stopped it once it has shut down: a handler of ours takes
     # it, so SIGTERM ends the process with status 0 after the drain
     signal.signal(signal.SIGTERM, lambda *_: None)
