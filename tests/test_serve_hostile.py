@@ -494,3 +494,24 @@ def test_a_connection_past_max_connections_gets_503_and_the_others_are_served():
         engine.nm.release.set()
         server.should_exit = True
         t.join(10)
+
+
+@pytest.mark.parametrize("how", ["flag", "env", "none", "wrong"])
+def test_bench_serve_sends_the_api_key(server, runner, tmp_path, how):
+    """dsq bench --serve against a server with a key: --api-key or DSQ_API_KEY gets through;
+    none or a wrong one is one line saying to pass it."""
+    from dsq.cli import app
+
+    flags = {"flag": ["--api-key", KEY], "wrong": ["--api-key", "nope"]}.get(how, [])
+    env = {"DSQ_API_KEY": KEY} if how == "env" else {}
+    out = tmp_path / "load.json"
+    r = runner.invoke(app, ["bench", "--serve", server["base"], "--concurrency", "1", "--requests", "2",
+                            "--max-tokens", "2", "--prompt-tokens", "16", "--out", str(out), *flags], env=env)
+    if how in ("flag", "env"):
+        assert r.exit_code == 0, r.output
+        level = json.loads(out.read_text())["levels"][0]
+        assert level["failures"] == 0 and level["server"]["generated_tokens"] == 4, level
+    else:
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.exit_code == 1 and len(lines) == 1 and "HTTP 401" in lines[0] and "--api-key" in lines[0], r.output
+        assert not out.exists()
