@@ -173,6 +173,23 @@ def test_revision(runner, hub):
     assert r.exit_code == 1 and "--revision applies to a Hugging Face repo id" in r.stderr, r.output
 
 
+def test_serve_takes_a_repo_id_at_a_revision(runner, hub, monkeypatch):
+    """dsq serve ORG/NAME --revision REV serves that revision's files, under the repo id as the
+    model's name; --revision without a repo id is one line."""
+    from dsq.serve import server
+
+    served = []
+    monkeypatch.setattr(server, "run", lambda engine, api, *a, **k: served.append((engine, api)))
+    r = runner.invoke(app, ["serve", HF, "--revision", "v2", "--port", "0", "--ctx", "64", "--max-seqs", "2"])
+    assert r.exit_code == 0, r.output
+    ((engine, api),) = served
+    assert engine.nm.ref.path.name == hub.repos[HF].refs["v2"] and api.model_id == HF
+    assert (engine.nm.ref.path / "generation_config.json").read_text() == '{"v2": true}'
+    r = runner.invoke(app, ["serve", "--revision", "v2", "--port", "0"])
+    assert r.exit_code == 1 and "--revision applies to a Hugging Face repo id" in r.stderr, r.output
+    assert r.stderr.count("\n") == 1
+
+
 def test_offline_uses_the_cache_and_says_so(runner, hub, monkeypatch):
     assert _pull(runner, f"{GGUF}:F16").exit_code == 0
     assert _pull(runner, HF, "--revision", "v2").exit_code == 0

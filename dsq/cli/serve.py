@@ -7,12 +7,13 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, KvDtype, ModelArg, Threads
+from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, KvDtype, ModelArg, Revision, Threads
 
 
 @command("serve", examples=[
     "dsq serve",
     "dsq serve model.gguf --port 8080 --ctx 8192 --max-seqs 16",
+    "dsq serve unsloth/DeepSeek-R1-Distill-Qwen-7B-GGUF:Q4_K_M --revision main",
     "dsq serve big.gguf --draft small.gguf --spec-tokens 4",
     'curl http://127.0.0.1:8000/v1/chat/completions -d \'{"messages": [{"role": "user", "content": "Hi"}]}\'',
 ])
@@ -64,6 +65,7 @@ def serve(
     max_connections: Annotated[Optional[int], typer.Option(
         "--max-connections", help="Most client connections served at once; a request on one more gets 503 and "
         "its connection closes (default: no limit).")] = None,
+    revision: Revision = None,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics), on dsq's native engine.
@@ -114,5 +116,5 @@ def serve(
                         kv_dtype_name=kv_dtype, block_size=block_size,
                         max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
                         spec_tokens=spec_tokens, draft=draft, gpu_layers=gpu_layers, experts=experts,
-                        console=console())
+                        console=console(), revision=revision)
     run(engine, api, host, port, drain, limits)

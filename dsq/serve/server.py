@@ -17,7 +17,10 @@ SWITCH_INTERVAL_S = 0.001
 
 
 def model_id(nm) -> str:
-    """The name clients pass as `model`: the model file's or directory's name, without .gguf."""
+    """The name clients pass as `model`: the Hugging Face repo id it was fetched by, else the
+    model file's or directory's name, without .gguf."""
+    if nm.ref.repo:
+        return nm.ref.repo
     name = nm.ref.path.name
     return name[:-5] if name.endswith(".gguf") else name
 
@@ -48,10 +51,12 @@ def kv_dtype(name: str | None):
 def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None, kv_tokens: int | None,
           block_size: int, kv_dtype_name: str | None = None, kv_memory_mb: float | None = None,
           spec_tokens: int | None = None, draft: str | None = None, gpu_layers: str = "0", max_seqs: int,
-          prefill_chunk: int, prefix_cache: bool, experts: str = "auto", console=None):
-    """(engine, api) for MODEL on the native backend (and DRAFT, a draft model, with it;
-    `experts`: where a MoE model's routed experts run, runtime/experts.py)."""
+          prefill_chunk: int, prefix_cache: bool, experts: str = "auto", console=None, revision: str | None = None):
+    """(engine, api) for MODEL (a path or a Hugging Face repo id at REVISION) on the native backend
+    (and DRAFT, a draft model, with it; `experts`: where a MoE model's routed experts run,
+    runtime/experts.py)."""
     from dsq.runtime.engine import load
+    from dsq.runtime.model_ref import resolve_model
     from dsq.serve.api import Api
     from dsq.serve.engine import Engine
     from dsq.serve.paged import supported
@@ -74,7 +79,8 @@ def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None
         raise DsqError(f"--max-seqs must be at least 1, got {max_seqs}")
     if prefill_chunk < 1:
         raise DsqError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
-    nm = load(model, backend="native", ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers, console=console,
+    ref = resolve_model(model, console, revision)
+    nm = load(ref, backend="native", ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers, console=console,
               cuda_graph=False, experts=experts)
     if not supported(nm.model):
         raise DsqError(f"dsq serve runs llama, qwen2, gemma3 and deepseek models; {nm.arch} is not served yet",
