@@ -8,7 +8,9 @@ calls to list and download a model repo (HF_ENDPOINT points it here):
 
 Errors carry the Hub's X-Error-Code headers (RepoNotFound, RevisionNotFound, EntryNotFound,
 GatedRepo), which huggingface_hub turns into its exceptions. `cut_after(file, n)` makes the next
-GET of that file stop after n bytes and drop the connection, once. No xet: files are plain HTTP.
+GET of that file stop after n bytes and drop the connection, once; `stall_after(file, n)` makes it
+send n bytes and then nothing until `release()`. `served` logs each GET's (file, offset, bytes
+sent). No xet: files are plain HTTP.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class HubStandin:
         self.token = token
         self.log: list[tuple[str, str, dict[str, str]]] = []
         self._cuts: dict[str, int] = {}
+        self._stalls: dict[str, int] = {}
+        self._released = threading.Event()
+        self.served: list[tuple[str, int, int]] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -72,6 +77,12 @@ class HubStandin:
     def cut_after(self, filename: str, n: int) -> None:
         self._cuts[filename] = n
 
+    def stall_after(self, filename: str, n: int) -> None:
+        self._stalls[filename] = n
+
+    def release(self) -> None:
+        self._released.set()
+
     def gets(self, filename: str) -> list[dict[str, str]]:
         """The headers (names in lower case) of each GET of a file (whatever repo or revision)."""
         return [h for m, p, h in self.log if m == "GET" and "/resolve/" in p and p.endswith("/" + filename)]
@@ -81,6 +92,7 @@ class HubStandin:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._released.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -169,13 +181,18 @@ class HubStandin:
                 self.end_headers()
                 if not body:
                     return
-                cut = hub._cuts.pop(name, None)
+                stall = hub._stalls.pop(name, None)
+                cut = hub._cuts.pop(name, None) if stall is None else stall
                 if cut is not None:
                     self.wfile.write(data[start:start + cut])
                     self.wfile.flush()
+                    hub.served.append((name, start, len(data[start:start + cut])))
+                    if stall is not None:
+                        hub._released.wait(60)
                     self.close_connection = True
                     return
                 self.wfile.write(data[start:])
+                hub.served.append((name, start, len(data) - start))
 
             def _json(self, obj) -> None:
                 raw = json.dumps(obj).encode()

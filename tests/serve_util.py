@@ -102,6 +102,10 @@ class FakeNative:
 
     def __init__(self, template: str, specials: tuple[str, ...] = ()):
         self.template, self.specials, self.release = template, specials, threading.Event()
+        self.tokenized: list[int] = []  # the length of each text tokenized
+
+    def longest_token_bytes(self) -> int:
+        return 8
 
     def has_token(self, t: str) -> bool:
         return t in self.specials
@@ -110,6 +114,7 @@ class FakeNative:
         return self.template
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        self.tokenized.append(len(text))
         if "SLOW" in text:
             self.release.wait(60)
         return list(range(len(text.split())))

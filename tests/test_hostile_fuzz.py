@@ -110,3 +110,43 @@ def test_probe_target_survives_a_file_that_aborts_llama_cpp(work, tmp_path):
     target.run(bad, tmp_path)
     with pytest.raises(BackendError, match="Tokenizer not initialized"):
         check_loads(tmp_path / "input.gguf", {"call": "load", "load": {"n_ctx": 64, "vocab_only": True}})
+
+
+def test_serve_target_ends_clean_and_a_dead_server_is_a_finding(work, tmp_path):
+    """60 mutated requests at `dsq serve` on the tiny seed model: every one clean, /health up and
+    every KV block free after. Then the server is killed: the next input is a crash, the server
+    is started again, and the input after it is clean."""
+    import os
+    import signal
+
+    from dsq.fuzz.serve_target import KEY, ServeTarget, request, run_serve
+
+    tally = Tally("target=serve", tmp_path / "found", work / "seeds")
+    with ServeTarget(work / "seeds", tmp_path, 5.0) as target:
+        run_serve(60, seed=2024, timeout=5.0, tally=tally, work=tmp_path, progress=0, target=target)
+        _assert_clean(tally, tmp_path / "found")
+        assert sum(tally.counts[k] for k in ("clean", "crash", "hang", "internal")) == 60
+        assert 0 < tally.counts["refused"] < 60  # some requests were served, some refused
+        body = b'{"prompt": "hi", "max_tokens": 1}'
+        ok = request("POST", "/v1/completions", body, [("Host", "x"), ("Authorization", f"Bearer {KEY}"),
+                                                       ("Connection", "close"), ("Content-Length", str(len(body)))])
+        assert target.one(ok) == ("clean", "200")
+        os.killpg(target.server.proc.pid, signal.SIGKILL)
+        target.server.proc.wait(30)
+        assert target.one(ok)[0] == "crash"
+        assert target.server.alive() and target.one(ok) == ("clean", "200")
+
+
+@pytest.mark.parametrize("reply, alive, outcome", [
+    (b"HTTP/1.1 200 OK\r\n\r\n{}", True, "clean"),
+    (b"HTTP/1.1 400 Bad Request\r\n\r\n{}", True, "clean"),
+    (b"", True, "clean"),  # closed without an answer: a request h11 cannot parse
+    (b"HTTP/1.1 500 Internal Server Error\r\n\r\nboom", True, "internal"),
+    (b"HTTP/1.1 503 Service Unavailable\r\n\r\n", True, "internal"),
+    (None, True, "hang"),
+    (b"HTTP/1.1 200 OK\r\n\r\n{}", False, "crash"),
+])
+def test_serve_target_classifies_answers(reply, alive, outcome):
+    from dsq.fuzz.serve_target import classify
+
+    assert classify(reply, alive)[0] == outcome

@@ -31,6 +31,13 @@ def test_replay(path, seeds, tmp_path):
         note, files = regression.load(path, seeds)
     except LookupError as e:
         pytest.fail(f"{path.name}: {e} (dsq.fuzz.seeds changed: rerun the fuzzer to regenerate it)")
+    if note["target"] == "serve":  # a request at `dsq serve` (dsq.fuzz.serve_target)
+        from dsq.fuzz.serve_target import ServeTarget
+
+        (data,) = files.values()
+        with ServeTarget(tmp_path / "seeds", tmp_path, 5.0) as target:
+            assert target.one(data)[0] == "clean" and target.check()[0] == "clean"
+        return
     if note["target"] in TARGETS:
         target = TARGETS[note["target"]](tmp_path / "seeds")
         (data,) = files.values()

@@ -173,6 +173,23 @@ def test_revision(runner, hub):
     assert r.exit_code == 1 and "--revision applies to a Hugging Face repo id" in r.stderr, r.output
 
 
+def test_serve_takes_a_repo_id_at_a_revision(runner, hub, monkeypatch):
+    """dsq serve ORG/NAME --revision REV serves that revision's files, under the repo id as the
+    model's name; --revision without a repo id is one line."""
+    from dsq.serve import server
+
+    served = []
+    monkeypatch.setattr(server, "run", lambda engine, api, *a, **k: served.append((engine, api)))
+    r = runner.invoke(app, ["serve", HF, "--revision", "v2", "--port", "0", "--ctx", "64", "--max-seqs", "2"])
+    assert r.exit_code == 0, r.output
+    ((engine, api),) = served
+    assert engine.nm.ref.path.name == hub.repos[HF].refs["v2"] and api.model_id == HF
+    assert (engine.nm.ref.path / "generation_config.json").read_text() == '{"v2": true}'
+    r = runner.invoke(app, ["serve", "--revision", "v2", "--port", "0"])
+    assert r.exit_code == 1 and "--revision applies to a Hugging Face repo id" in r.stderr, r.output
+    assert r.stderr.count("\n") == 1
+
+
 def test_offline_uses_the_cache_and_says_so(runner, hub, monkeypatch):
     assert _pull(runner, f"{GGUF}:F16").exit_code == 0
     assert _pull(runner, HF, "--revision", "v2").exit_code == 0
@@ -202,6 +219,49 @@ def test_a_cut_connection_resumes_where_it_stopped(runner, hub, tiny_gguf, monke
     assert Path(r.stdout.strip()).read_bytes() == tiny_gguf("qwen2", "F16").read_bytes()
     gets = hub.gets("tiny-F16.gguf")
     assert len(gets) == 2 and "range" not in gets[0] and gets[1]["range"] == "bytes=1000-"
+
+
+def test_a_pull_killed_mid_file_resumes_in_the_next_run(runner, hub, tiny_gguf):
+    """`dsq pull` in a child process is killed (SIGKILL: no cleanup of any kind) once the stand-in
+    has sent it 1,000 bytes of the file; the next `dsq pull` asks only for the rest (a Range
+    request), and the cache holds the file byte for byte, as huggingface_hub's own entry."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from huggingface_hub import hf_hub_download
+
+    whole = tiny_gguf("qwen2", "F16").read_bytes()
+    hub.stall_after("tiny-F16.gguf", 1000)
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(hub.home.parent), "HF_HUB_CACHE": str(hub.home),
+           "DSQ_QUIET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    small_chunks = ("import runpy, sys; import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 500; "
+                    "runpy.run_module('dsq', run_name='__main__')")
+    child = subprocess.Popen([sys.executable, "-c", small_chunks, "pull", f"{GGUF}:F16"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    blobs = hub.home / "models--tiny-org--tiny-GGUF" / "blobs"
+    deadline = time.time() + 120
+    try:
+        while not any(p.stat().st_size >= 1000 for p in blobs.glob("*.incomplete")) if blobs.is_dir() else True:
+            assert child.poll() is None and time.time() < deadline, child.stderr.read() if child.poll() else "slow"
+            time.sleep(0.05)
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(30)
+        hub.release()
+    assert not list(hub.home.glob("models--*/snapshots/*/*.gguf"))
+    (part,) = blobs.glob("*.incomplete")
+    assert part.read_bytes() == whole[:1000]
+    hub.served.clear()
+    r = _pull(runner, f"{GGUF}:F16")
+    assert r.exit_code == 0, r.output
+    assert hub.served == [("tiny-F16.gguf", 1000, len(whole) - 1000)]
+    assert hub.gets("tiny-F16.gguf")[-1]["range"] == "bytes=1000-"
+    assert Path(r.stdout.strip()).read_bytes() == whole and not list(blobs.glob("*.incomplete"))
+    cached = hf_hub_download(GGUF, "tiny-F16.gguf", local_files_only=True)  # huggingface_hub's own view
+    assert Path(cached).resolve() == Path(r.stdout.strip()).resolve() and Path(cached).is_symlink()
 
 
 @pytest.mark.parametrize("model, says", [
@@ -271,16 +331,24 @@ def _fail_mid_file(monkeypatch, error: BaseException) -> None:
     (KeyboardInterrupt(), 130, "interrupted; rerun to resume the download of tiny-org/tiny-GGUF"),
     (OSError(errno.ENOSPC, "No space left on device"), 1, "error: the disk filled while fetching tiny-org/tiny-GGUF"),
 ])
-def test_interrupt_or_full_disk_leaves_nothing_that_looks_complete(runner, hub, monkeypatch, error, code, says):
+def test_interrupt_or_full_disk_leaves_nothing_that_looks_complete(runner, hub, monkeypatch, tiny_gguf, error, code,
+                                                                   says):
     _fail_mid_file(monkeypatch, error)
     r = _pull(runner, f"{GGUF}:Q8_0")
     assert r.exit_code == code, r.output
     assert r.stderr.startswith(says) and r.stderr.count("\n") == 1, r.stderr
     storage = hub.home / "models--tiny-org--tiny-GGUF"
-    assert not [p for p in storage.rglob("*") if p.is_file() and p.suffix in (".gguf", ".incomplete")]
-    r = _pull(runner, f"{GGUF}:Q8_0")  # the rerun fetches it
+    assert not [p for p in storage.rglob("*") if p.is_file() and p.suffix == ".gguf"]
+    kept = [p for p in (storage / "blobs").iterdir()]  # only the partial, named as such
+    assert len(kept) == 1 and kept[0].suffix == ".incomplete" and kept[0].read_bytes() == b"GGUF partial"
+    r = _pull(runner, f"{GGUF}:Q8_0")  # the rerun resumes, finds the kept bytes are not the file's, fetches it whole
     assert r.exit_code == 0, r.output
     assert _snapshot_files(hub, GGUF) == list(SPLIT)
+    gets = hub.gets(SPLIT[0])
+    assert [g.get("range") for g in gets] == [f"bytes={len(b'GGUF partial')}-", None]
+    whole = tiny_gguf("qwen2", "F16").read_bytes()
+    assert b"".join(p.read_bytes() for p in sorted((storage / "snapshots").glob("*/*.gguf"))) == whole
+    assert not list(storage.rglob("*.incomplete"))
 
 
 def test_no_hub_to_reach(runner, hub, monkeypatch):

@@ -121,7 +121,8 @@ def test_the_api_key_guards_every_endpoint_but_health(server):
 @pytest.mark.parametrize("flags, env, needle", [(["--api-key", " "], {}, "--api-key"),
                                                 ([], {"DSQ_API_KEY": " "}, "--api-key"),
                                                 (["--max-body", "0"], {}, "--max-body"),
-                                                (["--read-timeout", "-1"], {}, "--read-timeout")])
+                                                (["--read-timeout", "-1"], {}, "--read-timeout"),
+                                                (["--max-connections", "0"], {}, "--max-connections")])
 def test_bad_guard_flags_are_one_line_before_loading(runner, flags, env, needle):
     from dsq.cli import app
 
@@ -417,3 +418,100 @@ def test_messages_a_template_refuses_get_400_and_the_template_stays(fake_server)
             assert err["code"] == "invalid_messages" and "roles must alternate" in err["message"]
         else:
             assert reply["usage"]["prompt_tokens"] == 3  # the model's template: "a b c "
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenized(fake_server):
+    """A prompt longer than the context's tokens could spell (each at most the vocabulary's
+    longest, 8 bytes for the fake model) gets 400 by its length alone: the tokenizer never sees
+    it. One within that length is tokenized and counted."""
+    s = fake_server
+    nm = s["engine"].nm
+    cap = 64 * 8 * 2  # n_ctx x longest token x api.NORMALIZE_SLACK
+    for path, body, param in [(C, {"prompt": "a " * cap}, "prompt"),
+                              (CC, {"messages": [{"role": "user", "content": "a " * cap}]}, "messages")]:
+        status, reply = _request(s, "POST", path, body, key=None)
+        err = reply["error"]
+        assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == param, reply
+        assert "characters" in err["message"] and "context of 64 tokens" in err["message"], err
+    assert not any(n > cap for n in nm.tokenized), nm.tokenized
+    status, reply = _request(s, "POST", C, {"prompt": "a " * 100}, key=None)  # 200 characters, 100 tokens
+    assert status == 400 and "100 tokens" in reply["error"]["message"] and 200 in nm.tokenized
+
+
+def test_a_huge_prompt_gets_400_by_its_length_on_the_real_model(server):
+    status, reply = _request(server, "POST", C, {"prompt": "x" * (MAX_BODY - 1024), "max_tokens": 1})
+    err = reply["error"]
+    assert status == 400 and err["code"] == "context_length_exceeded" and "characters" in err["message"], reply
+    assert _request(server, "POST", C, {"prompt": "hi", "max_tokens": 1})[0] == 200
+
+
+def test_a_connection_past_max_connections_gets_503_and_the_others_are_served():
+    """--max-connections 2: with two connections open (one mid-request, one idle between
+    requests), a request on a third gets 503 and its connection closes; the two go on being
+    served, and once one closes a new connection is served."""
+    import uvicorn
+
+    from dsq.serve.api import Api
+    from dsq.serve.guard import Limits
+    from dsq.serve.server import uvicorn_config
+    from serve_util import _free_port
+
+    engine = FakeEngine(FakeNative(STRICT), ("ok",))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn_config(Api(engine, "m").app(), "127.0.0.1", port, Limits(max_connections=2)))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    addr = ("127.0.0.1", port)
+
+    def post(conn, prompt: str):
+        conn.request("POST", C, json.dumps({"prompt": prompt}), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read(), r.getheader("connection")
+
+    try:
+        deadline = time.time() + 30
+        while not server.started and time.time() < deadline:
+            time.sleep(0.05)
+        busy, idle = http.client.HTTPConnection(*addr, timeout=30), http.client.HTTPConnection(*addr, timeout=30)
+        assert post(idle, "a b")[0] == 200
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(post, busy, "SLOW a")
+            time.sleep(0.3)
+            extra = http.client.HTTPConnection(*addr, timeout=30)
+            status, body, connection = post(extra, "a b")
+            assert status == 503 and connection == "close", (status, body)
+            extra.close()
+            assert post(idle, "a b c")[0] == 200 and not slow.done()
+            engine.nm.release.set()
+            assert slow.result(30)[0] == 200
+        idle.close()
+        time.sleep(0.3)  # (the server sees the close)
+        fresh = http.client.HTTPConnection(*addr, timeout=30)
+        assert post(fresh, "a")[0] == 200
+        fresh.close()
+        busy.close()
+    finally:
+        engine.nm.release.set()
+        server.should_exit = True
+        t.join(10)
+
+
+@pytest.mark.parametrize("how", ["flag", "env", "none", "wrong"])
+def test_bench_serve_sends_the_api_key(server, runner, tmp_path, how):
+    """dsq bench --serve against a server with a key: --api-key or DSQ_API_KEY gets through;
+    none or a wrong one is one line saying to pass it."""
+    from dsq.cli import app
+
+    flags = {"flag": ["--api-key", KEY], "wrong": ["--api-key", "nope"]}.get(how, [])
+    env = {"DSQ_API_KEY": KEY} if how == "env" else {}
+    out = tmp_path / "load.json"
+    r = runner.invoke(app, ["bench", "--serve", server["base"], "--concurrency", "1", "--requests", "2",
+                            "--max-tokens", "2", "--prompt-tokens", "16", "--out", str(out), *flags], env=env)
+    if how in ("flag", "env"):
+        assert r.exit_code == 0, r.output
+        level = json.loads(out.read_text())["levels"][0]
+        assert level["failures"] == 0 and level["server"]["generated_tokens"] == 4, level
+    else:
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.exit_code == 1 and len(lines) == 1 and "HTTP 401" in lines[0] and "--api-key" in lines[0], r.output
+        assert not out.exists()

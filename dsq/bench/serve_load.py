@@ -77,7 +77,7 @@ def prompts(n: int, lo_words: int, hi_words: int, seed: int = 0) -> list[str]:
 
 
 class Target:
-    def __init__(self, url: str, model: str | None, timeout: float):
+    def __init__(self, url: str, model: str | None, timeout: float, api_key: str | None = None):
         u = urlsplit(url if "://" in url else "http://" + url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise DsqError(f"--serve {url!r} is not an http(s) URL", "e.g. --serve http://127.0.0.1:8000")
@@ -86,6 +86,8 @@ class Target:
         if not self.base.endswith("/v1"):
             self.base += "/v1"
         self.timeout = timeout
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.url = url
         self.model = model or self._first_model(url)
 
     def conn(self) -> http.client.HTTPConnection:
@@ -95,20 +97,28 @@ class Target:
     def _first_model(self, url: str) -> str:
         try:
             c = self.conn()
-            c.request("GET", self.base + "/models")
+            c.request("GET", self.base + "/models", headers=self.headers)
             r = c.getresponse()
-            body = json.loads(r.read())
+            raw = r.read()
+            self._refused(r.status)
+            body = json.loads(raw)
             return body["data"][0]["id"]
         except (OSError, ValueError, KeyError, IndexError, http.client.HTTPException) as e:
             raise DsqError(f"no OpenAI-compatible server answers at {url} ({type(e).__name__}: {e})",
                            "start one (dsq serve) or pass its URL, and --serve-model if /v1/models is missing"
                            ) from None
 
+    def _refused(self, status: int) -> None:
+        if status in (401, 403):
+            raise DsqError(f"the server at {self.url} refused the request (HTTP {status}): "
+                           + ("a wrong API key" if self.headers else "it needs an API key"),
+                           "pass the server's key with --api-key (or DSQ_API_KEY)")
+
     def metrics(self) -> dict | None:
         """A dsq server's counters (/metrics?format=json), or None from a server without them."""
         try:
             c = self.conn()
-            c.request("GET", self.base.removesuffix("/v1") + "/metrics?format=json")
+            c.request("GET", self.base.removesuffix("/v1") + "/metrics?format=json", headers=self.headers)
             r = c.getresponse()
             body = r.read()
             return json.loads(body) if r.status == 200 else None
@@ -123,7 +133,7 @@ class Target:
         chunks, usage_tokens = 0, None
         try:
             c = self.conn()
-            c.request("POST", self.base + "/completions", body, {"Content-Type": "application/json"})
+            c.request("POST", self.base + "/completions", body, {"Content-Type": "application/json", **self.headers})
             r = c.getresponse()
             if r.status != 200:
                 return Sample(False, error=f"HTTP {r.status}: {r.read()[:200].decode(errors='replace')}")
@@ -219,14 +229,14 @@ def _server_delta(before: dict | None, after: dict | None, wall: float = 0.0) ->
 
 def run_load(url: str, concurrency: list[int], requests: int, max_tokens: int = 128, prompt_words: tuple[int, int]
              = (16, 512), model: str | None = None, cost_per_hour: float | None = None, timeout: float = 600,
-             seed: int = 0, on_status=None, same_prompts: bool = False) -> dict:
+             seed: int = 0, on_status=None, same_prompts: bool = False, api_key: str | None = None) -> dict:
     """Every concurrency level against the server at `url`; a dict for JSON: the settings, a
     Level per concurrency, and the failed requests' errors (a few). Each level draws prompts of
     its own (seed + its index), so a server's prefix cache finds none of an earlier level's; with
     `same_prompts` every level sends the same ones."""
     if requests < 1 or any(c < 1 for c in concurrency) or max_tokens < 1:
         raise DsqError("--requests, --concurrency and --gen-tokens must be at least 1")
-    target = Target(url, model, timeout)
+    target = Target(url, model, timeout, api_key)
     levels, errors = [], []
     for i, c in enumerate(concurrency):
         if on_status:

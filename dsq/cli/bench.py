@@ -20,6 +20,7 @@ from dsq.cli.options import (Compile, Dtype, Experts, Force, Head, JsonFlag, KvD
     "dsq bench model.gguf --backend native,llama.cpp --gpu-layers 0,8,16,24,all --plot race.png",
     "dsq bench model.gguf --backend native --gpu-layers all --batch 1,4,16 --plot batch.png",
     "dsq bench --serve http://127.0.0.1:8000 --concurrency 1,8,32 --requests 64 --gpu-cost-per-hour 3",
+    "dsq bench --serve http://127.0.0.1:8000 --api-key KEY --concurrency 1,8",
 ])
 def bench(
     model: ModelArg = None,
@@ -65,6 +66,9 @@ def bench(
     same_prompts: Annotated[bool, typer.Option(
         "--same-prompts/--fresh-prompts", help="With --serve: send every level the same prompts (the server's "
         "prefix cache then finds the earlier levels'); by default each level draws its own.")] = False,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="DSQ_API_KEY", show_default=False,
+        help="With --serve: the server's API key, sent as 'Authorization: Bearer KEY'.")] = None,
     revision: Revision = None,
 ) -> None:
     """Benchmark speed and memory: tokens/s, TTFT, TPOT, peak RSS/VRAM, --gpu-layers sweeps.
@@ -84,7 +88,8 @@ def bench(
         _check_output(path, force)
     if serve:
         return _serve_bench(serve, _batches(concurrency, "--concurrency"), requests, gen_tokens, prompt_tokens,
-                            serve_model, gpu_cost_per_hour, (as_json, json_path), plot_path, con, same_prompts)
+                            serve_model, gpu_cost_per_hour, (as_json, json_path), plot_path, con, same_prompts,
+                            api_key)
     ref = resolve_model(model, con, revision)
     backends = _backends(ref, backend)
     sweep = _sweep(ref, gpu_layers, ctx, backends, con)
@@ -119,7 +124,7 @@ def _batches(batch: str, flag: str = "--batch") -> tuple[int, ...]:
 
 
 def _serve_bench(url, levels, requests, gen_tokens, prompt_tokens, model, cost, outputs, plot_path, con,
-                 same_prompts: bool = False) -> None:
+                 same_prompts: bool = False, api_key: str | None = None) -> None:
     """--serve: the load generator's levels as a table, JSON and a plot."""
     from rich.table import Table
 
@@ -129,7 +134,7 @@ def _serve_bench(url, levels, requests, gen_tokens, prompt_tokens, model, cost, 
     with status("load test", con) as st:
         result = run_load(url, list(levels), requests, max_tokens=gen_tokens,
                           prompt_words=(min(16, prompt_tokens), prompt_tokens), model=model, cost_per_hour=cost,
-                          on_status=lambda s: st.update(s), same_prompts=same_prompts)
+                          on_status=lambda s: st.update(s), same_prompts=same_prompts, api_key=api_key)
     t = Table(title=f"{result['model']} at {url}: {requests} requests a level, {gen_tokens} tokens each")
     cols = ["concurrency", "QPS", "output tok/s", "TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms",
             "failures"] + (["$ / 1M output"] if cost is not None else [])

@@ -7,12 +7,13 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, KvDtype, ModelArg, Threads
+from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, KvDtype, ModelArg, Revision, Threads
 
 
 @command("serve", examples=[
     "dsq serve",
     "dsq serve model.gguf --port 8080 --ctx 8192 --max-seqs 16",
+    "dsq serve unsloth/DeepSeek-R1-Distill-Qwen-7B-GGUF:Q4_K_M --revision main",
     "dsq serve big.gguf --draft small.gguf --spec-tokens 4",
     'curl http://127.0.0.1:8000/v1/chat/completions -d \'{"messages": [{"role": "user", "content": "Hi"}]}\'',
 ])
@@ -61,6 +62,10 @@ def serve(
     write_timeout: Annotated[float, typer.Option(
         "--write-timeout", help="Seconds a client may leave the reply unread before its connection is cut "
         "(and its request cancelled).")] = 60.0,
+    max_connections: Annotated[Optional[int], typer.Option(
+        "--max-connections", help="Most client connections served at once; a request on one more gets 503 and "
+        "its connection closes (default: no limit).")] = None,
+    revision: Revision = None,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics), on dsq's native engine.
@@ -84,8 +89,9 @@ def serve(
     on the CPU); not yet measured there. A model split between the CPU and a GPU is refused.
 
     Against hostile clients: --api-key (or DSQ_API_KEY), a body cap (--max-body), read and
-    write deadlines (--read-timeout, --write-timeout); bad requests get OpenAI-style 4xx errors,
-    unknown fields included.
+    write deadlines (--read-timeout, --write-timeout), a cap on open connections
+    (--max-connections); bad requests get OpenAI-style 4xx errors, unknown fields included, and a
+    prompt past the context is refused by its length before it is tokenized.
 
     Not implemented yet: --backend llama.cpp,
     n > 1, logprobs, tools.
@@ -98,14 +104,17 @@ def serve(
     for flag, v in (("--max-body", max_body), ("--read-timeout", read_timeout), ("--write-timeout", write_timeout)):
         if not v > 0:
             raise DsqError(f"{flag} must be > 0, got {v}")
+    if max_connections is not None and max_connections < 1:
+        raise DsqError(f"--max-connections must be at least 1, got {max_connections}",
+                       "leave it out for no limit")
     if api_key is not None and not api_key.strip():
         raise DsqError("--api-key (or DSQ_API_KEY) is empty", "pass a key, or leave it out to serve without one")
     limits = Limits(api_key=api_key, max_body=int(max_body * MIB), read_timeout=read_timeout,
-                    write_timeout=write_timeout)
+                    write_timeout=write_timeout, max_connections=max_connections)
     check_port(host, port)
     engine, api = build(model, ctx=ctx, threads=threads, dtype=dtype, kv_tokens=kv_tokens, kv_memory_mb=kv_memory,
                         kv_dtype_name=kv_dtype, block_size=block_size,
                         max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
                         spec_tokens=spec_tokens, draft=draft, gpu_layers=gpu_layers, experts=experts,
-                        console=console())
+                        console=console(), revision=revision)
     run(engine, api, host, port, drain, limits)

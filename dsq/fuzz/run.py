@@ -5,6 +5,7 @@ something breaks.
     python -m dsq.fuzz --iterations 20000 --target gguf --seed 7
     python -m dsq.fuzz --iterations 10000 --target cli            # run / quantize / chat in children
     python -m dsq.fuzz --iterations 2000 --target probe           # llama.cpp's loads, in children
+    python -m dsq.fuzz --iterations 5000 --target serve           # HTTP requests at `dsq serve`
     python -m dsq.fuzz --iterations 200000 --target gguf --atheris   # coverage-guided (pip install atheris)
     python -m dsq.fuzz --iterations 1000000 --max-time 600        # stop starting inputs after 10 minutes
 
@@ -256,9 +257,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m dsq.fuzz", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--iterations", "-n", type=int, default=10_000, help="inputs to try")
-    ap.add_argument("--target", default="all", choices=("all", *IN_PROCESS, "probe", "cli"),
+    ap.add_argument("--target", default="all", choices=("all", *IN_PROCESS, "probe", "cli", "serve"),
                     help="all: the in-process targets in turn; probe: GGUFs through the child-process "
-                         "check before llama.cpp loads them; cli: through the CLI in child processes")
+                         "check before llama.cpp loads them; cli: through the CLI in child processes; "
+                         "serve: mutated HTTP requests at `dsq serve` on a tiny model")
     ap.add_argument("--seed", type=int, default=0, help="seed of the mutator (runs are reproducible)")
     ap.add_argument("--timeout", type=float, default=5.0, help="seconds one input may take")
     ap.add_argument("--save", type=Path, default=ROOT / "tests" / "regressions", help="where findings go")
@@ -291,6 +293,10 @@ def _dispatch(a, tally: Tally, work: Path) -> None:
 
     if a.target == "cli":
         return run_cli(a.iterations, a.seed, a.timeout, tally, work, a.progress, a.spawn)
+    if a.target == "serve":
+        from dsq.fuzz.serve_target import run_serve
+
+        return run_serve(a.iterations, a.seed, a.timeout, tally, work, a.progress)
     names = IN_PROCESS if a.target == "all" else (a.target,)
     targets = [TARGETS[n](work / "seeds") for n in names]
     if a.atheris:

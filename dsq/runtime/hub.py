@@ -7,9 +7,12 @@ GGUF file(s) of one quant; never pickled weights or remote code."""
 from __future__ import annotations
 
 import errno
+import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit
 
 from dsq.errors import BadModelFile, DiskFull, DsqError, ModelNotFound
 
@@ -22,6 +25,7 @@ _REFUSED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".pkl", "
 _QUANT = re.compile(r"(?:^|[-._])((?:I?Q|TQ)\d(?:_[A-Z0-9]+)*|BF16|F16|F32|FP16|FP32|FP8|MXFP4)(?=[-._]|$)",
                     re.IGNORECASE)
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")  # an LFS file's ETag: the SHA-256 of its bytes
 _OFFLINE_NOTE = "HF_HUB_OFFLINE=1: using the Hugging Face cache only"
 
 
@@ -87,9 +91,94 @@ def _download(rid: RepoId, files: list[str], revision: str | None, console) -> l
     from dsq.ui import console as stderr_console, progress_bar
 
     with progress_bar(console or stderr_console(), in_bytes=True) as bar:
-        return [Path(hf_hub_download(rid.repo, f, revision=revision, library_name="dsq", library_version=__version__,
-                                     tqdm_class=_bar_for(bar, f"downloading {rid.repo}/{f}")))
-                for f in files]
+        paths = []
+        for f in files:
+            tqdm_class = _bar_for(bar, f"downloading {rid.repo}/{f}")
+            _resume_blob(rid.repo, f, revision, tqdm_class)
+            paths.append(Path(hf_hub_download(rid.repo, f, revision=revision, library_name="dsq",
+                                              library_version=__version__, tqdm_class=tqdm_class)))
+        return paths
+
+
+class _Flushed:
+    """A file whose every write reaches the OS at once, so that a killed process leaves on disk
+    every byte it received."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data) -> int:
+        n = self.f.write(data)
+        self.f.flush()
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def _resume_blob(repo: str, filename: str, revision: str | None, tqdm_class) -> None:
+    """Fetch an LFS file (its ETag is its SHA-256) into the cache's blobs/<etag> through a partial
+    blobs/<etag>.incomplete that outlives the process: a rerun after Ctrl-C, a kill or a dropped
+    connection asks only for the bytes still missing (an HTTP Range request), then checks the
+    whole file's SHA-256 (bytes that do not match are fetched again from the start).
+    hf_hub_download then finds the blob and links it into the snapshot as its own.
+
+    huggingface_hub itself writes each download to a file of its own process and deletes it on
+    failure; files it fetches through hf_xet are left to it (xet's chunk cache keeps what arrived),
+    and so are files that are not in LFS (small: config and tokenizer files)."""
+    from huggingface_hub import constants, file_download, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import repo_folder_name
+    from huggingface_hub.utils import WeakFileLock, build_hf_headers
+    from huggingface_hub.utils._runtime import is_xet_available
+
+    from dsq import __version__
+
+    url = hf_hub_url(repo, filename, revision=revision)
+    headers = build_hf_headers(library_name="dsq", library_version=__version__)
+    meta = get_hf_file_metadata(url, headers=headers)
+    etag, size = meta.etag, meta.size
+    if not etag or not _SHA256.fullmatch(etag) or size is None:
+        return
+    if meta.xet_file_data is not None and is_xet_available() and not constants.HF_HUB_DISABLE_XET:
+        return
+    folder = repo_folder_name(repo_id=repo, repo_type="model")
+    blob = Path(constants.HF_HUB_CACHE) / folder / "blobs" / etag
+    if blob.exists():
+        return
+    location = meta.location or url
+    if urlsplit(location).netloc != urlsplit(url).netloc:  # a signed CDN address: no token for it
+        headers.pop("authorization", None)
+    part = blob.with_name(etag + ".incomplete")
+    lock = Path(constants.HF_HUB_CACHE) / ".locks" / folder / f"{etag}.lock"
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with WeakFileLock(lock):  # the lock huggingface_hub takes for this blob
+        if blob.exists():
+            return
+        for _ in range(2):
+            have = part.stat().st_size if part.exists() else 0
+            if have > size:
+                part.unlink()
+                have = 0
+            with part.open("r+b" if have else "wb") as f:
+                f.seek(have)
+                file_download.http_get(location, _Flushed(f), resume_size=have, headers=headers,
+                                       expected_size=size, displayed_filename=filename, tqdm_class=tqdm_class)
+            if not have or _sha256(part) == etag:
+                break
+            part.unlink()  # the kept bytes were not this file's: fetch it whole
+        else:
+            raise BadModelFile(f"{repo}/{filename} does not match its SHA-256 {etag} after a whole download",
+                               "run again; if it persists, the Hub (or a proxy) serves damaged bytes")
+        os.replace(part, blob)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _bar_for(bar, description: str):

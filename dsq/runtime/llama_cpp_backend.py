@@ -325,6 +325,12 @@ class LlamaCppModel:
             self._token_set = set(self.gguf.field("tokenizer.ggml.tokens") or [])
         return text in self._token_set
 
+    def longest_token_bytes(self) -> int:
+        """The UTF-8 length of the vocabulary's longest token text (no token stands for more)."""
+        if self._token_set is None:
+            self._token_set = set(self.gguf.field("tokenizer.ggml.tokens") or [])
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in self._token_set), default=1)
+
     @property
     def arch(self) -> str:
         return self.gguf.arch

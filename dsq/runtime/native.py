@@ -405,6 +405,9 @@ class NativeModel:
     def has_token(self, text: str) -> bool:
         return self.tokenizer.has(text)
 
+    def longest_token_bytes(self) -> int:
+        return self.tokenizer.longest_token_bytes()
+
     def chat_template(self) -> str | None:
         return self.tokenizer.chat_template()
 

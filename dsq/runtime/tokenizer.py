@@ -73,6 +73,12 @@ class HFTokenizer:
     def has(self, token: str) -> bool:
         return self.tok.token_to_id(token) is not None
 
+    def longest_token_bytes(self) -> int:
+        """The UTF-8 length of the longest token text in the vocabulary (byte-level and
+        SentencePiece spellings are never shorter than the bytes a token stands for)."""
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in self.tok.get_vocab(with_added_tokens=True)),
+                   default=1)
+
     def chat_template(self) -> str | None:
         return self._template
 
@@ -136,6 +142,9 @@ class GGUFTokenizer:
 
     def has(self, token: str) -> bool:
         return self.vocab.has_token(token)
+
+    def longest_token_bytes(self) -> int:
+        return self.vocab.longest_token_bytes()
 
     def chat_template(self) -> str | None:
         return self.vocab.chat_template()

@@ -72,6 +72,11 @@ def too_deep(raw: bytes) -> bool:
     return max(accumulate(map(_DELTA.__getitem__, outside.translate(None, _BRACKETS))), default=0) > MAX_DEPTH
 
 
+# normalizers (NFKC, whitespace folding) may shorten text before it is split into tokens: the
+# quick length check allows twice what the longest token could cover, so it never refuses a fit
+NORMALIZE_SLACK = 2
+
+
 def _constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
@@ -195,6 +200,17 @@ class Api:
         self.think = self.nm.has_token("<think>") and self.nm.has_token("</think>")
         self.mailbox: Mailbox | None = None
         self.registry = registry_for(engine)
+        self.token_bytes = self.nm.longest_token_bytes()
+        self.max_prompt_chars = engine.n_ctx * self.token_bytes * NORMALIZE_SLACK
+
+    def _check_length(self, text: str, param: str) -> None:
+        """Refuse a prompt too long for the context by its length alone, before it is tokenized
+        (a tokenizer takes seconds a megabyte): more characters than the context's tokens could
+        spell, each no longer than the vocabulary's longest."""
+        if len(text) > self.max_prompt_chars:
+            raise ApiError(400, f"the prompt is {len(text)} characters, more than this model's context of "
+                           f"{self.engine.n_ctx} tokens can hold (its longest token is {self.token_bytes} bytes); "
+                           "shorten it", param, "context_length_exceeded")
 
     def app(self) -> Starlette:
         routes = [Route("/health", self.health), Route("/v1/models", self.models), Route("/metrics", self.metrics),
@@ -296,6 +312,7 @@ class Api:
                                        "messages")
                     msgs.append({"role": m["role"], "content": content})
                 text = self._render(msgs)
+                self._check_length(text, "messages")
                 ids = encode_prompt(nm, text, templated=True)
                 think = self.think and prompt_opens_think(text)
             else:
@@ -305,9 +322,13 @@ class Api:
                 if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                                for t in prompt):
                     ids = list(prompt)
+                    if len(ids) >= self.engine.n_ctx:
+                        raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context holds "
+                                       f"{self.engine.n_ctx} (prompt and reply)", "prompt", "context_length_exceeded")
                     if any(not 0 <= t < nm.model.args.vocab_size for t in ids):
                         raise ApiError(400, "a prompt token id is outside the vocabulary", "prompt")
                 elif isinstance(prompt, str) and prompt:
+                    self._check_length(prompt, "prompt")
                     ids = encode_prompt(nm, prompt)
                 else:
                     raise ApiError(400, "'prompt' must be a non-empty string (or one list of token ids)", "prompt")

@@ -36,6 +36,7 @@ class Limits:
     max_body: int = int(MAX_BODY_MB * MIB)
     read_timeout: float = READ_TIMEOUT_S
     write_timeout: float = WRITE_TIMEOUT_S
+    max_connections: int | None = None  # open connections served at once (None: no limit)
 
 
 async def _reply(send, status: int, message: str, code: str | None = None, close: bool = False,

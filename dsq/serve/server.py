@@ -17,7 +17,10 @@ SWITCH_INTERVAL_S = 0.001
 
 
 def model_id(nm) -> str:
-    """The name clients pass as `model`: the model file's or directory's name, without .gguf."""
+    """The name clients pass as `model`: the Hugging Face repo id it was fetched by, else the
+    model file's or directory's name, without .gguf."""
+    if nm.ref.repo:
+        return nm.ref.repo
     name = nm.ref.path.name
     return name[:-5] if name.endswith(".gguf") else name
 
@@ -48,10 +51,12 @@ def kv_dtype(name: str | None):
 def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None, kv_tokens: int | None,
           block_size: int, kv_dtype_name: str | None = None, kv_memory_mb: float | None = None,
           spec_tokens: int | None = None, draft: str | None = None, gpu_layers: str = "0", max_seqs: int,
-          prefill_chunk: int, prefix_cache: bool, experts: str = "auto", console=None):
-    """(engine, api) for MODEL on the native backend (and DRAFT, a draft model, with it;
-    `experts`: where a MoE model's routed experts run, runtime/experts.py)."""
+          prefill_chunk: int, prefix_cache: bool, experts: str = "auto", console=None, revision: str | None = None):
+    """(engine, api) for MODEL (a path or a Hugging Face repo id at REVISION) on the native backend
+    (and DRAFT, a draft model, with it; `experts`: where a MoE model's routed experts run,
+    runtime/experts.py)."""
     from dsq.runtime.engine import load
+    from dsq.runtime.model_ref import resolve_model
     from dsq.serve.api import Api
     from dsq.serve.engine import Engine
     from dsq.serve.paged import supported
@@ -74,7 +79,8 @@ def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None
         raise DsqError(f"--max-seqs must be at least 1, got {max_seqs}")
     if prefill_chunk < 1:
         raise DsqError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
-    nm = load(model, backend="native", ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers, console=console,
+    ref = resolve_model(model, console, revision)
+    nm = load(ref, backend="native", ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers, console=console,
               cuda_graph=False, experts=experts)
     if not supported(nm.model):
         raise DsqError(f"dsq serve runs llama, qwen2, gemma3 and deepseek models; {nm.arch} is not served yet",
@@ -130,18 +136,30 @@ def _spec_note(engine) -> str:
             f"{m['draft_kv_bytes'] / 2**20:.0f} MiB more")
 
 
-def run(engine, api, host: str, port: int, drain_s: float = 60.0, limits=None) -> None:
-    """Serve API on HOST:PORT behind `limits` (serve/guard.py: API key, body cap, read and write
-    deadlines; its defaults when None) until SIGTERM or Ctrl-C."""
+def uvicorn_config(app, host: str, port: int, limits, drain_s: float = 60.0):
+    """uvicorn's settings for APP behind `limits` (serve/guard.py): the guard, the deadlines, and
+    --max-connections, above which a request gets 503 and its connection closes."""
     import uvicorn
 
-    from dsq.serve.guard import Guard, Limits, protocol
+    from dsq.serve.guard import Guard, protocol
+
+    # uvicorn answers 503 once its open connections reach the limit, counting the one asking
+    limit = limits.max_connections + 1 if limits.max_connections else None
+    # (uvicorn's warnings are one line per refused or malformed request: a hostile client's to write)
+    return uvicorn.Config(Guard(app, limits), host=host, port=port, log_level="error", access_log=False,
+                          timeout_graceful_shutdown=drain_s, lifespan="off", limit_concurrency=limit,
+                          http=protocol(limits.read_timeout, limits.write_timeout))
+
+
+def run(engine, api, host: str, port: int, drain_s: float = 60.0, limits=None) -> None:
+    """Serve API on HOST:PORT behind `limits` (serve/guard.py: API key, body cap, read and write
+    deadlines, most connections; its defaults when None) until SIGTERM or Ctrl-C."""
+    import uvicorn
+
+    from dsq.serve.guard import Limits
 
     limits = limits or Limits()
-    config = uvicorn.Config(Guard(api.app(), limits), host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=drain_s, lifespan="off",
-                            http=protocol(limits.read_timeout, limits.write_timeout))
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(api.app(), host, port, limits, drain_s))
     # uvicorn re-raises the signal that stopped it once it has shut down: a handler of ours takes
     # it, so SIGTERM ends the process with status 0 after the drain
     signal.signal(signal.SIGTERM, lambda *_: None)
