@@ -7,13 +7,14 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, KvDtype, ModelArg, Threads
+from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, KvDtype, ModelArg, TensorParallel, Threads
 
 
 @command("serve", examples=[
     "dsq serve",
     "dsq serve model.gguf --port 8080 --ctx 8192 --max-seqs 16",
     "dsq serve big.gguf --draft small.gguf --spec-tokens 4",
+    "dsq serve model.gguf --gpu-layers all --tp 2",
     'curl http://127.0.0.1:8000/v1/chat/completions -d \'{"messages": [{"role": "user", "content": "Hi"}]}\'',
 ])
 def serve(
@@ -26,6 +27,7 @@ def serve(
     gpu_layers: GpuLayersOption = "0",
     dtype: Dtype = None,
     experts: Experts = "auto",
+    tp: TensorParallel = 1,
     kv_tokens: Annotated[Optional[int], typer.Option(
         "--kv-tokens", min=1, help="Tokens the paged KV cache holds, all sequences together (default 4 x --ctx).")]
     = None,
@@ -106,6 +108,6 @@ def serve(
     engine, api = build(model, ctx=ctx, threads=threads, dtype=dtype, kv_tokens=kv_tokens, kv_memory_mb=kv_memory,
                         kv_dtype_name=kv_dtype, block_size=block_size,
                         max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-                        spec_tokens=spec_tokens, draft=draft, gpu_layers=gpu_layers, experts=experts,
+                        spec_tokens=spec_tokens, draft=draft, gpu_layers=gpu_layers, experts=experts, tp=tp,
                         console=console())
     run(engine, api, host, port, drain, limits)
