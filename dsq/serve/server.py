@@ -212,7 +212,7 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0, limits=None) -
     finally:
         engine.stop()
         if engine.ranks is not None:
-            engine.ranks.close(engine.kv)
+            engine.ranks.close()
     if not server.started:
         raise DsqError(f"could not listen on {host}:{port}", "pick another --port (is one server already there?)")
     sys.stderr.write("dsq serve: stopped\n")

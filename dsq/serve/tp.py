@@ -103,24 +103,23 @@ class LeaderKV(PagedKV):
         finally:
             self._inside = False
 
-    def stop(self) -> None:
-        self.group.send(None)
-
 
 class Ranks:
     """Rank 0's view of the ranks: the group, and the other ranks' processes."""
 
     def __init__(self, group: Group, procs: list):
         self.group, self.procs = group, procs
+        self.following = False  # the other ranks loaded their shares and wait for steps
 
     def leader(self, model, num_blocks: int, block_size: int, max_len: int, dtype=None) -> LeaderKV:
         return LeaderKV(self.group, model, num_blocks, block_size, max_len, dtype)
 
-    def close(self, kv: LeaderKV | None = None) -> None:
-        """Stop the other ranks (after their last step when `kv` says so) and leave the group."""
+    def close(self) -> None:
+        """Stop the other ranks (after their last step) and leave the group."""
         try:
-            if kv is not None:
-                kv.stop()
+            if self.following:
+                self.following = False
+                self.group.send(None)
         finally:
             for p in self.procs:
                 try:
@@ -151,6 +150,7 @@ def start(world: int, cuda: bool, load_kw: dict, console=None) -> tuple[Ranks, o
     try:
         nm, error = _load(0, world, {**load_kw, "console": console})
         group.ready(error)
+        ranks.following = True
     except BaseException:
         ranks.close()
         raise
@@ -225,7 +225,8 @@ def plan(world: int, model, *, gpu_layers: str, threads: int | None, console=Non
                            "the CPU", "pass --gpu-layers all (or leave it out to split over CPU processes)")
         n = torch.cuda.device_count()
         if world > n:
-            raise DsqError(f"--tp {world} needs {world} GPUs, this machine has {n}", f"pass --tp {n} or fewer")
+            raise DsqError(f"--tp {world} needs {world} GPUs, this machine has {n}",
+                           f"pass --tp {n} or fewer" if n > 1 else "leave --tp out")
     if threads is None and not cuda:  # the ranks share the cores
         threads = max(1, default_threads() // world)
     return {"model": ref, "backend": "native", "gpu_layers": gpu_layers if cuda else "0", "threads": threads}, cuda
