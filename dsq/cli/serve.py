@@ -85,6 +85,10 @@ def serve(
     attention in a Triton kernel that reads the blocks in place (DSQ_PAGED_ATTN=0: gathered, as
     on the CPU); not yet measured there. A model split between the CPU and a GPU is refused.
 
+    --tp N splits the model over N ranks, one process each on torch.distributed (N GPUs with
+    --gpu-layers all over NCCL, else N CPU processes over gloo): attention heads and MLP columns,
+    DeepSeek's routed experts placed per rank; rank 0 serves and schedules (docs/cli.md).
+
     Against hostile clients: --api-key (or DSQ_API_KEY), a body cap (--max-body), read and
     write deadlines (--read-timeout, --write-timeout); bad requests get OpenAI-style 4xx errors,
     unknown fields included.

@@ -120,6 +120,8 @@ class Ranks:
             if self.following:
                 self.following = False
                 self.group.send(None)
+        except (RuntimeError, OSError):  # the others are gone already (their service stopped them too)
+            pass
         finally:
             for p in self.procs:
                 try:
@@ -171,7 +173,11 @@ def _load(rank: int, world: int, load_kw: dict):
 
 
 def _rank_main(rank: int, world: int, port: int, cuda: bool, load_kw: dict) -> None:
-    """Rank 1.. : load this rank's share, then run rank 0's steps until it says stop."""
+    """Rank 1.. : load this rank's share, then run rank 0's steps until it says stop. Ctrl-C
+    reaches every process of the terminal: rank 0 alone acts on it, and stops this one."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("DSQ_QUIET", "1")
     group = Group(rank, world, port, cuda)
     try:
