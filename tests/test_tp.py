@@ -131,7 +131,8 @@ def test_gguf_columns_split_by_blocks_or_dequantized(tiny_gguf):
     whole = m(x)
     for cut, kind in ((128, GGUFLinear), (112, torch.nn.Linear)):
         notes = []
-        parts = [tp.columns(m, 0, cut, True, torch.float32, notes), tp.columns(m, cut, 256, False, torch.float32, notes)]
+        parts = [tp.columns(m, 0, cut, True, torch.float32, notes),
+                 tp.columns(m, cut, 256, False, torch.float32, notes)]
         assert all(type(p) is kind for p in parts) and bool(notes) == (kind is torch.nn.Linear)
         y = parts[0](x[:, :cut]) + parts[1](x[:, cut:])
         assert torch.allclose(y, whole, atol=1e-4, rtol=1e-4)

@@ -52,11 +52,13 @@ def check(n: int, args) -> None:
     ok = sizes(args)
     if n not in ok:
         latent = hasattr(args, "kv_lora_rank")
+        kv = args.num_key_value_heads
         what = f"{args.num_attention_heads} attention heads"
         if not latent:
-            what += f", {args.num_key_value_heads} key/value heads"
+            what += f", {kv} key/value head{'s' if kv != 1 else ''}"
+        hint = f"pass --tp {' or '.join(map(str, ok))}" if len(ok) > 1 else "it runs on one rank: leave --tp out"
         raise DsqError(f"--tp {n} does not split this model's {what} and {args.intermediate_size}-wide MLP evenly",
-                       f"pass --tp {' or '.join(map(str, ok))}")
+                       hint)
 
 
 def shard(model, rank: int, world: int, notes: list[str] | None = None) -> None:
