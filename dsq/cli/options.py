@@ -40,6 +40,10 @@ Experts = Annotated[str, typer.Option(
     "--experts", help="MoE models (DeepSeek), native backend: where the routed experts run. cpu: in RAM "
     "through the C kernels, the rest of each layer where --gpu-layers puts it; gpu: with their layers; "
     "auto: the faster placement that fits the free VRAM.")]
+TensorParallel = Annotated[int, typer.Option(
+    "--tp", help="native backend: split the model over N ranks, one process each (tensor parallel: attention heads "
+    "and MLP columns, DeepSeek's routed experts placed per rank), on torch.distributed: N GPUs with --gpu-layers "
+    "all (NCCL), else N processes on the CPU (gloo).")]
 Head = Annotated[Optional[str], typer.Option(
     "--head", help="native backend, a model split between the GPU and the CPU: where the output head runs. "
     "gpu: in VRAM, read fastest every token; cpu: in RAM, as llama.cpp places it unless every layer is on the "

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, KvDtype, ModelArg, Revision, Threads
+from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, KvDtype, ModelArg, Revision, TensorParallel, Threads
 
 
 @command("serve", examples=[
@@ -15,6 +15,7 @@ from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, KvDtype, Model
     "dsq serve model.gguf --port 8080 --ctx 8192 --max-seqs 16",
     "dsq serve unsloth/DeepSeek-R1-Distill-Qwen-7B-GGUF:Q4_K_M --revision main",
     "dsq serve big.gguf --draft small.gguf --spec-tokens 4",
+    "dsq serve model.gguf --gpu-layers all --tp 2",
     'curl http://127.0.0.1:8000/v1/chat/completions -d \'{"messages": [{"role": "user", "content": "Hi"}]}\'',
 ])
 def serve(
@@ -27,6 +28,7 @@ def serve(
     gpu_layers: GpuLayersOption = "0",
     dtype: Dtype = None,
     experts: Experts = "auto",
+    tp: TensorParallel = 1,
     kv_tokens: Annotated[Optional[int], typer.Option(
         "--kv-tokens", min=1, help="Tokens the paged KV cache holds, all sequences together (default 4 x --ctx).")]
     = None,
@@ -88,6 +90,10 @@ def serve(
     attention in a Triton kernel that reads the blocks in place (DSQ_PAGED_ATTN=0: gathered, as
     on the CPU); not yet measured there. A model split between the CPU and a GPU is refused.
 
+    --tp N splits the model over N ranks, one process each on torch.distributed (N GPUs with
+    --gpu-layers all over NCCL, else N CPU processes over gloo): attention heads and MLP columns,
+    DeepSeek's routed experts placed per rank; rank 0 serves and schedules (docs/cli.md).
+
     Against hostile clients: --api-key (or DSQ_API_KEY), a body cap (--max-body), read and
     write deadlines (--read-timeout, --write-timeout), a cap on open connections
     (--max-connections); bad requests get OpenAI-style 4xx errors, unknown fields included, and a
@@ -115,6 +121,6 @@ def serve(
     engine, api = build(model, ctx=ctx, threads=threads, dtype=dtype, kv_tokens=kv_tokens, kv_memory_mb=kv_memory,
                         kv_dtype_name=kv_dtype, block_size=block_size,
                         max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-                        spec_tokens=spec_tokens, draft=draft, gpu_layers=gpu_layers, experts=experts,
+                        spec_tokens=spec_tokens, draft=draft, gpu_layers=gpu_layers, experts=experts, tp=tp,
                         console=console(), revision=revision)
     run(engine, api, host, port, drain, limits)

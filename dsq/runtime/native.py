@@ -278,7 +278,9 @@ class NativeModel:
     def __init__(self, path: str | Path, kind: str, *, ref: ModelRef | None = None, n_ctx: int = 4096,
                  gpu_layers: GpuLayers | int | str = 0, dtype: str | None = None, kv_dtype: str | None = None,
                  threads: int | None = None, seed: int | None = None, cuda_graph: bool = True, fuse: bool = True,
-                 compile: bool | str = False, experts: str = "auto", head: str | None = None):
+                 compile: bool | str = False, experts: str = "auto", head: str | None = None,
+                 tp: tuple[int, int] | None = None):
+        """tp: (rank, ranks) to keep rank's share of each layer (runtime/tp.py), its notes in tp_notes."""
         from dsq.runtime.experts import parse_experts, resolve_experts
         from dsq.runtime.gpu_layers import parse_head
         from dsq.runtime.native_loader import load_gguf, load_hf
@@ -299,7 +301,13 @@ class NativeModel:
         # the head: as asked, else where --gpu-layers auto's plan put it, else at a split the share
         # of its rows that the VRAM of llama.cpp's placement leaves (placement.split_head)
         head = parse_head(head) if head is not None else placed.head or _split_head(shape_of, placed, n_ctx, gpu)
-        model, config = loader(self.path, dt, placed, gpu, experts=self.experts, head=head)
+        self.tp, self.tp_notes = tp or (0, 1), []
+        shard = None
+        if self.tp[1] > 1:
+            from dsq.runtime import tp as tensor_parallel
+
+            shard = lambda m: tensor_parallel.shard(m, *self.tp, self.tp_notes)  # noqa: E731
+        model, config = loader(self.path, dt, placed, gpu, experts=self.experts, head=head, shard=shard)
         self._setup(model, config, _tokenizer(self.path, kind, config), ref=ref or ModelRef(kind, self.path),
                     n_ctx=n_ctx, gpu_layers=placed, kv_dtype=kv_dtype, seed=seed, cuda_graph=cuda_graph, fuse=fuse,
                     compile=compile)

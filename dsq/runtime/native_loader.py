@@ -106,7 +106,7 @@ def float32_params(model: nn.Module) -> set[str]:
 
 
 def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None,
-            experts: str = "gpu", head: str = "gpu"):
+            experts: str = "gpu", head: str = "gpu", shard=None):
     from dsq.formats.hf import HFModelDir
 
     hf = HFModelDir(path)
@@ -133,6 +133,8 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NO
     if not args.tie_word_embeddings and "lm_head.weight" not in sd:
         raise BadModelFile(f"{path} lacks lm_head.weight and does not tie embeddings", "fix tie_word_embeddings")
     model.tie_weights()
+    if shard is not None:  # a rank's share of each layer (runtime/tp.py), before anything is placed
+        shard(model)
     _place_experts_and_layers(model, experts, gpu_layers, gpu, head)  # HF experts in RAM: refused (not GGUF blocks)
     return model.eval(), cfg
 
@@ -190,7 +192,7 @@ def _swap_quantized(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor]
 
 
 def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None,
-              experts: str = "gpu", head: str = "gpu"):
+              experts: str = "gpu", head: str = "gpu", shard=None):
     from dsq.convert.gguf_to_hf import gguf_plan, hf_config_from_gguf
     from dsq.formats.gguf_file import GGUFFile
 
@@ -215,6 +217,8 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.
     del sd  # the model holds what it needs; the float copies of layers going to the GPU can go
     if embed_float:
         model.tie_weights()
+    if shard is not None:  # a rank's share of each layer (runtime/tp.py), before anything is placed
+        shard(model)
     _place_experts_and_layers(model, experts, gpu_layers, gpu, head)
     return model.eval(), cfg
 

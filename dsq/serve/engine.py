@@ -136,7 +136,10 @@ class Engine:
     def __init__(self, nm, *, kv_tokens: int | None = None, kv_bytes: int | None = None, block_size: int = 16,
                  max_seqs: int = 32, prefill_chunk: int = 512,
                  prefix_cache: bool = True, kv_dtype: torch.dtype | None = None, n_ctx: int | None = None,
-                 spec_tokens: int = 0, spec_ngram: int = 3, spec_max_rows: int = SPEC_MAX_ROWS, draft=None):
+                 spec_tokens: int = 0, spec_ngram: int = 3, spec_max_rows: int = SPEC_MAX_ROWS, draft=None,
+                 ranks=None):
+        """ranks: the other ranks of a model split over several (serve/tp.py Ranks), which run
+        every step with this one."""
         self.nm, self.model, self.tok = nm, nm.model, nm.tokenizer
         self.n_ctx = min(n_ctx or nm.n_ctx, nm.n_ctx)  # the pool always holds one sequence this long
         self.block_size, self.max_seqs = block_size, max_seqs
@@ -148,7 +151,9 @@ class Engine:
         else:
             num_blocks = -(-(kv_tokens or 4 * self.n_ctx) // block_size)
         num_blocks = max(num_blocks, -(-self.n_ctx // block_size) + 1)
-        self.kv = PagedKV(self.model, num_blocks, block_size, self.n_ctx + block_size, kv_dtype)
+        self.ranks = ranks
+        make = ranks.leader if ranks is not None else PagedKV
+        self.kv = make(self.model, num_blocks, block_size, self.n_ctx + block_size, kv_dtype)
         self.pool = self.kv.pool
         self.device = nm.head_device
         self.drafter = self._drafter(draft, num_blocks, kv_dtype) if draft is not None else None
@@ -259,7 +264,10 @@ class Engine:
     def graphable(self) -> bool:
         """Whether the decode step can be captured (PagedKV.capture): every layer and the head on
         one GPU, a step the same kernels whatever the tokens (model.graph_safe), routed experts
-        not in RAM; DSQ_SERVE_GRAPHS=0 keeps it eager."""
+        not in RAM, one rank (--tp: every rank would have to capture and keep the same steps);
+        DSQ_SERVE_GRAPHS=0 keeps it eager."""
+        if self.ranks is not None:
+            return False
         devs = {str(d) for d in self.model.layer_devices()} | {str(self.device)}
         return (os.environ.get("DSQ_SERVE_GRAPHS", "1") != "0" and self.device.type == "cuda" and len(devs) == 1
                 and self.model.graph_safe and getattr(self.nm, "experts", None) != "cpu")

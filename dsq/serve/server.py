@@ -51,15 +51,13 @@ def kv_dtype(name: str | None):
 def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None, kv_tokens: int | None,
           block_size: int, kv_dtype_name: str | None = None, kv_memory_mb: float | None = None,
           spec_tokens: int | None = None, draft: str | None = None, gpu_layers: str = "0", max_seqs: int,
-          prefill_chunk: int, prefix_cache: bool, experts: str = "auto", console=None, revision: str | None = None):
+          prefill_chunk: int, prefix_cache: bool, experts: str = "auto", tp: int = 1, console=None,
+          revision: str | None = None):
     """(engine, api) for MODEL (a path or a Hugging Face repo id at REVISION) on the native backend
     (and DRAFT, a draft model, with it; `experts`: where a MoE model's routed experts run,
-    runtime/experts.py)."""
+    runtime/experts.py; `tp`: ranks the model is split over, serve/tp.py)."""
     from dsq.runtime.engine import load
     from dsq.runtime.model_ref import resolve_model
-    from dsq.serve.api import Api
-    from dsq.serve.engine import Engine
-    from dsq.serve.paged import supported
 
     kv_dt = kv_dtype(kv_dtype_name)  # a bad name fails before the model loads
     if kv_tokens is not None and kv_memory_mb is not None:
@@ -79,9 +77,39 @@ def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None
         raise DsqError(f"--max-seqs must be at least 1, got {max_seqs}")
     if prefill_chunk < 1:
         raise DsqError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
+    kv_bytes = int(kv_memory_mb * 2**20) if kv_memory_mb is not None else None
+    if tp != 1:
+        from dsq.serve import tp as tensor_parallel
+
+        if draft is not None:
+            raise DsqError("--draft runs beside one rank, not --tp yet", "drop --draft or --tp")
+        load_kw, cuda = tensor_parallel.plan(tp, model, gpu_layers=gpu_layers, threads=threads, console=console,
+                                             revision=revision)
+        ranks, nm = tensor_parallel.start(tp, cuda, {**load_kw, "ctx": ctx, "dtype": dtype, "cuda_graph": False,
+                                                     "experts": experts}, console)
+        try:
+            return _build(nm, ranks, ctx=ctx, dtype=dtype, kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_dt=kv_dt,
+                          block_size=block_size, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
+                          prefix_cache=prefix_cache, spec_tokens=spec_tokens, threads=threads, gpu_layers=gpu_layers,
+                          draft=None, console=console)
+        except BaseException:
+            ranks.close()
+            raise
     ref = resolve_model(model, console, revision)
     nm = load(ref, backend="native", ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers, console=console,
               cuda_graph=False, experts=experts)
+    return _build(nm, None, ctx=ctx, dtype=dtype, kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_dt=kv_dt,
+                  block_size=block_size, max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
+                  spec_tokens=spec_tokens, threads=threads, gpu_layers=gpu_layers, draft=draft, console=console)
+
+
+def _build(nm, ranks, *, ctx, dtype, kv_tokens, kv_bytes, kv_dt, block_size, max_seqs, prefill_chunk, prefix_cache,
+           spec_tokens, threads, gpu_layers, draft, console):
+    """build's engine and API over the loaded model `nm` (rank 0's share with `ranks`)."""
+    from dsq.serve.api import Api
+    from dsq.serve.engine import Engine
+    from dsq.serve.paged import supported
+
     if not supported(nm.model):
         raise DsqError(f"dsq serve runs llama, qwen2, gemma3 and deepseek models; {nm.arch} is not served yet",
                        "use dsq run or dsq chat for this model")
@@ -94,10 +122,9 @@ def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None
     if draft is not None:
         draft_nm = _load_draft(draft, nm, ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers,
                                console=console)
-    kv_bytes = int(kv_memory_mb * 2**20) if kv_memory_mb is not None else None
     engine = Engine(nm, kv_tokens=kv_tokens, kv_bytes=kv_bytes, block_size=block_size, max_seqs=max_seqs,
                     prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, kv_dtype=kv_dt,
-                    spec_tokens=spec_tokens, draft=draft_nm)
+                    spec_tokens=spec_tokens, draft=draft_nm, ranks=ranks)
     return engine, Api(engine, model_id(nm))
 
 
@@ -134,6 +161,13 @@ def _spec_note(engine) -> str:
     m = engine.drafter.metrics()
     return (f", draft model {model_id(engine.drafter.nm)} proposing {engine.spec_tokens} tokens, its KV cache "
             f"{m['draft_kv_bytes'] / 2**20:.0f} MiB more")
+
+
+def _tp_note(engine) -> str:
+    if engine.ranks is None:
+        return ""
+    g = engine.ranks.group
+    return f", tensor-parallel over {g.world} ranks ({g.backend}; the KV MiB are each rank's)"
 
 
 def uvicorn_config(app, host: str, port: int, limits, drain_s: float = 60.0):
@@ -182,17 +216,22 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0, limits=None) -
         sys.stderr.write(f"dsq serve: {took}\n")
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     engine.start()
+    for note in getattr(engine.nm, "tp_notes", []):
+        sys.stderr.write(f"dsq serve: note: --tp: {note}\n")
     m = engine.metrics()
     sys.stderr.write(f"dsq serve: {api.model_id} on http://{host}:{port}/v1 (native engine, KV cache of "
                      f"{m['kv_blocks_total'] * m['kv_block_size']} tokens: {m['kv_blocks_total']} blocks of "
                      f"{m['kv_block_size']} in {m['kv_dtype']}, {m['kv_bytes'] / 2**20:.0f} MiB, "
                      f"context {engine.n_ctx}, up to {engine.max_seqs} "
-                     f"sequences a step{_spec_note(engine)}{', API key required' if limits.api_key else ''})\n")
+                     f"sequences a step{_spec_note(engine)}{_tp_note(engine)}"
+                     f"{', API key required' if limits.api_key else ''})\n")
     sys.stderr.flush()
     try:
         server.run()
     finally:
         engine.stop()
+        if engine.ranks is not None:
+            engine.ranks.close()
     if not server.started:
         raise DsqError(f"could not listen on {host}:{port}", "pick another --port (is one server already there?)")
     sys.stderr.write("dsq serve: stopped\n")
