@@ -220,7 +220,9 @@ class NativeModel:
     def __init__(self, path: str | Path, kind: str, *, ref: ModelRef | None = None, n_ctx: int = 4096,
                  gpu_layers: GpuLayers | int | str = 0, dtype: str | None = None, kv_dtype: str | None = None,
                  threads: int | None = None, seed: int | None = None, cuda_graph: bool = True, fuse: bool = True,
-                 compile: bool | str = False, experts: str = "auto", head: str | None = None):
+                 compile: bool | str = False, experts: str = "auto", head: str | None = None,
+                 tensor_split: list[float] | None = None):
+        from dsq.runtime import gpu_layers as gl
         from dsq.runtime.experts import parse_experts, resolve_experts
         from dsq.runtime.gpu_layers import parse_head
         from dsq.runtime.native_loader import load_gguf, load_hf
@@ -228,7 +230,10 @@ class NativeModel:
         self.path = Path(path)
         if threads:
             torch.set_num_threads(threads)
-        gpu = torch.device("cuda") if torch.cuda.is_available() else None
+        gpus = gl.visible_gpus()
+        gpu = gpus[0] if gpus else None  # the first GPU: the one-GPU decisions below (experts, head)
+        if tensor_split is not None and gpus:
+            gl.check_tensor_split(tensor_split, len(gpus))
         asked = GpuLayers.parse(gpu_layers)
         file = self.path if kind == "gguf" else None
         shape_of = self.path if kind in ("gguf", "hf") else None
@@ -236,12 +241,17 @@ class NativeModel:
         self.experts = resolve_experts(parse_experts(experts), shape_of, n_ctx, gpu,
                                        asked.resolve(file, n_ctx) if not asked.auto else asked)
         placed = asked.resolve(file, n_ctx, experts=self.experts).on(gpu)
+        # each GPU's share of the GPU layers: as asked (--tensor-split), else its free memory
+        self.tensor_split = None
+        if gpus and placed.n_gpu_layers != 0:
+            self.tensor_split = list(tensor_split) if tensor_split is not None else gl.free_shares(gpus)
         dt = parse_dtype(dtype, torch.bfloat16 if placed.n_gpu_layers != 0 else torch.float32)
         loader = load_gguf if kind == "gguf" else load_hf
         # the head: as asked, else where --gpu-layers auto's plan put it, else at a split the share
         # of its rows that the VRAM of llama.cpp's placement leaves (placement.split_head)
-        head = parse_head(head) if head is not None else placed.head or _split_head(shape_of, placed, n_ctx, gpu)
-        model, config = loader(self.path, dt, placed, gpu, experts=self.experts, head=head)
+        head = parse_head(head) if head is not None else placed.head or _split_head(
+            shape_of, placed, n_ctx, gl.last_gpu(gpus, self.tensor_split) if gpus else None)
+        model, config = loader(self.path, dt, placed, gpus, experts=self.experts, head=head, shares=self.tensor_split)
         self._setup(model, config, _tokenizer(self.path, kind, config), ref=ref or ModelRef(kind, self.path),
                     n_ctx=n_ctx, gpu_layers=placed, kv_dtype=kv_dtype, seed=seed, cuda_graph=cuda_graph, fuse=fuse,
                     compile=compile)
