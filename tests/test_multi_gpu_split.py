@@ -190,3 +190,126 @@ def _crossing_devices(model) -> list[torch.device]:
     p = model.placement
     parts = [p.embed, *p.layers, p.norm, p.head]
     return [b for a, b in zip(parts, parts[1:]) if a != b]
+
+
+# -- the planner over two GPUs -------------------------------------------------------------------------
+def test_plan_over_two_budgets(builtin_gguf):
+    from dsq.runtime.placement import MiB, plan_placement
+
+    bw = {"cpu_bw": 20e9, "gpu_bw": 500e9}
+    one = plan_placement(builtin_gguf, vram=600 * MiB, backend="native", **bw)
+    two = plan_placement(builtin_gguf, vram=[600 * MiB, 600 * MiB], backend="native", **bw)
+    assert two.vram_budget == 1200 * MiB
+    assert len(two.gpus) == 2 and not one.gpus
+    assert two.gpu_layers > one.gpu_layers  # two budgets hold more than one of them
+    held = [lc for lc in two.layers if lc.device == "GPU"]
+    assert [lc.gpu for lc in held] == sorted(lc.gpu for lc in held)  # contiguous, GPU 0 first
+    assert all(lc.device == "GPU" for lc in two.layers[-len(held):])  # the last layers, after the CPU's
+    assert [g["n_layers"] for g in two.gpus] == [sum(lc.gpu == d for lc in held) for d in (0, 1)]
+    assert [g["output"] for g in two.gpus] == [False, two.head != "cpu"]  # a head in VRAM: on the last GPU
+    assert all(g["bytes"] <= g["budget_bytes"] for g in two.gpus)
+    assert two.gpu_total_bytes == sum(g["bytes"] for g in two.gpus)
+    d = two.as_dict()
+    assert [g["bytes"] for g in d["gpus"]] == [g["bytes"] for g in two.gpus] and d["tensor_split"] == [600 * MiB] * 2
+
+    # a given split: the layers in proportion, each GPU's part of a whole placement over 3:1
+    ts = plan_placement(builtin_gguf, vram=[2048 * MiB, 2048 * MiB], backend="native", gpu_layers="all",
+                        tensor_split=[3, 1], **bw)
+    n = ts.n_layer
+    assert [g["n_layers"] for g in ts.gpus] == divide_layers(n, [3, 1])
+    assert ts.gpus[1]["bytes"] > ts.gpus[1]["n_layers"] / n * ts.gpus[0]["bytes"]  # the head and a reserve each
+    # llama.cpp counts the output head as one more part of its division
+    lc = plan_placement(builtin_gguf, vram=[4096 * MiB, 4096 * MiB], backend="llama.cpp", gpu_layers="all",
+                        tensor_split=[1, 1], **bw)
+    assert [g["n_layers"] for g in lc.gpus] == [(n + 2) // 2, n + 1 - (n + 2) // 2 - 1]
+
+
+def test_plan_budget_too_small_for_one_gpu_notes_it(builtin_gguf):
+    from dsq.runtime.placement import MiB, plan_placement
+
+    p = plan_placement(builtin_gguf, vram=[4096 * MiB, 600 * MiB], backend="native", gpu_layers="all",
+                       tensor_split=[1, 1], cpu_bw=20e9, gpu_bw=500e9)
+    assert any("GPU 1 needs" in n and "600 MiB budget" in n for n in p.notes)
+
+
+# -- the command line ----------------------------------------------------------------------------------
+def _two_gpus(monkeypatch):
+    from dsq.runtime import placement
+
+    two = [placement.GpuInfo("NVIDIA H100", 80 << 30, 79 << 30)] * 2
+    monkeypatch.setattr(placement, "detect_gpus", lambda: list(two))
+    monkeypatch.setattr(placement, "detect_gpu", lambda: two[0])
+
+
+@pytest.mark.parametrize("cmd", [["run", "-p", "hi"], ["chat"], ["bench"], ["offload"]])
+@pytest.mark.parametrize("split, says", [
+    ("1,1,1", "--tensor-split has 3 shares, for 2 GPUs here"),
+    ("2", "--tensor-split has 1 share, for 2 GPUs here"),
+    ("1,-2", "0 or more"),
+    ("0,0", "a share above 0"),
+    ("3;1", "numbers separated by commas"),
+])
+def test_bad_tensor_split_is_one_line(cmd, split, says, runner, builtin_gguf, monkeypatch):
+    from test_cli_errors import one_line_error
+
+    from dsq.cli import app
+
+    _two_gpus(monkeypatch)
+    r = runner.invoke(app, cmd[:1] + [str(builtin_gguf)] + cmd[1:] + ["-b", "native", "--tensor-split", split],
+                      input="")
+    one_line_error(r, says)
+
+
+def test_offload_vram_list_sets_the_gpu_count(runner, builtin_gguf):
+    from test_cli_errors import one_line_error
+
+    from dsq.cli import app
+
+    r = runner.invoke(app, ["offload", str(builtin_gguf), "--vram", "1G,1G,1G", "--tensor-split", "1,1"])
+    one_line_error(r, "--tensor-split has 2 shares, for 3 GPUs here")
+    r = runner.invoke(app, ["offload", str(builtin_gguf), "-b", "native", "--vram", "2G,2G", "--tensor-split", "3,1",
+                            "--gpu-layers", "all", "--json", "--cpu-bw", "20", "--gpu-bw", "500"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["tensor_split"] == [3.0, 1.0] and [g["gpu"] for g in plan["gpus"]] == [0, 1]
+    assert all(g["bytes"] > 0 for g in plan["gpus"]) and plan["gpus"][1]["output"]
+
+
+def test_tensor_split_without_a_gpu_is_noted_and_ignored(runner, tiny_dir, monkeypatch):
+    from dsq.cli import app
+    from dsq.runtime import placement
+
+    monkeypatch.setattr(placement, "detect_gpus", lambda: [])
+    monkeypatch.setattr(placement, "detect_gpu", lambda: None)
+    r = runner.invoke(app, ["run", str(tiny_dir("llama")), "-b", "native", "-p", "hi", "-n", "2", "--temperature", "0",
+                            "--tensor-split", "3,1"])
+    assert r.exit_code == 0, r.output
+    assert r.stderr.count("no GPU: running on the CPU") == 1
+
+
+def test_llama_cpp_gets_the_split_by_layers(monkeypatch, builtin_gguf):
+    """llama-cpp-python's Llama(...) receives tensor_split and split_mode=LLAMA_SPLIT_MODE_LAYER."""
+    import dsq.runtime.llama_cpp_backend as lcb
+    from dsq.runtime import llama_probe
+
+    llama_cpp = lcb.import_llama_cpp()
+    seen = {}
+
+    class Seen(Exception):
+        pass
+
+    def record(**kw):
+        seen.update(kw)
+        raise Seen
+
+    monkeypatch.setattr(llama_cpp, "Llama", record)
+    monkeypatch.setattr(lcb, "exports_cxx_runtime", lambda *a: False)
+    monkeypatch.setattr(llama_probe, "check_loads", lambda *a, **k: None)
+    with pytest.raises(Seen):
+        lcb.LlamaCppModel(builtin_gguf, gpu_layers="all", tensor_split=[3.0, 1.0])
+    assert seen["tensor_split"] == [3.0, 1.0]
+    assert seen["split_mode"] == llama_cpp.LLAMA_SPLIT_MODE_LAYER
+    seen.clear()
+    with pytest.raises(Seen):
+        lcb.LlamaCppModel(builtin_gguf, gpu_layers="all")
+    assert "tensor_split" not in seen and "split_mode" not in seen

@@ -65,7 +65,8 @@ class GpuLayers:
             raise ValueError("--gpu-layers auto is not resolved yet (GpuLayers.resolve)")
         return self.n
 
-    def resolve(self, model: Path | None, ctx: int, backend: str = "native", experts: str = "gpu") -> GpuLayers:
+    def resolve(self, model: Path | None, ctx: int, backend: str = "native", experts: str = "gpu",
+                tensor_split: list[float] | None = None) -> GpuLayers:
         """This value for the model file `model` (a GGUF, or an HF directory) on `backend`: 'auto' as
         the layer count that backend's placement plan picks for the GPU's free memory (0 without a
         GPU or without llama.cpp's GPU offload; every layer where no file is named; `experts`: where
@@ -225,17 +226,21 @@ def _n_layer(model: Path) -> int:
     return n_layer_of(model)
 
 
-def _plan_for(model: Path, ctx: int, backend: str, experts: str = "gpu"):
-    """`backend`'s placement plan for this GPU's free memory (nominal bandwidths: the choice hardly
-    depends on them, and nothing is measured at load); None without a GPU it can use."""
+def _plan_for(model: Path, ctx: int, backend: str, experts: str = "gpu", tensor_split: list[float] | None = None):
+    """`backend`'s placement plan for the GPUs' free memory (each one's, over several; nominal
+    bandwidths: the choice hardly depends on them, and nothing is measured at load); None without
+    a GPU it can use."""
     from dsq.runtime.machine import machine_bandwidths
-    from dsq.runtime.placement import detect_gpu, plan_placement
+    from dsq.runtime.placement import detect_gpu, detect_gpus, plan_placement
 
     gpu = detect_gpu()
     if gpu is None or (backend == "llama.cpp" and not _llama_cpp_offloads()):
         return None
-    return plan_placement(model, vram=gpu.free_bytes, ctx=ctx, backend=backend,
-                          bandwidths=machine_bandwidths(gpu, measure=False), experts=experts)
+    gpus = detect_gpus()
+    several = len(gpus) > 1
+    return plan_placement(model, vram=[g.free_bytes for g in gpus] if several else gpu.free_bytes, ctx=ctx,
+                          backend=backend, bandwidths=machine_bandwidths(gpu, measure=False), experts=experts,
+                          tensor_split=tensor_split if several else None)
 
 
 def _planned_layers(model: Path, ctx: int, backend: str, experts: str = "gpu") -> int:

@@ -240,7 +240,7 @@ class NativeModel:
         # where the routed experts run (runtime/experts.py): "cpu" or "gpu" from here on
         self.experts = resolve_experts(parse_experts(experts), shape_of, n_ctx, gpu,
                                        asked.resolve(file, n_ctx) if not asked.auto else asked)
-        placed = asked.resolve(file, n_ctx, experts=self.experts).on(gpu)
+        placed = asked.resolve(file, n_ctx, experts=self.experts, tensor_split=tensor_split).on(gpu)
         # each GPU's share of the GPU layers: as asked (--tensor-split), else its free memory
         self.tensor_split = None
         if gpus and placed.n_gpu_layers != 0:
