@@ -9,41 +9,57 @@ import time
 
 
 class _Nvml:
-    """Device-wide used memory of GPU 0, or None without an NVIDIA driver."""
+    """Device-wide used memory of each GPU (NVML's order, nvidia-smi's), or None without an NVIDIA driver."""
 
     class _Mem(ctypes.Structure):
         _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
 
     def __init__(self):
-        self.lib = self.handle = None
+        self.lib, self.handles = None, []
         try:
             lib = ctypes.CDLL("libnvidia-ml.so.1")
             if lib.nvmlInit_v2() != 0:
                 return
-            h = ctypes.c_void_p()
-            if lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(h)) != 0:
+            n = ctypes.c_uint()
+            if lib.nvmlDeviceGetCount_v2(ctypes.byref(n)) != 0:
                 return
-            self.lib, self.handle = lib, h
+            for i in range(n.value):
+                h = ctypes.c_void_p()
+                if lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h)) != 0:
+                    return
+                self.handles.append(h)
+            if self.handles:
+                self.lib = lib
         except OSError:
             pass
 
-    def used(self) -> int | None:
+    def used_each(self) -> list[int] | None:
         if self.lib is None:
             return None
-        m = self._Mem()
-        if self.lib.nvmlDeviceGetMemoryInfo(self.handle, ctypes.byref(m)) != 0:
-            return None
-        return int(m.used)
+        out = []
+        for h in self.handles:
+            m = self._Mem()
+            if self.lib.nvmlDeviceGetMemoryInfo(h, ctypes.byref(m)) != 0:
+                return None
+            out.append(int(m.used))
+        return out
 
 
 _nvml: _Nvml | None = None
 
 
-def gpu_used_bytes() -> int | None:
+def gpus_used_bytes() -> list[int] | None:
+    """Each GPU's device-wide used memory, in NVML's order; None without an NVIDIA driver."""
     global _nvml
     if _nvml is None:
         _nvml = _Nvml()
-    return _nvml.used()
+    return _nvml.used_each()
+
+
+def gpu_used_bytes() -> int | None:
+    """Device-wide used memory of all GPUs together; None without an NVIDIA driver."""
+    each = gpus_used_bytes()
+    return None if each is None else sum(each)
 
 
 def _retain_primary_context() -> bool | None:
@@ -105,12 +121,13 @@ def release_memory() -> None:
 class PeakMemory:
     """Context manager sampling RSS and GPU memory every `interval` s; peaks in bytes.
 
-    Figures are above their baselines: RSS above `baseline_rss`, GPU memory (device-wide) above
-    `baseline_gpu` (what was in use before the model loaded). peak_gpu stays None without an
-    NVIDIA GPU.
+    Figures are above their baselines: RSS above `baseline_rss`, GPU memory (device-wide, all GPUs
+    together) above `baseline_gpu` (what was in use before the model loaded), and each GPU's
+    (peak_gpus) above its own in `baseline_gpus`. peak_gpu stays None without an NVIDIA GPU.
     """
 
-    def __init__(self, interval: float = 0.02, baseline_gpu: int | None = None, baseline_rss: int = 0):
+    def __init__(self, interval: float = 0.02, baseline_gpu: int | None = None, baseline_rss: int = 0,
+                 baseline_gpus: list[int] | None = None):
         import psutil
 
         self.proc = psutil.Process()
@@ -119,13 +136,18 @@ class PeakMemory:
         self.baseline_rss = baseline_rss
         self.peak_rss = 0
         self.peak_gpu: int | None = None
+        self.baseline_gpus = baseline_gpus
+        self.peak_gpus: list[int] | None = None
         self._stop = threading.Event()
 
     def _sample(self) -> None:
         self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss - self.baseline_rss)
-        g = gpu_used_bytes()
-        if g is not None:
-            self.peak_gpu = max(self.peak_gpu or 0, g - (self.baseline_gpu or 0))
+        each = gpus_used_bytes()
+        if each is None:
+            return
+        self.peak_gpu = max(self.peak_gpu or 0, sum(each) - (self.baseline_gpu or 0))
+        base = self.baseline_gpus if self.baseline_gpus and len(self.baseline_gpus) == len(each) else [0] * len(each)
+        self.peak_gpus = [max(p, u - b) for p, u, b in zip(self.peak_gpus or [0] * len(each), each, base)]
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -36,6 +36,8 @@ class BenchRecord:
     base_rss_mb: float = 0.0  # the process before loading (Python, libraries, earlier configurations' leftovers)
     experts: str = "gpu"  # where a MoE model's routed experts ran: with their layers, or "cpu" (in RAM)
     head: str = "gpu"  # where the output head ran: "cpu" in RAM (a split's --head cpu, or nothing on the GPU)
+    peak_vram_mb_per_gpu: list[float] | None = None  # each GPU's own peak above its use before loading (NVML's order)
+    tensor_split: list[float] | None = None  # each GPU's share of the GPU layers, as used (None: one GPU or none)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -112,15 +114,16 @@ def run_bench(model, *, backends=("llama.cpp",), gpu_layers=("0",), prompt_token
 
 def _load(model, backend: str, gl, n_ctx: int, threads: int | None, opts: dict) -> _Loaded:
     """Load one configuration, timing it and sampling its memory above the process's before."""
-    from dsq.bench.metrics import PeakMemory, gpu_used_bytes, rss_bytes
+    from dsq.bench.metrics import PeakMemory, gpus_used_bytes, rss_bytes
     from dsq.runtime.engine import load
 
     release_memory()
-    base_gpu, base_rss = gpu_used_bytes(), rss_bytes()
+    base_gpus, base_rss = gpus_used_bytes(), rss_bytes()
+    base_gpu = None if base_gpus is None else sum(base_gpus)
     t0 = time.perf_counter()
-    with PeakMemory(baseline_gpu=base_gpu, baseline_rss=base_rss) as load_mem:
+    with PeakMemory(baseline_gpu=base_gpu, baseline_rss=base_rss, baseline_gpus=base_gpus) as load_mem:
         m = load(model, backend=backend, ctx=n_ctx, threads=threads, gpu_layers=gl, **opts)
-    return _Loaded(m, str(gl), time.perf_counter() - t0, load_mem, base_gpu, base_rss)
+    return _Loaded(m, str(gl), time.perf_counter() - t0, load_mem, base_gpu, base_rss, base_gpus)
 
 
 def bench_ctx(ctx: int | None, prompt_tokens: int, gen_tokens: int) -> int:
@@ -152,6 +155,7 @@ class _Loaded:
     load_mem: PeakMemory  # peak memory while loading
     base_gpu: int | None  # GPU memory in use before loading (None without a GPU)
     base_rss: int  # the process's RSS before loading
+    base_gpus: list[int] | None = None  # each GPU's memory in use before loading
 
 
 def _runs(loaded: _Loaded, B: int, prompt_tokens: int, gen_tokens: int, repeat: int, warmup: bool, say):
@@ -172,7 +176,8 @@ def _runs(loaded: _Loaded, B: int, prompt_tokens: int, gen_tokens: int, repeat: 
         say(f"{m.backend} --gpu-layers {loaded.asked}" + (f" --batch {B}" if B > 1 else "") + f": run {r + 1}/{repeat}")
         st = GenStats()
         m.reset()  # no prefix reuse between repeats: every run prefills the whole prompt
-        with PeakMemory(baseline_gpu=loaded.base_gpu, baseline_rss=loaded.base_rss) as mem:
+        with PeakMemory(baseline_gpu=loaded.base_gpu, baseline_rss=loaded.base_rss,
+                        baseline_gpus=loaded.base_gpus) as mem:
             _generate(m, prompts, greedy, gen_tokens, st)
         yield _record(loaded, r, B, st, mem)
 
@@ -187,7 +192,22 @@ def _record(loaded: _Loaded, r: int, B: int, st, mem) -> BenchRecord:
         peak_rss_mb=_mib(max(mem.peak_rss, loaded.load_mem.peak_rss)),
         peak_vram_mb=None if mem.peak_gpu is None else _mib(max(mem.peak_gpu, loaded.load_mem.peak_gpu or 0)),
         load_s=round(loaded.load_s, 3), threads=m.n_threads, batch=B, base_rss_mb=_mib(loaded.base_rss),
-        experts=getattr(m, "experts", "gpu"), head=_head_place(m))
+        experts=getattr(m, "experts", "gpu"), head=_head_place(m),
+        peak_vram_mb_per_gpu=_peaks_each(mem.peak_gpus, loaded.load_mem.peak_gpus),
+        tensor_split=_split_used(m))
+
+
+def _peaks_each(run: list[int] | None, load: list[int] | None) -> list[float] | None:
+    """Each GPU's peak over the load and the run, in MiB."""
+    if run is None:
+        return None
+    return [_mib(max(a, b)) for a, b in zip(run, load if load and len(load) == len(run) else run)]
+
+
+def _split_used(m) -> list[float] | None:
+    """The shares the GPU layers were divided by, where several GPUs held them."""
+    split = getattr(m, "tensor_split", None)
+    return list(split) if split is not None and len(split) > 1 else None
 
 
 def _head_place(m) -> str:

@@ -9,7 +9,7 @@ import typer
 
 from dsq.cli.common import command
 from dsq.cli.options import (Compile, Dtype, Experts, Force, Head, JsonFlag, KvDtype, MaxTokens, ModelArg, OutFile,
-                             PromptTokens, Repeat, Revision, Threads, backend_options)
+                             PromptTokens, Repeat, Revision, TensorSplit, Threads, backend_options)
 
 
 @command("bench", renamed={"--gen-tokens": "--max-tokens", "--json FILE": "--out"}, examples=[
@@ -49,6 +49,7 @@ def bench(
     compile: Compile = False,
     experts: Experts = "auto",
     head: Head = None,
+    tensor_split: TensorSplit = None,
     chat_turns: Annotated[int, typer.Option("--chat-turns", help="Instead: a chat of N turns, TTFT per turn "
                                                                   "(the prefix cache keeps it flat).")] = 0,
     serve: Annotated[Optional[str], typer.Option(
@@ -79,6 +80,7 @@ def bench(
     to --plot. Two backends are shown side by side at each --gpu-layers with the ratio of the
     first to the second. Without a GPU, a --gpu-layers sweep runs once, on the CPU.
     """
+    from dsq.runtime.gpu_layers import GpuLayers
     from dsq.runtime.model_ref import resolve_model
     from dsq.ui import console, status
 
@@ -95,13 +97,16 @@ def bench(
     sweep = _sweep(ref, gpu_layers, ctx, backends, con)
     opts = {b: backend_options(b, dtype if b == "native" else None, kv_dtype, compile and b == "native",
                                experts if b == "native" or experts == "cpu" else "auto",
-                               head if b == "native" else None)
+                               head if b == "native" else None, tensor_split)
             for b in backends}
+    if tensor_split and all(g == GpuLayers.NONE for g in sweep) and not _some_gpu(backends):
+        con.print("[yellow]note:[/yellow] no GPU: running on the CPU")
     if chat_turns:
         return _chat_bench(ref, backends, chat_turns, gen_tokens, threads, ctx, opts, (as_json, json_path), con)
     settings = {"prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeat": repeat, "backends": backends,
                 "gpu_layers": [str(g) for g in sweep], "batch": list(batches), "experts": experts,
-                "head": head or "gpu"}
+                "head": head or "gpu", "tensor_split": next((o["tensor_split"] for o in opts.values()
+                                                             if "tensor_split" in o), None)}
     with status("benchmarking", con) as st:
         from dsq.bench.runner import run_bench
 

@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.cli.options import Ctx, Experts, Head, JsonFlag, MaxTokens, ModelArg, PromptTokens, Repeat, Revision, Threads
+from dsq.cli.options import (Ctx, Experts, Head, JsonFlag, MaxTokens, ModelArg, PromptTokens, Repeat, Revision,
+                             TensorSplit, Threads)
 
 MIB = 2**20
 
@@ -18,13 +19,15 @@ MIB = 2**20
     "dsq offload --vram 2G",
     "dsq offload DeepSeek-R1-Distill-Llama-8B-Q4_K_M.gguf --vram 6G --ram 32G --ctx 8192",
     "dsq offload model.gguf --backend native --vram 24G --json",
+    "dsq offload model.gguf --vram 24G,24G --tensor-split 3,1",
     "dsq offload --calibrate",
     "dsq offload model.gguf --measure --gpu-layers 0,8,16,24,all",
     "dsq offload DeepSeek-V3-Q4_K_M.gguf --backend native --vram 24G --ram 512G --experts cpu",
 ])
 def offload(
     model: ModelArg = None,
-    vram: Annotated[Optional[str], typer.Option("--vram", help="GPU memory budget, e.g. 8G (default: free VRAM).")] = None,
+    vram: Annotated[Optional[str], typer.Option("--vram", help="GPU memory budget, e.g. 8G, or one per GPU, e.g. "
+                                                               "24G,24G (default: each GPU's free VRAM).")] = None,
     ram: Annotated[Optional[str], typer.Option("--ram", help="CPU memory budget, e.g. 32G.")] = None,
     ctx: Ctx = 4096,
     backend: Annotated[Optional[str], typer.Option(
@@ -45,6 +48,7 @@ def offload(
     as_json: JsonFlag = False,
     experts: Experts = "auto",
     head: Head = None,
+    tensor_split: TensorSplit = None,
     revision: Revision = None,
 ) -> None:
     """Plan the GPU/CPU split for a memory budget and predict decode speed.
@@ -84,7 +88,7 @@ def offload(
     if measure:
         return _measure(ref, be, gpu_layers, ctx, prompt_tokens, gen_tokens, repeat, threads, bw_given, as_json,
                         experts, head)
-    _plan(ref, be, vram, ram, ctx, gpu_layers, bw_given, as_json, experts, head)
+    _plan(ref, be, vram, ram, ctx, gpu_layers, bw_given, as_json, experts, head, tensor_split)
 
 
 # -- --calibrate -------------------------------------------------------------------------------------
@@ -111,14 +115,17 @@ def _calibrate(threads: int | None, as_json: bool) -> None:
 
 # -- the plan ----------------------------------------------------------------------------------------
 def _plan(ref, backend: str, vram: str | None, ram: str | None, ctx: int, gpu_layers: str | None,
-          bw_given: dict, as_json: bool, experts: str = "gpu", head: str | None = None) -> None:
-    from dsq.runtime.gpu_layers import parse_for
+          bw_given: dict, as_json: bool, experts: str = "gpu", head: str | None = None,
+          tensor_split: str | None = None) -> None:
+    from dsq.runtime.gpu_layers import parse_for, parse_tensor_split
     from dsq.runtime.placement import parse_size, plan_placement
 
-    vram_b = _vram_budget(vram)
+    budgets = _vram_budgets(vram, tensor_split)
+    shares = parse_tensor_split(tensor_split, len(budgets)) if len(budgets) > 1 else None
     split = None if gpu_layers is None else parse_for(gpu_layers, ref.path, ctx, backend)
-    plan = plan_placement(ref.path, vram=vram_b, ctx=ctx, ram=parse_size(ram), backend=backend,
-                          gpu_layers=split, experts=experts, head=head, **bw_given)
+    plan = plan_placement(ref.path, vram=budgets if len(budgets) > 1 else budgets[0], ctx=ctx, ram=parse_size(ram),
+                          backend=backend, gpu_layers=split, experts=experts, head=head, tensor_split=shares,
+                          **bw_given)
     if vram is not None and (split is None or split.auto):
         _check_budget(plan, vram, ref.label)
     if as_json:
@@ -127,19 +134,27 @@ def _plan(ref, backend: str, vram: str | None, ram: str | None, ctx: int, gpu_la
     _print_plan(plan, ref.label)
 
 
-def _vram_budget(vram: str | None) -> int:
-    from dsq.runtime.placement import detect_gpu, parse_size
+def _vram_budgets(vram: str | None, tensor_split: str | None = None) -> list[int]:
+    """The GPU budgets to plan for: --vram's, one per GPU (24G,24G), else each GPU's free memory;
+    [0] without a GPU (said on stderr). A --tensor-split is checked against their count, and on a
+    machine with no GPU and no --vram is ignored, with the note."""
+    from dsq.runtime.gpu_layers import parse_tensor_split
+    from dsq.runtime.placement import detect_gpus, parse_size
 
     if vram is not None:
-        return parse_size(vram)
-    gpu = detect_gpu()
-    if gpu is None:
+        budgets = [parse_size(v) for v in vram.split(",")]
+        parse_tensor_split(tensor_split, len(budgets))
+        return budgets
+    gpus = detect_gpus()
+    if not gpus:
         from dsq.ui import console
 
+        parse_tensor_split(tensor_split)
         console().print("[yellow]note:[/yellow] no GPU: planning for the CPU (pass --vram SIZE to plan for a GPU, "
                         "e.g. --vram 8G)")
-        return 0
-    return gpu.free_bytes
+        return [0]
+    parse_tensor_split(tensor_split, len(gpus))
+    return [g.free_bytes for g in gpus]
 
 
 def _check_budget(plan, vram: str, label: str) -> None:
@@ -163,17 +178,23 @@ def _print_plan(plan, label: str) -> None:
     for col in ("layer", "weights MiB", "types", "KV MiB", "device"):
         t.add_column(col, justify="right" if "MiB" in col else "left")
     t.add_row("token_embd", f"{plan.embed_bytes / MIB:.1f}", "", "", plan.embed_device, style=_style(plan.embed_device))
+    several = len(plan.gpus) > 1
     for lc in plan.layers:
         types = ", ".join(f"{k}" for k, v in sorted(lc.types.items(), key=lambda kv: -kv[1]))
-        t.add_row(lc.name, f"{lc.weight_bytes / MIB:.1f}", types, f"{lc.kv_bytes / MIB:.1f}", lc.device,
+        where = f"GPU {lc.gpu}" if several and lc.gpu is not None else lc.device
+        t.add_row(lc.name, f"{lc.weight_bytes / MIB:.1f}", types, f"{lc.kv_bytes / MIB:.1f}", where,
                   style=_style(lc.device))
-    t.add_row("output", f"{plan.output_bytes / MIB:.1f}", "", "", plan.output_device, style=_style(plan.output_device))
+    head_gpu = next((g["gpu"] for g in plan.gpus if g["output"]), None)
+    out_where = plan.output_device.replace("GPU", f"GPU {head_gpu}") if several and head_gpu is not None \
+        else plan.output_device
+    t.add_row("output", f"{plan.output_bytes / MIB:.1f}", "", "", out_where, style=_style(plan.output_device))
     out = out_console()
     out.print(t)
     on_gpu = sum(lc.device == "GPU" for lc in plan.layers)
     moe = plan.expert_bytes_cpu or any(lc.expert_bytes for lc in plan.layers)
     head_placed = plan.backend == "native" and 0 < on_gpu < plan.n_layer and plan.head != "gpu"
-    run = f"dsq run -b {plan.backend} --gpu-layers {plan.gpu_layers_arg}" + (
+    ts = f" --tensor-split {','.join(f'{x:g}' for x in plan.tensor_split)}" if plan.tensor_split else ""
+    run = f"dsq run -b {plan.backend} --gpu-layers {plan.gpu_layers_arg}{ts}" + (
         f" --experts {plan.experts}" if moe and plan.backend == "native" else "") + (
         f" --head {plan.head}" if head_placed else "")
     where = (f"{float(plan.head):.0%} of its rows on the GPU, the rest on the CPU" if plan.output_device == "GPU+CPU"
@@ -184,7 +205,11 @@ def _print_plan(plan, label: str) -> None:
         out.print(f"Routed experts: [bold]{where}[/bold]" + (
             f", {plan.expert_bytes_cpu / MIB:.0f} MiB" if plan.experts == "cpu" else ""))
     out.print(f"GPU memory: {plan.gpu_total_bytes / MIB:.0f} MiB of {plan.vram_budget / MIB:.0f} MiB "
-              f"(compute buffers {plan.compute_gpu_bytes / MIB:.0f} MiB + reserve)")
+              f"(compute buffers {plan.compute_gpu_bytes / MIB:.0f} MiB + reserve{' on each GPU' if several else ''})")
+    for g in plan.gpus if several else []:
+        held = f"{g['layers'][0]}..{g['layers'][1]}" if g["layers"] else "no layer"
+        out.print(f"  GPU {g['gpu']}: {g['n_layers']} layers ({held}){', the output head' if g['output'] else ''}, "
+                  f"{g['bytes'] / MIB:.0f} MiB of {g['budget_bytes'] / MIB:.0f} MiB")
     ram_note = "" if plan.ram_budget is None else (
         f" of {plan.ram_budget / MIB:.0f} MiB" + ("" if plan.fits_ram else " [red](does not fit)[/red]"))
     out.print(f"CPU memory: {plan.cpu_total_bytes / MIB:.0f} MiB{ram_note}")

@@ -50,6 +50,11 @@ Head = Annotated[Optional[str], typer.Option(
     "GPU, leaving its VRAM (~0.4 GB on an 8B) to layers; a share such as 0.6: that share of its rows in VRAM, "
     "the rest in RAM. Default: with --gpu-layers auto the plan's choice; with N layers the share that 10% of "
     "their VRAM holds (the VRAM of llama.cpp's -ngl N + 10%).", show_default=False)]
+TensorSplit = Annotated[Optional[str], typer.Option(
+    "--tensor-split", help="Several GPUs: each one's share of the GPU layers, in proportion, one number per "
+    "visible GPU, as llama.cpp's -ts (e.g. 3,1: three quarters on the first). The layers go in contiguous "
+    "ranges, the CPU's first, the output head on the last GPU. Default: each GPU's free memory.",
+    show_default=False)]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
 Backend = Annotated[str, typer.Option(
     "--backend", "-b", help="llama.cpp, native (dsq's torch engine), or auto: llama.cpp, and native for AWQ / "
@@ -118,6 +123,7 @@ class Loading:
     compile: Compile = False
     experts: Experts = "auto"
     head: Head = None
+    tensor_split: TensorSplit = None
     revision: Revision = None
 
     def load(self, model: str | None, seed: int | None = None):
@@ -136,8 +142,8 @@ class Loading:
                       "(llama.cpp takes GGUF)[/dim]")
         m = load(ref, backend=backend, ctx=self.ctx, threads=self.threads, gpu_layers=self.gpu_layers, seed=seed,
                  console=con, **backend_options(backend, self.dtype, self.kv_dtype, self.compile, self.experts,
-                                                 self.head))
-        if self.gpu_layers.strip() != "0" and not gpu_usable(backend):
+                                                 self.head, self.tensor_split))
+        if (self.gpu_layers.strip() != "0" or self.tensor_split) and not gpu_usable(backend):
             con.print("[yellow]note:[/yellow] no GPU: running on the CPU")
         return m
 
@@ -175,21 +181,36 @@ def _group_params(group) -> list[inspect.Parameter]:
 
 
 def backend_options(backend: str, dtype: str | None, kv_dtype: str | None, compile: bool = False,
-                    experts: str = "auto", head: str | None = None) -> dict:
+                    experts: str = "auto", head: str | None = None, tensor_split: str | None = None) -> dict:
     """Backend-specific load options from the shared flags."""
     from dsq.runtime.experts import check_backend, parse_experts
     from dsq.runtime.gpu_layers import parse_head
 
     experts = check_backend(parse_experts(experts), backend)
     head = None if head is None else parse_head(head)
+    split = tensor_split_option(tensor_split)
     if kv_dtype is not None and kv_dtype.lower() in _fp8_names():
         raise DsqError("--kv-dtype fp8 is dsq serve's (its paged KV cache)", "use bf16, fp16 or fp32 here")
+    shared = {"tensor_split": split} if split is not None else {}
     if backend == "native":
-        return {"dtype": dtype, "kv_dtype": kv_dtype, "compile": compile, "experts": experts, "head": head}
+        return {"dtype": dtype, "kv_dtype": kv_dtype, "compile": compile, "experts": experts, "head": head, **shared}
     if dtype is not None or compile or head is not None:
         raise DsqError("--dtype, --compile and --head apply to the native backend",
                        "drop them, or pass --backend native")
-    return {"kv_dtype": kv_dtype} if kv_dtype else {}
+    return {**({"kv_dtype": kv_dtype} if kv_dtype else {}), **shared}
+
+
+def tensor_split_option(value: str | None) -> list[float] | None:
+    """--tensor-split as each visible GPU's share, checked (one per GPU, numbers, none below 0, one
+    above); None where none is given or there is no GPU (the caller's "no GPU" note covers it)."""
+    from dsq.runtime.gpu_layers import parse_tensor_split
+    from dsq.runtime.placement import detect_gpus
+
+    shares = parse_tensor_split(value)
+    if shares is None:
+        return None
+    gpus = detect_gpus()
+    return parse_tensor_split(value, len(gpus)) if gpus else None
 
 
 def check_output_path(path: Path, flag: str) -> None:

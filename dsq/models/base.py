@@ -72,6 +72,24 @@ def module_device(m: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the loader put each part of a model: the token embedding, each layer, the final norm,
+    the output head (where its output is). The hidden state moves by it, once at each change of
+    device (cross_device), whatever the tensors report."""
+
+    embed: torch.device
+    layers: tuple[torch.device, ...]
+    norm: torch.device
+    head: torch.device
+
+
+def cross_device(x: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The hidden state x handed to the next part of the model on `device` (in `dtype`): the one copy
+    a boundary between devices costs."""
+    return x.to(device, dtype) if dtype is not None else x.to(device)
+
+
 # -- rope -----------------------------------------------------------------------------------
 def rope_inv_freq(rope: dict, dim: int) -> torch.Tensor:
     """Inverse frequencies (dim/2,) for a rope config: default, linear, llama3, yarn."""
@@ -456,6 +474,7 @@ class Transformer(nn.Module):
 
     Layer: type = DecoderLayer
     Cache: type = KVCache
+    placement: Placement | None = None  # as the loader placed it (None: where the tensors are)
     _fused_decode = None  # the runtime's one-call decode of CPU layers (dsq/runtime/fused_layer.py), if attached
 
     def __init__(self, args: ModelArgs):
@@ -484,7 +503,17 @@ class Transformer(nn.Module):
         return True
 
     def layer_devices(self) -> list[torch.device]:
+        if self.placement is not None:
+            return list(self.placement.layers)
         return [module_device(layer.input_layernorm) for layer in self.model.layers]
+
+    def _device_before(self, start: int, x: torch.Tensor) -> torch.device:
+        """The device the hidden state entering layer `start` is on: the placement's (the embedding's,
+        or layer start-1's), else x's."""
+        p = self.placement
+        if p is None:
+            return x.device
+        return p.layers[start - 1] if start > 0 else p.embed
 
     @property
     def dtype(self) -> torch.dtype:
@@ -502,8 +531,9 @@ class Transformer(nn.Module):
         if self.args.embed_scale:  # HF rounds the scale to the activation dtype; a float keeps graphs static
             self._embed_scale = float(torch.tensor(self.args.embed_scale, dtype=self.dtype))
         devices = self.layer_devices()
-        split = len({d.type for d in devices}) > 1
-        dtypes = [t if split and d.type == "cpu" else dtype for t, d in zip(self.layer_dtypes(), devices)]
+        cpu = torch.device("cpu")
+        split = len({d == cpu for d in devices}) > 1
+        dtypes = [t if split and d == cpu else dtype for t, d in zip(self.layer_dtypes(), devices)]
         return self.Cache(self.args, batch, length, dtypes, devices)
 
     def block_context(self, layer: int, T: int, device, dtype=torch.float32):
@@ -551,6 +581,8 @@ class Transformer(nn.Module):
             pad = torch.zeros(x.shape[0], dtype=torch.long, device=slots.device)
         S = kv_len if kv_len is not None else cache.length
         per_dev: dict = {}
+        placed = self.placement.layers if self.placement is not None else None
+        at = self._device_before(start, x)
         # a decode step's covered CPU layers: one C call each (dsq/runtime/fused_layer.py, attached at load)
         step = None
         if not torch.compiler.is_compiling() and self._fused_decode is not None and x.shape[1] == 1:
@@ -562,8 +594,12 @@ class Transformer(nn.Module):
                     x = y
                     continue
             layer = self.model.layers[i]
-            cos, sin, mask, sl = self.layer_context(i, cache.k[i].device, slots, pad, S, cache, per_dev)
-            x = layer(x.to(sl.device, layer.input_layernorm.weight.dtype), cos, sin, mask, cache, sl, kv_len)
+            dev = placed[i] if placed is not None else cache.k[i].device
+            dtype = layer.input_layernorm.weight.dtype
+            if dev != at:  # the hidden state crosses to the next device once, here
+                x, at = cross_device(x, dev, dtype), dev
+            cos, sin, mask, sl = self.layer_context(i, dev, slots, pad, S, cache, per_dev)
+            x = layer(_cast(x, dtype), cos, sin, mask, cache, sl, kv_len)
         return x
 
     def layer_context(self, i: int, dev: torch.device, slots: torch.Tensor, pad: torch.Tensor, S: int, cache: KVCache,
@@ -584,7 +620,12 @@ class Transformer(nn.Module):
 
     def head(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Final norm and output head: logits (B, T, V), or (B, 1, V) with last_only."""
-        x = self.model.norm(x.to(self.model.norm.weight.device, self.dtype))
+        p = self.placement
+        if p is None:
+            x = x.to(self.model.norm.weight.device, self.dtype)
+        elif p.norm != (p.layers[-1] if p.layers else p.embed):
+            x = cross_device(x, p.norm, self.dtype)
+        x = self.model.norm(_cast(x, self.dtype))
         if last_only:
             x = x[:, -1:]
         return self.logits(x)
@@ -597,7 +638,12 @@ class Transformer(nn.Module):
         if dev.type == "cpu" and x.device.type != "cpu" and not any(
                 p.dtype in (torch.float16, torch.bfloat16) for p in self.lm_head.parameters()):
             x = x.float()
-        return self.softcap(self.lm_head(x.to(dev)))
+        p = self.placement
+        if p is None:
+            x = x.to(dev)
+        elif p.head != p.norm:
+            x = cross_device(x, p.head)
+        return self.softcap(self.lm_head(x))
 
     def softcap(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's output capped as the architecture asks (final_logit_softcapping), else as is."""

@@ -38,6 +38,8 @@ def uncovered(model, i: int) -> str | None:
     """Why layer i of `model` cannot decode through dsq_layer_decode, or None when it can."""
     a = model.args
     layer = model.model.layers[i]
+    if model.placement is not None and model.placement.layers[i] != torch.device("cpu"):
+        return "placed on a GPU"
     if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
         return "not a plain decoder layer"
     if (a.rotary_dim and a.rotary_dim != a.head_dim) or a.head_dim % 2:

@@ -8,6 +8,7 @@ GPU's free memory (the backend's placement plan) once `resolve` knows the model 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -64,7 +65,8 @@ class GpuLayers:
             raise ValueError("--gpu-layers auto is not resolved yet (GpuLayers.resolve)")
         return self.n
 
-    def resolve(self, model: Path | None, ctx: int, backend: str = "native", experts: str = "gpu") -> GpuLayers:
+    def resolve(self, model: Path | None, ctx: int, backend: str = "native", experts: str = "gpu",
+                tensor_split: list[float] | None = None) -> GpuLayers:
         """This value for the model file `model` (a GGUF, or an HF directory) on `backend`: 'auto' as
         the layer count that backend's placement plan picks for the GPU's free memory (0 without a
         GPU or without llama.cpp's GPU offload; every layer where no file is named; `experts`: where
@@ -96,13 +98,93 @@ class GpuLayers:
         k = self.count(n_layer)
         return [i >= n_layer - min(k, n_layer) for i in range(n_layer)], k > n_layer
 
-    def devices(self, n_layer: int, gpu):
-        """(torch device per layer, of the output head) by split(); gpu None (no GPU): the CPU's."""
+    def devices(self, n_layer: int, gpus, shares: list[float] | None = None):
+        """(torch device per layer, of the output head) by split(): the GPU layers over `gpus` (one
+        device, or a list of them) in contiguous ranges (divide_layers, by `shares`: a --tensor-split
+        or each GPU's free memory; equal without), the head on the last GPU; gpus None or empty (no
+        GPU): the CPU's."""
         import torch
 
         cpu = torch.device("cpu")
-        on, head = self.split(n_layer) if gpu is not None else ([False] * n_layer, False)
-        return [gpu if g else cpu for g in on], (gpu if head else cpu)
+        gpus = [] if gpus is None else list(gpus) if isinstance(gpus, (list, tuple)) else [gpus]
+        if not gpus:
+            return [cpu] * n_layer, cpu
+        on, head = self.split(n_layer)
+        per_gpu = divide_layers(sum(on), shares or [1.0] * len(gpus))
+        owner = [g for g, n in zip(gpus, per_gpu) for _ in range(n)]
+        first = on.index(True) if any(on) else n_layer
+        return [owner[i - first] if g else cpu for i, g in enumerate(on)], (last_gpu(gpus, shares) if head else cpu)
+
+
+def divide_layers(k: int, shares: list[float]) -> list[int]:
+    """How many of k contiguous GPU layers each GPU holds, in proportion to `shares`, as llama.cpp
+    divides them: layer j (0..k-1) goes to the first GPU whose cumulative share passes j/k, so a
+    layer that falls on a boundary goes to the earlier GPU."""
+    total = float(sum(shares))
+    if k <= 0 or total <= 0:
+        return [0] * len(shares)
+    ends, acc = [], 0.0
+    for s in shares:
+        acc += s
+        ends.append(acc / total)
+    counts = [0] * len(shares)
+    for j in range(k):
+        counts[next((d for d, e in enumerate(ends) if e > j / k), len(shares) - 1)] += 1
+    return counts
+
+
+def last_gpu(gpus: list, shares: list[float] | None = None):
+    """The GPU the output head goes on: the last one with a share."""
+    if shares:
+        return [g for g, s in zip(gpus, shares) if s > 0][-1]
+    return gpus[-1]
+
+
+def parse_tensor_split(value: str | None, n_gpus: int | None = None) -> list[float] | None:
+    """--tensor-split "3,1" (llama.cpp's spelling: each GPU's share of the GPU layers, in proportion)
+    as numbers, checked (check_tensor_split); None for none."""
+    if value is None or not str(value).strip():
+        return None
+    try:
+        shares = [float(p) for p in str(value).split(",")]
+    except ValueError:
+        raise DsqError(f"--tensor-split takes numbers separated by commas, one per GPU, got {value!r}",
+                       "e.g. --tensor-split 3,1") from None
+    return check_tensor_split(shares, n_gpus, value)
+
+
+def check_tensor_split(shares: list[float], n_gpus: int | None = None, text: str | None = None) -> list[float]:
+    """Shares of a split over GPUs: finite, none below 0, one above 0, and (given `n_gpus`, the GPUs
+    it is for) one per GPU."""
+    shown = text if text is not None else ",".join(f"{s:g}" for s in shares)
+    if any(not math.isfinite(s) or s < 0 for s in shares):
+        raise DsqError(f"--tensor-split shares must be numbers of 0 or more, got {shown!r}", "e.g. --tensor-split 3,1")
+    if not any(shares):
+        raise DsqError(f"--tensor-split needs a share above 0, got {shown!r}", "e.g. --tensor-split 1,1")
+    if n_gpus is not None and len(shares) != n_gpus:
+        raise DsqError(f"--tensor-split has {len(shares)} share{'' if len(shares) == 1 else 's'}, for "
+                       f"{n_gpus} GPU{'' if n_gpus == 1 else 's'} here",
+                       f"give one share per GPU, e.g. --tensor-split {','.join(['1'] * n_gpus)}")
+    return list(shares)
+
+
+def visible_gpus() -> list:
+    """The torch devices of the GPUs this process sees (CUDA_VISIBLE_DEVICES applies), in order:
+    the devices the native runtime places layers on."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+
+
+def free_shares(gpus: list) -> list[float]:
+    """Each GPU's free memory, the default proportions of a split over several GPUs."""
+    import torch
+
+    if len(gpus) < 2:
+        return [1.0] * len(gpus)
+    return [float(torch.cuda.mem_get_info(g)[0]) for g in gpus]
 
 
 HEAD_PLACES = ("gpu", "cpu")
@@ -144,17 +226,21 @@ def _n_layer(model: Path) -> int:
     return n_layer_of(model)
 
 
-def _plan_for(model: Path, ctx: int, backend: str, experts: str = "gpu"):
-    """`backend`'s placement plan for this GPU's free memory (nominal bandwidths: the choice hardly
-    depends on them, and nothing is measured at load); None without a GPU it can use."""
+def _plan_for(model: Path, ctx: int, backend: str, experts: str = "gpu", tensor_split: list[float] | None = None):
+    """`backend`'s placement plan for the GPUs' free memory (each one's, over several; nominal
+    bandwidths: the choice hardly depends on them, and nothing is measured at load); None without
+    a GPU it can use."""
     from dsq.runtime.machine import machine_bandwidths
-    from dsq.runtime.placement import detect_gpu, plan_placement
+    from dsq.runtime.placement import detect_gpu, detect_gpus, plan_placement
 
     gpu = detect_gpu()
     if gpu is None or (backend == "llama.cpp" and not _llama_cpp_offloads()):
         return None
-    return plan_placement(model, vram=gpu.free_bytes, ctx=ctx, backend=backend,
-                          bandwidths=machine_bandwidths(gpu, measure=False), experts=experts)
+    gpus = detect_gpus()
+    several = len(gpus) > 1
+    return plan_placement(model, vram=[g.free_bytes for g in gpus] if several else gpu.free_bytes, ctx=ctx,
+                          backend=backend, bandwidths=machine_bandwidths(gpu, measure=False), experts=experts,
+                          tensor_split=tensor_split if several else None)
 
 
 def _planned_layers(model: Path, ctx: int, backend: str, experts: str = "gpu") -> int:

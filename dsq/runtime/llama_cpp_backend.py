@@ -238,9 +238,10 @@ class LlamaCppModel:
     def __init__(self, path: str | Path, *, ref: ModelRef | None = None, n_ctx: int = 4096,
                  n_threads: int | None = None, gpu_layers: GpuLayers | int | str = 0, seed: int | None = None,
                  logits_all: bool = False, f32_kv: bool = False, vocab_only: bool = False,
-                 kv_dtype: str | None = None, verbose: bool = False):
+                 kv_dtype: str | None = None, verbose: bool = False, tensor_split: list[float] | None = None):
         """verbose: llama-cpp-python's own prints; off, it also silences this process's stdout and
-        stderr while the model loads (what llama.cpp prints before an abort goes with them)."""
+        stderr while the model loads (what llama.cpp prints before an abort goes with them).
+        tensor_split: each GPU's share of the GPU layers (--tensor-split), split by layers."""
         from dsq.formats.gguf_file import GGUFFile
 
         self.path = Path(path)
@@ -248,13 +249,17 @@ class LlamaCppModel:
         self.gguf = GGUFFile(self.path)  # validates (truncation, magic) before llama.cpp sees it
         llama_cpp = import_llama_cpp()
         self.n_threads = n_threads or default_threads()
-        self.gpu_layers = GpuLayers.parse(gpu_layers).resolve(self.path, n_ctx, backend="llama.cpp")
+        self.gpu_layers = GpuLayers.parse(gpu_layers).resolve(self.path, n_ctx, backend="llama.cpp",
+                                                              tensor_split=tensor_split)
         kwargs = dict(n_ctx=n_ctx, n_threads=self.n_threads, n_threads_batch=self.n_threads,
                       n_gpu_layers=self.gpu_layers.n_gpu_layers, logits_all=logits_all, verbose=verbose,
                       vocab_only=vocab_only, n_batch=min(512, n_ctx), n_ubatch=min(512, n_ctx),
                       swa_full=True)  # full-size SWA cache: chat turns can reuse the cached prefix
         if seed is not None:
             kwargs["seed"] = seed
+        self.tensor_split = tensor_split
+        if tensor_split is not None:
+            kwargs.update(tensor_split=list(tensor_split), split_mode=llama_cpp.LLAMA_SPLIT_MODE_LAYER)
         kwargs.update(_kv_types("f32" if f32_kv else kv_dtype))
         if not vocab_only and "torch" in sys.modules and exports_cxx_runtime(llama_cpp):
             raise BackendError("this llama-cpp-python build crashes loading a model in a process that has "

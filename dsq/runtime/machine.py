@@ -56,16 +56,42 @@ class GpuInfo:
 
 def detect_gpu() -> GpuInfo | None:
     """The first NVIDIA GPU via nvidia-smi (no torch import), or None."""
+    gpus = detect_gpus()
+    return gpus[0] if gpus else None
+
+
+def detect_gpus() -> list[GpuInfo]:
+    """The NVIDIA GPUs this process sees, in CUDA's order, via nvidia-smi (no torch import: the
+    llama.cpp backend must not load it): those CUDA_VISIBLE_DEVICES names by index or UUID, where set."""
     exe = shutil.which("nvidia-smi")
     if not exe:
-        return None
+        return []
     try:
-        out = subprocess.run([exe, "--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,nounits"],
+        out = subprocess.run([exe, "--query-gpu=name,memory.total,memory.free,uuid", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=10).stdout.strip().splitlines()
-        name, total, free = [x.strip() for x in out[0].split(",")]
-        return GpuInfo(name, int(float(total)) * MiB, int(float(free)) * MiB)
+        rows = [[x.strip() for x in line.split(",")] for line in out if line.strip()]
+        gpus = [(GpuInfo(r[0], int(float(r[1])) * MiB, int(float(r[2])) * MiB), r[3] if len(r) > 3 else "")
+                for r in rows]
     except Exception:
-        return None
+        return []
+    return _visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def _visible(gpus: list[tuple[GpuInfo, str]], visible: str | None) -> list[GpuInfo]:
+    """Of (GPU, UUID) in nvidia-smi's order, those CUDA_VISIBLE_DEVICES (`visible`) names, in its
+    order, up to the first it cannot name (an index past the GPUs, empty, -1), as CUDA reads it; a
+    name nvidia-smi's UUIDs do not match (a MIG instance's) stands for the next GPU in order."""
+    if visible is None:
+        return [g for g, _ in gpus]
+    picked = []
+    for name in (n.strip() for n in visible.split(",")):
+        if name.isdigit() and int(name) < len(gpus):
+            picked.append(gpus[int(name)][0])
+        elif name and not name.lstrip("-").isdigit() and len(picked) < len(gpus):
+            picked.append(next((g for g, u in gpus if u and u.startswith(name)), gpus[len(picked)][0]))
+        else:
+            break
+    return picked
 
 
 def cpu_model() -> str:

@@ -279,8 +279,10 @@ class NativeModel:
                  gpu_layers: GpuLayers | int | str = 0, dtype: str | None = None, kv_dtype: str | None = None,
                  threads: int | None = None, seed: int | None = None, cuda_graph: bool = True, fuse: bool = True,
                  compile: bool | str = False, experts: str = "auto", head: str | None = None,
-                 tp: tuple[int, int] | None = None):
-        """tp: (rank, ranks) to keep rank's share of each layer (runtime/tp.py), its notes in tp_notes."""
+                 tensor_split: list[float] | None = None, tp: tuple[int, int] | None = None):
+        """tensor_split: each visible GPU's share of the GPU layers (--tensor-split); tp: (rank, ranks)
+        to keep rank's share of each layer on its own GPU (runtime/tp.py), its notes in tp_notes."""
+        from dsq.runtime import gpu_layers as gl
         from dsq.runtime.experts import parse_experts, resolve_experts
         from dsq.runtime.gpu_layers import parse_head
         from dsq.runtime.native_loader import load_gguf, load_hf
@@ -288,26 +290,40 @@ class NativeModel:
         self.path = Path(path)
         if threads:
             torch.set_num_threads(threads)
-        gpu = torch.device("cuda") if torch.cuda.is_available() else None
+        self.tp, self.tp_notes = tp or (0, 1), []
+        gpus = gl.visible_gpus()
+        if self.tp[1] > 1 and gpus:  # a rank of --tp: its own GPU only (serve/tp.py sets it current)
+            if tensor_split is not None:
+                raise DsqError("--tensor-split places layers over GPUs and --tp splits each layer over them",
+                               "pass one of them")
+            gpus = [torch.device("cuda", torch.cuda.current_device())]
+        gpu = gpus[0] if gpus else None  # the first GPU: the one-GPU decisions below (experts, head)
+        if tensor_split is not None and gpus:
+            gl.check_tensor_split(tensor_split, len(gpus))
         asked = GpuLayers.parse(gpu_layers)
         file = self.path if kind == "gguf" else None
         shape_of = self.path if kind in ("gguf", "hf") else None
         # where the routed experts run (runtime/experts.py): "cpu" or "gpu" from here on
         self.experts = resolve_experts(parse_experts(experts), shape_of, n_ctx, gpu,
                                        asked.resolve(file, n_ctx) if not asked.auto else asked)
-        placed = asked.resolve(file, n_ctx, experts=self.experts).on(gpu)
+        placed = asked.resolve(file, n_ctx, experts=self.experts, tensor_split=tensor_split).on(gpu)
+        # each GPU's share of the GPU layers: as asked (--tensor-split), else its free memory
+        self.tensor_split = None
+        if gpus and placed.n_gpu_layers != 0:
+            self.tensor_split = list(tensor_split) if tensor_split is not None else gl.free_shares(gpus)
         dt = parse_dtype(dtype, torch.bfloat16 if placed.n_gpu_layers != 0 else torch.float32)
         loader = load_gguf if kind == "gguf" else load_hf
         # the head: as asked, else where --gpu-layers auto's plan put it, else at a split the share
         # of its rows that the VRAM of llama.cpp's placement leaves (placement.split_head)
-        head = parse_head(head) if head is not None else placed.head or _split_head(shape_of, placed, n_ctx, gpu)
-        self.tp, self.tp_notes = tp or (0, 1), []
+        head = parse_head(head) if head is not None else placed.head or _split_head(
+            shape_of, placed, n_ctx, gl.last_gpu(gpus, self.tensor_split) if gpus else None)
         shard = None
         if self.tp[1] > 1:
             from dsq.runtime import tp as tensor_parallel
 
             shard = lambda m: tensor_parallel.shard(m, *self.tp, self.tp_notes)  # noqa: E731
-        model, config = loader(self.path, dt, placed, gpu, experts=self.experts, head=head, shard=shard)
+        model, config = loader(self.path, dt, placed, gpus, experts=self.experts, head=head, shares=self.tensor_split,
+                               shard=shard)
         self._setup(model, config, _tokenizer(self.path, kind, config), ref=ref or ModelRef(kind, self.path),
                     n_ctx=n_ctx, gpu_layers=placed, kv_dtype=kv_dtype, seed=seed, cuda_graph=cuda_graph, fuse=fuse,
                     compile=compile)

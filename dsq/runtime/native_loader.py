@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from dsq.errors import BadModelFile
-from dsq.models.base import Transformer, module_device
+from dsq.models.base import Placement, Transformer, module_device
 from dsq.models.registry import arch_for_gguf, build_args
-from dsq.runtime.gpu_layers import GpuLayers, head_share
+from dsq.runtime.gpu_layers import GpuLayers, head_share, last_gpu
 from dsq.runtime.host_mapped import map_embedding
 from dsq.runtime.qmodules import GGUFEmbedding, GGUFLinear, RowSplitLinear, prepare_kernels, set_module, to_device
 
@@ -39,53 +39,61 @@ def _check_shapes(model: nn.Module, sd: dict[str, torch.Tensor], where: str, sho
                                f"{tuple(expected[n].shape)}", "the file is damaged or does not match its config")
 
 
-def _place(model: Transformer, gpu_layers: GpuLayers, gpu: torch.device | None, each=None, head: str = "gpu") -> None:
-    """Layers on their devices (GpuLayers.devices: llama.cpp's last N layers). The native runtime
-    puts the output head on the GPU whenever any layer is there (head="gpu"; "cpu": where llama.cpp
-    puts it, on the GPU only with every layer there; a share such as "0.6": that share of its rows
-    on the GPU at a split, the rest in RAM, qmodules.RowSplitLinear), and keeps the token embedding in
-    RAM (one row a token): on the CPU in a split, host-mapped for the GPU with every layer there
+def _place(model: Transformer, gpu_layers: GpuLayers, gpus: list[torch.device], each=None, head: str = "gpu",
+           shares: list[float] | None = None) -> None:
+    """Layers on their devices (GpuLayers.devices: llama.cpp's last N layers, over several GPUs in
+    contiguous ranges by `shares`). The native runtime puts the output head on the last GPU whenever
+    any layer is on a GPU (head="gpu"; "cpu": where llama.cpp puts it, on the GPU only with every
+    layer there; a share such as "0.6": that share of its rows on the GPU at a split, the rest in
+    RAM, qmodules.RowSplitLinear), and keeps the token embedding in RAM (one row a token): on the
+    CPU in a split, host-mapped for the first GPU with every layer on GPUs
     (runtime/host_mapped.py). The head is read every token, so it costs the most where memory is
     slowest (docs/benchmarks.md#split-between-gpu-and-cpu). CPU layers of a split model
-    compute in float32, the C kernels' dtype. `each(layer)` runs on each layer once it is in place."""
-    per, head_on = gpu_layers.devices(model.args.num_hidden_layers, gpu)
-    split = gpu is not None and gpu in per and torch.device("cpu") in per
+    compute in float32, the C kernels' dtype. `each(layer)` runs on each layer once it is in place.
+    The plan is kept as model.placement: the runtime moves the hidden state by it."""
+    cpu = torch.device("cpu")
+    per, head_on = gpu_layers.devices(model.args.num_hidden_layers, gpus, shares)
+    on_gpu = [d != cpu for d in per]
+    last = last_gpu(gpus, shares) if gpus else None
+    split = any(on_gpu) and not all(on_gpu)
     share = head_share(head) if split else 0.0  # of the head's rows, on the GPU
-    if gpu is not None and gpu in per and (share == 1 or not split):
-        head_on = gpu
-    head = head_on
-    for i, (layer, dev) in enumerate(zip(model.model.layers, per)):
+    if any(on_gpu) and (share == 1 or not split):
+        head_on = last
+    for i, (layer, dev, g) in enumerate(zip(model.model.layers, per, on_gpu)):
         layer = model.model.layers[i] = to_device(layer, dev)
-        if split and dev.type == "cpu":
+        if split and not g:
             _float32_params(layer)
         if each is not None:
             each(layer)
-    embed_on = torch.device("cpu") if split else per[0] if per else head
+    embed_on = cpu if split else per[0] if per else head_on
     if embed_on.type != "cuda" or not map_embedding(model.model.embed_tokens, embed_on):
         model.model.embed_tokens.to(embed_on)
     if split and hasattr(model.model.embed_tokens, "out_dtype"):  # GGUF rows straight to float32
         model.model.embed_tokens.out_dtype = torch.float32
     # with the head in RAM (--head cpu) the final norm stays with the last layer on the GPU: the
     # hidden state crosses once, normed, into the head's float32
-    model.model.norm.to(gpu if split and head.type == "cpu" else head)
+    norm_on = last if split and head_on == cpu else head_on
+    model.model.norm.to(norm_on)
     tied = model.args.tie_word_embeddings
-    if tied and per and module_device(model.model.embed_tokens) != head:  # the output head gets its own copy
-        import copy
+    if tied and per and (embed_on != head_on or module_device(model.model.embed_tokens) != head_on):
+        import copy  # the output head gets its own copy
 
         model.lm_head = copy.deepcopy(model.lm_head)
-    model.lm_head = to_device(model.lm_head, head)
+    model.lm_head = to_device(model.lm_head, head_on)
     if 0 < share < 1:  # --head 0.6: that share of its rows in VRAM, the rest in RAM
-        model.lm_head = RowSplitLinear.split(model.lm_head, share, gpu, model.dtype)
+        model.lm_head = RowSplitLinear.split(model.lm_head, share, last, model.dtype)
+    model.placement = Placement(embed_on, tuple(per), norm_on, module_device(model.lm_head) if 0 < share < 1
+                                else head_on)
 
 
 STACK_ON = ("cuda",)  # the devices whose routed experts loading stacks (experts.stack_experts)
 
 
-def _release_cached_memory(gpu: torch.device | None) -> None:
+def _release_cached_memory(gpus: list[torch.device]) -> None:
     """Hand the GPU memory that loading freed (the file's blocks as the kernels' layouts replaced
     them) back to the driver: torch's allocator would otherwise keep it for itself, ~1 GiB for an
     8B Q4_K_M model (docs/benchmarks.md#split-between-gpu-and-cpu)."""
-    if gpu is not None:
+    if any(g.type == "cuda" for g in gpus):
         torch.cuda.empty_cache()
 
 
@@ -105,8 +113,9 @@ def float32_params(model: nn.Module) -> set[str]:
     return {f"{n}.{p}" if n else p for n, m in model.named_modules() for p in getattr(m, "FLOAT32_PARAMS", ())}
 
 
-def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None,
-            experts: str = "gpu", head: str = "gpu", shard=None):
+def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE,
+            gpus: torch.device | list[torch.device] | None = None, experts: str = "gpu", head: str = "gpu",
+            shares: list[float] | None = None, shard=None):
     from dsq.formats.hf import HFModelDir
 
     hf = HFModelDir(path)
@@ -135,11 +144,18 @@ def load_hf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NO
     model.tie_weights()
     if shard is not None:  # a rank's share of each layer (runtime/tp.py), before anything is placed
         shard(model)
-    _place_experts_and_layers(model, experts, gpu_layers, gpu, head)  # HF experts in RAM: refused (not GGUF blocks)
+    # HF experts in RAM: refused (not GGUF blocks)
+    _place_experts_and_layers(model, experts, gpu_layers, _gpu_list(gpus), head, shares)
     return model.eval(), cfg
 
 
-def _place_experts_and_layers(model: nn.Module, experts: str, gpu_layers, gpu, head: str = "gpu") -> None:
+def _gpu_list(gpus) -> list[torch.device]:
+    """The loaders' `gpus` (None, one device, or a list) as a list."""
+    return [] if gpus is None else list(gpus) if isinstance(gpus, (list, tuple)) else [gpus]
+
+
+def _place_experts_and_layers(model: nn.Module, experts: str, gpu_layers, gpus: list[torch.device],
+                              head: str = "gpu", shares: list[float] | None = None) -> None:
     """Routed experts into RAM (--experts cpu), the layers onto the GPU, every quantized module into
     its kernels' layout, each layer's experts on a GPU stacked for the grouped GEMV as soon as it is
     converted (experts.stack_experts)."""
@@ -152,13 +168,13 @@ def _place_experts_and_layers(model: nn.Module, experts: str, gpu_layers, gpu, h
         prepare_kernels(layer)
         if experts != "cpu":
             stack_experts(layer, STACK_ON)
-        _release_cached_memory(gpu)
+        _release_cached_memory(gpus)
 
-    _place(model, gpu_layers, gpu, convert, head)
+    _place(model, gpu_layers, gpus, convert, head, shares)
     prepare_kernels(model)  # the head, norm and embedding
     if experts != "cpu":
         experts_to_gpu(model, STACK_ON)
-    _release_cached_memory(gpu)
+    _release_cached_memory(gpus)
 
 
 def _swap_quantized(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor], dtype) -> None:
@@ -191,8 +207,9 @@ def _swap_quantized(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor]
         set_module(model, name, new)
 
 
-def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE, gpu: torch.device | None = None,
-              experts: str = "gpu", head: str = "gpu", shard=None):
+def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.NONE,
+              gpus: torch.device | list[torch.device] | None = None, experts: str = "gpu", head: str = "gpu",
+              shares: list[float] | None = None, shard=None):
     from dsq.convert.gguf_to_hf import gguf_plan, hf_config_from_gguf
     from dsq.formats.gguf_file import GGUFFile
 
@@ -219,7 +236,7 @@ def load_gguf(path: Path, dtype: torch.dtype, gpu_layers: GpuLayers = GpuLayers.
         model.tie_weights()
     if shard is not None:  # a rank's share of each layer (runtime/tp.py), before anything is placed
         shard(model)
-    _place_experts_and_layers(model, experts, gpu_layers, gpu, head)
+    _place_experts_and_layers(model, experts, gpu_layers, _gpu_list(gpus), head, shares)
     return model.eval(), cfg
 
 

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from dsq.errors import DsqError
 from dsq.runtime.gpu_layers import GpuLayers, head_arg, head_share
-from dsq.runtime.machine import Bandwidths, GpuInfo, detect_gpu, machine_bandwidths
+from dsq.runtime.machine import Bandwidths, GpuInfo, detect_gpu, detect_gpus, machine_bandwidths
 from dsq.runtime.model_shape import ModelShape, load_shape
 
-__all__ = ["GpuInfo", "ModelShape", "Plan", "detect_gpu", "parse_size", "plan_placement"]
+__all__ = ["GpuInfo", "ModelShape", "Plan", "detect_gpu", "detect_gpus", "parse_size", "plan_placement"]
 
 GiB, MiB = 1 << 30, 1 << 20
 GPU_RESERVE = 512 * MiB  # CUDA context, cuBLAS workspace, fragmentation
@@ -85,6 +85,7 @@ class LayerCost:
     types: dict[str, int] = field(default_factory=dict)  # quant type -> bytes
     device: str = "CPU"
     expert_bytes: int = 0  # of weight_bytes as stored in the file: the routed experts
+    gpu: int | None = None  # which GPU (0, 1, ...) a layer with device "GPU" is on
 
 
 @dataclass
@@ -120,6 +121,9 @@ class Plan:
     experts: str = "gpu"  # the routed experts with their layers ("gpu"), or all in RAM ("cpu")
     expert_bytes_cpu: int = 0  # routed experts held in RAM
     head: str = "gpu"  # the native backend's --head for it: "gpu", "cpu", or the share of its rows in VRAM
+    # several GPUs: per GPU {"gpu", "budget_bytes", "bytes", "layers": [first, last] or None, "output"}
+    gpus: list[dict] = field(default_factory=list)
+    tensor_split: list[float] | None = None  # the shares the GPU layers were divided by (several GPUs)
 
     def as_dict(self) -> dict:
         """The plan, its gpu_layers the layers on the GPU (gpu_layers_arg: the backend's count,
@@ -231,6 +235,7 @@ class _Costs:
     def __init__(self, shape: ModelShape, ctx: int, backend: str, n_ubatch: int, swa_full: bool,
                  kv_tokens: int | None, reserve: int, experts_cpu: bool = False):
         self.shape, self.backend, self.reserve = shape, backend, reserve
+        self.shares: list[float] | None = None  # several GPUs: each one's share of the GPU layers
         self.experts_cpu = experts_cpu and bool(shape.expert_bytes)
         stored = shape.expert_bytes or [0] * shape.n_layer
         self.experts = stored if self.experts_cpu else [0] * shape.n_layer  # bytes kept in RAM per layer
@@ -279,6 +284,23 @@ class _Costs:
                      if opt.on_gpu[i])
         return layers + head_gpu_bytes(s.output_bytes, opt.head) + self.compute_gpu(opt) + self.reserve
 
+    def gpu_bytes_each(self, opt: _Option) -> list[int]:
+        """Each GPU's memory for the placement (over several GPUs: by `shares`, gpu_division); a GPU
+        that holds nothing needs none."""
+        if self.shares is None:
+            return [self.gpu_bytes(opt)]
+        counts, head_at = gpu_division(self.backend, sum(opt.on_gpu), opt.head > 0, self.shares)
+        gpu_layers = [i for i, g in enumerate(opt.on_gpu) if g]
+        out, at = [], 0
+        for d, n in enumerate(counts):
+            mine = gpu_layers[at:at + n]
+            at += n
+            used = sum(self.weights[i] - self.experts[i] + self.layer_kv(i, True) for i in mine)
+            if d == head_at:
+                used += head_gpu_bytes(self.shape.output_bytes, opt.head)
+            out.append(used + self.compute_gpu(opt) + self.reserve if mine or d == head_at else 0)
+        return out
+
     def cpu_bytes(self, opt: _Option) -> int:
         s = self.shape
         layers = sum(w + self.layer_kv(i, False) for i, w in enumerate(self.cpu_weights) if not opt.on_gpu[i])
@@ -308,9 +330,14 @@ class _Costs:
         return _transfer(gpu, bw.gpu * eff.gpu) + _transfer(cpu, bw.cpu * eff.cpu) + self.overhead(opt, bw)
 
     def overhead(self, opt: _Option, bw: Bandwidths) -> float:
-        """Per token: a layer split's exchange, and one more per MoE layer on the GPU whose experts
-        are in RAM (the same round trip of one hidden state)."""
-        return (bw.split_overhead_s if opt.split else 0.0) + bw.split_overhead_s * self.moe_on_gpu(opt)
+        """Per token: a layer split's exchange, one more per MoE layer on the GPU whose experts
+        are in RAM (the same round trip of one hidden state), and over several GPUs one per boundary
+        between them (counted as that round trip too)."""
+        between = 0
+        if self.shares is not None:
+            counts, head_at = gpu_division(self.backend, sum(opt.on_gpu), opt.head > 0, self.shares)
+            between = gpu_boundaries(counts, head_at)
+        return (bw.split_overhead_s if opt.split else 0.0) + bw.split_overhead_s * (self.moe_on_gpu(opt) + between)
 
     def roofline_seconds(self, opt: _Option, bw: Bandwidths) -> float:
         """Seconds a token's bytes take at the memories' ceilings (the CPU's: the faster of its probes)."""
@@ -343,9 +370,28 @@ def _native_compute_bytes(shape: ModelShape, widest_layer: int, split: bool) -> 
     return acts + 4 * shape.n_vocab + dequant + (widest_layer if split else 0)
 
 
-def _choose(costs: _Costs, options: list[_Option], vram: int, bw: Bandwidths) -> _Option:
+def gpu_division(backend: str, k: int, head: bool, shares: list[float]) -> tuple[list[int], int | None]:
+    """(GPU layers per GPU, the GPU of the output head or None) for k GPU layers over GPUs with
+    `shares`, as `backend` divides them: native as GpuLayers.devices (the layers in proportion, the
+    head on the last GPU with a share); llama.cpp counts the head as one more part, the last."""
+    from dsq.runtime.gpu_layers import divide_layers
+
+    last = max(i for i, s in enumerate(shares) if s > 0)
+    if backend == "llama.cpp" and head:
+        counts = divide_layers(k + 1, shares)
+        at = max(i for i, n in enumerate(counts) if n)
+        counts[at] -= 1
+        return counts, at
+    return divide_layers(k, shares), (last if head else None)
+
+
+def _fits(costs: _Costs, opt: _Option, budgets: list[int]) -> bool:
+    return all(b <= v for b, v in zip(costs.gpu_bytes_each(opt), budgets))
+
+
+def _choose(costs: _Costs, options: list[_Option], budgets: list[int], bw: Bandwidths) -> _Option:
     """llama.cpp: the most layers that fit. native: of those that fit, the fastest predicted."""
-    fits = [o for o in options if costs.gpu_bytes(o) <= vram]
+    fits = [o for o in options if _fits(costs, o, budgets)]
     if costs.backend == "llama.cpp":
         return max(fits, key=lambda o: o.n)
     return min(fits, key=lambda o: (costs.seconds(o, bw), o.n, -o.head))
@@ -361,14 +407,18 @@ def _bandwidths(cpu_bw: float | None, gpu_bw: float | None, vram: int, notes: li
     return bw
 
 
-def plan_placement(model: str | Path | ModelShape, vram: int, ctx: int = 4096, ram: int | None = None,
+def plan_placement(model: str | Path | ModelShape, vram: int | list[int], ctx: int = 4096, ram: int | None = None,
                    gpu_bw: float | None = None, cpu_bw: float | None = None, n_ubatch: int = 512,
                    reserve: int = GPU_RESERVE, swa_full: bool = True, *, backend: str = "llama.cpp",
                    gpu_layers: GpuLayers | int | str | None = None, kv_tokens: int | None = None,
-                   bandwidths: Bandwidths | None = None, experts: str = "gpu", head: str | None = None) -> Plan:
+                   bandwidths: Bandwidths | None = None, experts: str = "gpu", head: str | None = None,
+                   tensor_split: list[float] | None = None) -> Plan:
     """Choose what `backend` puts on the GPU for `vram` bytes (or take `gpu_layers` as given; 'auto'
     chooses) and predict decode tok/s.
 
+    vram: one budget, or one per GPU: the GPU layers then go over the GPUs in contiguous ranges in
+    proportion to `tensor_split` (default: the budgets), the output head on the last (gpu_division),
+    and a placement fits when each GPU's part fits its budget.
     swa_full: llama.cpp's sliding-window layers keep a full-context KV cache (what dsq's llama.cpp
     backend does, so that chat turns can reuse the cached prefix); False sizes them to the window.
     kv_tokens: tokens in the cache while decoding (default: a full context), what attention reads.
@@ -388,6 +438,16 @@ def plan_placement(model: str | Path | ModelShape, vram: int, ctx: int = 4096, r
     if experts == "cpu" and backend != "native":
         raise DsqError("--experts cpu is the native backend's placement",
                        "pass --backend native (llama.cpp's own tools take -ot exps=CPU)")
+    budgets = list(vram) if isinstance(vram, (list, tuple)) else [vram]
+    if not budgets:
+        budgets = [0]
+    vram = sum(budgets)
+    shares = list(tensor_split) if tensor_split is not None else [float(max(b, 0)) for b in budgets]
+    if len(shares) != len(budgets):
+        raise DsqError(f"--tensor-split has {len(shares)} shares for {len(budgets)} GPU budgets",
+                       "give one share per GPU")
+    if not any(shares):
+        shares = [1.0] * len(budgets)
     notes: list[str] = []
     bw = bandwidths or _bandwidths(cpu_bw, gpu_bw, vram, notes)
     given = None if gpu_layers is None else GpuLayers.parse(gpu_layers)
@@ -396,15 +456,18 @@ def plan_placement(model: str | Path | ModelShape, vram: int, ctx: int = 4096, r
     picked = []
     for kind in kinds:
         costs = _Costs(shape, ctx, backend, n_ubatch, swa_full, kv_tokens, reserve, experts_cpu=kind == "cpu")
+        costs.shares = shares if len(budgets) > 1 else None
         if given is None or given.auto:
-            opt = _choose(costs, _options(shape, backend), vram, bw)
+            opt = _choose(costs, _options(shape, backend), budgets, bw)
         else:
             opt = _option(shape, backend, given.count(shape.n_layer))
             if head not in (None, "gpu") and backend == "native" and 0 < opt.n < shape.n_layer:
                 opt = _Option(opt.n, opt.on_gpu, head_share(head))
-        picked.append((costs.gpu_bytes(opt) > vram, costs.seconds(opt, bw), kind, costs, opt))
+        picked.append((not _fits(costs, opt, budgets), costs.seconds(opt, bw), kind, costs, opt))
     _, _, kind, costs, opt = min(picked, key=lambda p: p[:2])  # one that fits, then the fastest
     plan = _plan(shape, costs, opt, bw, vram, ctx, ram, notes, chosen=given is None or given.auto)
+    if len(budgets) > 1:
+        _over_gpus(plan, costs, opt, budgets)
     plan.experts = kind if shape.expert_bytes else "gpu"
     plan.expert_bytes_cpu = sum(costs.experts)
     if costs.experts_cpu:
@@ -438,6 +501,31 @@ def _plan(shape: ModelShape, costs: _Costs, opt: _Option, bw: Bandwidths, vram: 
                 min_gpu_bytes=min_gpu,
                 split_overhead_s=costs.overhead(opt, bw), bandwidth_source=bw.source,
                 head=head_arg(opt.head))
+
+
+def _over_gpus(plan: Plan, costs: _Costs, opt: _Option, budgets: list[int]) -> None:
+    """The plan's GPU part over several GPUs: which layers each holds, its bytes, where the head is."""
+    counts, head_at = gpu_division(costs.backend, sum(opt.on_gpu), opt.head > 0, costs.shares)
+    each = costs.gpu_bytes_each(opt)
+    on = [lc for lc in plan.layers if lc.device == "GPU"]
+    at = 0
+    plan.gpus = []
+    for d, (n, used, budget) in enumerate(zip(counts, each, budgets)):
+        for lc in on[at:at + n]:
+            lc.gpu = d
+        names = [lc.name for lc in on[at:at + n]]
+        at += n
+        plan.gpus.append({"gpu": d, "budget_bytes": budget, "bytes": used, "n_layers": n,
+                          "layers": [names[0], names[-1]] if names else None, "output": d == head_at})
+        if used > budget:
+            plan.notes.append(f"GPU {d} needs ~{used / MiB:.0f} MiB, more than its {budget / MiB:.0f} MiB budget")
+    plan.tensor_split = list(costs.shares)
+    plan.gpu_total_bytes = sum(each)
+
+
+def gpu_boundaries(counts: list[int], head_at: int | None) -> int:
+    """Boundaries between GPUs the hidden state crosses a token: the GPUs holding a part, less one."""
+    return max(sum(1 for d, n in enumerate(counts) if n or d == head_at) - 1, 0)
 
 
 def _plan_notes(opt: _Option, vram: int, gpu_total: int, min_gpu: int, fits_ram: bool | None, chosen: bool,
