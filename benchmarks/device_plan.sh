@@ -74,19 +74,20 @@ if [ "$PART" = 1 ]; then
   exit 0
 fi
 
+LAYERS=${LAYERS:-0,8,16,24,all}  # part 2's splits (LAYERS=all: only all on the GPU, for a call with less time)
 race() {  # race TAG GGUF: both engines at each split, and all-GPU prefill of 2048 tokens
-  local tag=$1 g=$2
+  local tag=$1 g=$2 ngl=${LAYERS//all/99}
   [ -f "$g" ] || { log "no $g"; return 1; }
-  timeout $(t 100) "$LB" -m "$g" -ngl 0,8,16,24,99 -fa 1 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_$tag.json" 2>/dev/null
+  timeout $(t 100) "$LB" -m "$g" -ngl "$ngl" -fa 1 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_$tag.json" 2>/dev/null
   log "$tag: llama-bench"
   timeout $(t 30) "$LB" -m "$g" -ngl 99 -fa 1 -p 2048 -n 0 -r 2 -t "$TH" -o json > "$R/llama_${tag}_p2048.json" 2>/dev/null
-  timeout $(t 130) python3 -m dsq bench "$g" -b native -g 0,8,16,24,all --prompt-tokens 512 --max-tokens 32 --repeat 2 \
+  timeout $(t 130) python3 -m dsq bench "$g" -b native -g "$LAYERS" --prompt-tokens 512 --max-tokens 32 --repeat 2 \
     --threads "$TH" --out "$R/dsq_$tag.json" --force > "$R/dsq_$tag.txt" 2>&1
   log "$tag: dsq bench"
   timeout $(t 40) python3 -m dsq bench "$g" -b native -g all --prompt-tokens 2048 --max-tokens 4 --repeat 2 \
     --threads "$TH" --out "$R/dsq_${tag}_p2048.json" --force > /dev/null 2>&1
   # llama.cpp's peak VRAM at each split, measured as dsq bench measures dsq's (its Python binding, same build)
-  timeout $(t 60) python3 -m dsq bench "$g" -b llama.cpp -g 0,8,16,24,all --prompt-tokens 512 --max-tokens 4 --repeat 1 \
+  timeout $(t 60) python3 -m dsq bench "$g" -b llama.cpp -g "$LAYERS" --prompt-tokens 512 --max-tokens 4 --repeat 1 \
     --threads "$TH" --out "$R/llama_vram_$tag.json" --force > /dev/null 2>&1
   log "$tag: done"
 }
@@ -101,12 +102,10 @@ if [ "$PART" = 2 ]; then
   # where an all-GPU prefill's time goes (the top CUDA kernels of one 512-token chunk)
   timeout $(t 60) python3 -m benchmarks.gpu_prefill /tmp/q7b.gguf --tokens 512 > "$R/prefill_profile_q7b.txt" 2>&1
   log "prefill profile"
-  # the same prefill with the quantized weights never written out for cuBLAS (tl.dot / tensor-core kernels)
-  DSQ_DEQUANT_ROWS=0 timeout $(t 40) python3 -m benchmarks.gpu_prefill /tmp/q7b.gguf --tokens 512 --no-profile \
-    > "$R/prefill_nodequant_q7b.txt" 2>&1
-  log "prefill without dequant"
-  timeout $(t 40) python3 -m benchmarks.gpu_prefill /tmp/r8b.gguf --tokens 512 > "$R/prefill_profile_r8b.txt" 2>&1
-  log "prefill profile, 8B"
+  # the same prefill with every chunk eager (no CUDA graphs): what the host's launches cost
+  DSQ_PREFILL_GRAPH=0 timeout $(t 40) python3 -m benchmarks.gpu_prefill /tmp/q7b.gguf --tokens 512 \
+    > "$R/prefill_eager_q7b.txt" 2>&1
+  log "prefill, eager chunks"
   python3 -m benchmarks.device_tables race "$R" --out "$OUT/part2"
   log "done"
   exit 0

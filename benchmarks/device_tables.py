@@ -70,7 +70,8 @@ def race_rows(raw: Path, tag: str) -> list[dict]:
         row["decode_ratio"] = _ratio(row["dsq_decode"], row["llama_decode"])
         row["prefill_ratio"] = _ratio(row["dsq_prefill"], row["llama_prefill"])
         row["vram_ratio"] = _ratio(row["dsq_vram_mib"], row["llama_vram_mib"])
-        rows.append(row)
+        if any(row[k] is not None for k in ("llama_decode", "dsq_decode", "llama_prefill", "dsq_prefill")):
+            rows.append(row)  # a split this run measured (LAYERS=all measures only all on the GPU)
     ll2, ds2 = llama_bench_rates(raw / f"llama_{tag}_p2048.json"), dsq_rows(raw / f"dsq_{tag}_p2048.json")
     d2 = ds2.get("99", {})
     rows.append({"shape": tag, "gpu_layers": "all", "prompt": 2048, "llama_prefill": ll2.get((99, "prefill")),
