@@ -172,9 +172,14 @@ def x_rows(x: torch.Tensor, p: Packed) -> torch.Tensor:
     return x2.contiguous()
 
 
-def fmt_flags(f) -> dict:
-    """A Fmt's compile-time flags, as _gemv and _gemm / _dequant (through dequant_tile) take them."""
-    return {"CODES": f.codes, "HI_BITS": f.hi_bits, "SUB": f.sub, "SC_ROWS": f.sc_rows, "TWO_LEVEL": f.two_level,
+def fmt_flags(p: Packed) -> dict:
+    """A weight's compile-time flags, as _gemv and _gemm / _dequant (through dequant_tile) take them.
+    A group as long as a row (FP8 per tensor or channel, GPTQ without groups) is given as the power of
+    two at or above K: every column is in group 0 either way, and the kernels' tile shapes built from
+    SUB (tl.arange) must be powers of two on a GPU (the interpreter does not check)."""
+    f = p.fmt
+    sub = f.sub if f.sub < p.K else triton.next_power_of_2(p.K)
+    return {"CODES": f.codes, "HI_BITS": f.hi_bits, "SUB": sub, "SC_ROWS": f.sc_rows, "TWO_LEVEL": f.two_level,
             "ZERO": f.zero, "OFFSET": f.offset, "MINS": f.mins}
 
 
@@ -194,5 +199,5 @@ def float_args(x: torch.Tensor, p: Packed, bias: torch.Tensor | None, out: torch
     x2 = x_rows(x, p)
     y = out if out is not None else torch.empty(x2.shape[0], p.N, dtype=x.dtype, device=x.device)
     planes, strides = plane_args(p)
-    flags = {**fmt_flags(p.fmt), "HAS_BIAS": bias is not None}
+    flags = {**fmt_flags(p), "HAS_BIAS": bias is not None}
     return x2, y, planes, strides, flags, bias if bias is not None else y

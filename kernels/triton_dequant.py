@@ -39,7 +39,7 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor
     w = out if out is not None else torch.empty(p.N, p.K, dtype=dtype, device=p.lo.device)
     cfg = {"BN": 32, "BK": 128, **(config or {})}
     grid = (triton.cdiv(p.N, cfg["BN"]), triton.cdiv(p.K, cfg["BK"]))
-    _dequant[grid](w, *planes, p.N, p.K, w.stride(0), *strides, **fmt_flags(p.fmt), **cfg, num_warps=4)
+    _dequant[grid](w, *planes, p.N, p.K, w.stride(0), *strides, **fmt_flags(p), **cfg, num_warps=4)
     return w
 
 

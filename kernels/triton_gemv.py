@@ -344,7 +344,7 @@ def gemv_experts(x: torch.Tensor, p: Packed, ids: torch.Tensor, n_expert: int, o
         ids1 = ids1.contiguous()
     y = out if out is not None else torch.empty(P, N, dtype=x.dtype, device=x.device)
     planes, strides = plane_args(p)
-    flags = {**fmt_flags(p.fmt), "FP8_HW": p.fmt.codes == FP8 and _fp8_hw(x.device)}
+    flags = {**fmt_flags(p), "FP8_HW": p.fmt.codes == FP8 and _fp8_hw(x.device)}
     if config is None and not INTERPRET:
         grid = lambda meta: (triton.cdiv(N, meta["BN"]), P)  # noqa: E731
         _gemv_experts_tuned[grid](x2, y, ids1, *planes, N, p.K, P // T, *strides, **flags)

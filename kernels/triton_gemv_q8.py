@@ -397,7 +397,7 @@ def q8_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None, out:
     xw, sx, xs = _quantize_x(x1, p, pdl)
     y = out if out is not None else torch.empty(M, p.N, dtype=x.dtype, device=x.device)
     planes, strides = plane_args(p)
-    flags = {**fmt_flags(p.fmt), "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET,
+    flags = {**fmt_flags(p), "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET,
              "MR": 1 << (M - 1).bit_length()}  # MR: 1 for one row; an autotune key
     del flags["SC_ROWS"]  # q8_ok refuses row-block scales
     if pdl:
@@ -515,7 +515,7 @@ def q8_experts(x: torch.Tensor, p: Packed, ids: torch.Tensor, n_expert: int, out
     xw, sx, xs = _quantize_x(x1, p, False)
     y = out if out is not None else torch.empty(P, N, dtype=x.dtype, device=x.device)
     planes, strides = plane_args(p)
-    flags = {**fmt_flags(p.fmt), "USE_ASM": not INTERPRET}
+    flags = {**fmt_flags(p), "USE_ASM": not INTERPRET}
     del flags["SC_ROWS"]
     args = (xw, sx, xs, y, ids1, *planes, N, p.K, P // T, *strides)
     if config is None and not INTERPRET:

@@ -127,6 +127,18 @@ def test_fp8(kind, M, dtype):
     check(run(x, packed.from_fp8(w, scale)), fp8_ref.fp8_linear_ref(x.double(), w, scale), dtype)
 
 
+def test_a_row_long_group_reaches_the_kernels_as_a_power_of_two():
+    """FP8 per tensor or channel and GPTQ without groups have one group a row (K = 300 here): the
+    kernels build tile shapes from SUB, which a GPU needs in powers of two, so SUB is the power of
+    two at or above K (every column still in group 0); groups shorter than a row pass as they are."""
+    from dsq.kernels.triton_common import fmt_flags
+
+    w = (torch.randn(8, 300) * 3).to(torch.float8_e4m3fn)
+    for scale in (torch.rand(1), torch.rand(8, 1)):
+        assert fmt_flags(packed.from_fp8(w, scale + 0.01))["SUB"] == 512
+    assert fmt_flags(packed.from_fp8(w, torch.rand(1, 3) + 0.01))["SUB"] == 128  # 128-wide blocks
+
+
 def test_fp8_subnormals_and_signs_decode_exactly():
     codes = torch.arange(256, dtype=torch.uint8)
     codes[(codes & 0x7F) == 0x7F] = 0  # the two e4m3fn NaN codes
