@@ -277,12 +277,14 @@ def test_calibrate_command_keeps_the_figures(runner, tmp_path, monkeypatch):
     import json
 
     import dsq.runtime.machine as machine
+    import dsq.runtime.placement as placement
     from dsq.cli import app
 
     monkeypatch.setenv("DSQ_CACHE", str(tmp_path))
     monkeypatch.setattr(machine, "measure_cpu_read", lambda threads, *a, **k: 21e9)
     monkeypatch.setattr(machine, "measure_cpu_peak_read", lambda threads, *a, **k: 27e9)
-    monkeypatch.setattr(machine, "_cuda_available", lambda: False)
+    monkeypatch.setattr(machine, "_cuda_available", lambda: False)  # a machine without a GPU, on any machine
+    monkeypatch.setattr(placement, "detect_gpu", lambda: None)
     r = runner.invoke(app, ["offload", "--calibrate", "--json"])
     assert r.exit_code == 0, r.output
     saved = json.loads((tmp_path / "calibration.json").read_text())
