@@ -56,12 +56,18 @@ def test_transformers_imports_from_the_root():
     assert _from_the_root("from transformers import LlamaForCausalLM; print('imported')") == "imported"
 
 
-def test_import_kernels_from_the_root_without_pypis_fails_as_without_the_folder():
-    out = _from_the_root("import sys\n"
+def test_import_kernels_from_the_root_without_pypis_reads_as_absent():
+    """Without PyPI's kernels, what `import kernels` gives from the root is what transformers takes
+    for no package (its _is_package_available: no version, no file, once no distribution names it),
+    and a name taken from it fails as `import kernels` would without this folder."""
+    out = _from_the_root("import importlib.util, sys\n"
                          "sys.path = [p for p in sys.path if 'site-packages' not in p and 'dist-packages' not in p]\n"
-                         "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n"
-                         "    print(e.name, 'kernels' in sys.modules)")
-    assert out == "kernels False"
+                         "import kernels\n"
+                         "print(importlib.util.find_spec('kernels') is not None, getattr(kernels, '__version__', 'N/A'),\n"
+                         "      getattr(kernels, '__file__', None))\n"
+                         "try:\n    from kernels import get_kernel\nexcept ModuleNotFoundError as e:\n"
+                         "    print(e.name, 'dsq.kernels' in str(e))")
+    assert out.splitlines() == ["True N/A None", "kernels True"]
 
 
 def test_wheel_holds_no_probes_or_device_plans(tmp_path):
