@@ -47,7 +47,7 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor
 # the transient is one slab, not the whole weight in bf16 (271 MB for Qwen2-7B's fused gate/up). Each slab
 # costs a dequantize launch and a GEMM launch, and a 512-token prefill all on the GPU is bound by the
 # host's launches: 32 MiB slabs (17 a Qwen2-7B layer) left the H100 idle 60% of it
-# (docs/benchmarks.md#prefill)
+# (docs/benchmarks.md#the-gpu-claims-in-three-device-calls)
 SLAB_BYTES = 128 << 20
 
 

@@ -88,8 +88,9 @@ class _GraphedStep:
 
 
 # A model all on one GPU runs a full prompt chunk (PREFILL_CHUNK tokens) as a CUDA graph: eagerly the
-# host's launches, ~800 for Qwen2-7B's 512 tokens, took 45-80 ms on the H100 machine where the GPU's
-# kernels took 19 (docs/benchmarks.md#prefill); DSQ_PREFILL_GRAPH=0 keeps the chunks eager
+# host's launches, ~800 for Qwen2-7B's 512 tokens, took 37 ms on the H100 machine where the GPU's
+# kernels took 19, graphed 19.7 (docs/benchmarks.md#all-on-the-gpu-h100-machine-2026-12-06-with-the-prefill-graphs);
+# DSQ_PREFILL_GRAPH=0 keeps the chunks eager
 PREFILL_GRAPH = os.environ.get("DSQ_PREFILL_GRAPH", "1") != "0"
 
 
