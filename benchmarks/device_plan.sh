@@ -11,6 +11,9 @@
 #                                      # 32 generated), both engines' peak VRAM, all-GPU prefill of 2048 (~9 min)
 #   bash benchmarks/device_plan.sh 3   # DeepSeek-V2-Lite, experts on the GPU and in RAM, against llama-bench
 #                                      # (-ot exps=CPU); then dsq serve against llama-server at 32 concurrent (~8 min)
+#   bash benchmarks/device_plan.sh 4   # two GPUs (kind nvidia-h100-x2): the 8B and V2-Lite split by layers over
+#                                      # both against llama-bench -sm layer; serve --tp 2 against one GPU and
+#                                      # llama-server -sm row at 32 concurrent (~8 min; not run yet)
 #
 # Each part writes $OUT/partN.json and $OUT/partN.md (benchmarks/device_tables.py) and its raw records
 # in $OUT/partN-raw.tgz. The same
@@ -18,7 +21,7 @@
 # attention (-fa 1), as dsq bench's llama.cpp backend runs it on a GPU. Every step has its own time limit
 # so that one overrun cannot eat the rest.
 set -uo pipefail
-PART=${1:?usage: device_plan.sh 1|2|3}
+PART=${1:?usage: device_plan.sh 1|2|3|4}
 OUT=${OUT:-/tmp/dsq-out}; mkdir -p "$OUT"
 R=/tmp/dsq-raw; rm -rf "$R"; mkdir -p "$R"  # the raw records, back as $OUT/partN-raw.tgz (8 files come back)
 trap 'tar czf "$OUT/part$PART-raw.tgz" -C "$R" . 2>/dev/null' EXIT
@@ -43,6 +46,7 @@ setup_python  # before the GGUF writes: they need the carried gguf wheel
 case "$PART" in
   2) gguf qwen2-7b /tmp/q7b.gguf > "$R/write_q7b.txt" 2>&1 & gguf llama3-8b /tmp/r8b.gguf > "$R/write_r8b.txt" 2>&1 & ;;
   3) gguf deepseek-v2-lite /tmp/v2l.gguf > "$R/write_v2l.txt" 2>&1 & ;;
+  4) gguf llama3-8b /tmp/r8b.gguf > "$R/write_r8b.txt" 2>&1 & gguf deepseek-v2-lite /tmp/v2l.gguf > "$R/write_v2l.txt" 2>&1 & ;;
 esac
 if ls .llbin/llbin.tar.xz.* >/dev/null 2>&1; then
   llama_bins || exit 1
@@ -143,4 +147,38 @@ if [ "$PART" = 3 ]; then
   log "done"
   exit 0
 fi
-echo "unknown part $PART (1, 2 or 3)"; exit 1
+if [ "$PART" = 4 ]; then
+  # two GPUs (a kind of several GPUs): the layer split over both against llama-bench -sm layer on the 8B
+  # and V2-Lite, then on the 8B dsq serve --tp 2 against dsq serve on one GPU and llama-server -sm row,
+  # the load of part 3 (64 requests at 32 concurrent)
+  wait
+  export NCCL_NVLS_ENABLE=0  # no NVLink multicast (the device notes)
+  for m in llama3-8b:/tmp/r8b.gguf v2l:/tmp/v2l.gguf; do
+    tag=${m%%:*} g=${m#*:}
+    timeout $(t 80) "$LB" -m "$g" -ngl 99 -sm layer -ts 1,1 -fa 1 -p 512 -n 32 -r 2 -t "$TH" -o json \
+      > "$R/llama_layers2_$tag.json" 2>/dev/null
+    timeout $(t 100) python3 -m dsq bench "$g" -b native -g all --tensor-split 1,1 --prompt-tokens 512 --max-tokens 32 \
+      --repeat 2 --threads "$TH" --out "$R/dsq_layers2_$tag.json" --force > "$R/dsq_layers2_$tag.txt" 2>&1
+    log "$tag: layer split over two GPUs"
+  done
+  PORT=8000 g=/tmp/r8b.gguf
+  up() { for _ in $(seq 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0; kill -0 "$1" 2>/dev/null || return 1; sleep 1; done; return 1; }
+  load() { timeout $(t 120) python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 32 --requests 64 \
+    --prompt-tokens 512 --max-tokens 128 --out "$R/serve_$1.json" --force > "$R/serve_$1.txt" 2>&1; }
+  serve() {  # serve NAME COMMAND...: start it, load it, stop it
+    local name=$1; shift
+    "$@" > "$R/serve_$name.log" 2>&1 &
+    local pid=$!
+    if up $pid; then load "$name"; fi
+    kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null
+    log "$name"
+  }
+  serve dsq-tp2 python3 -m dsq serve "$g" --gpu-layers all --tp 2 --ctx 4096 --max-seqs 64 --port $PORT
+  serve dsq-1gpu env CUDA_VISIBLE_DEVICES=0 python3 -m dsq serve "$g" --gpu-layers all --ctx 4096 --max-seqs 64 --port $PORT
+  serve llama-server-row "$LL/build/bin/llama-server" -m "$g" -ngl 99 -sm row -ts 1,1 -fa 1 --parallel 32 \
+    -c $((32 * 4096)) -cb --port $PORT --host 127.0.0.1
+  python3 -m benchmarks.device_tables multi "$R" --out "$OUT/part4"
+  log "done"
+  exit 0
+fi
+echo "unknown part $PART (1, 2, 3 or 4)"; exit 1

@@ -184,9 +184,42 @@ def moe_markdown(rows: list[dict], gpu: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def multi_rows(raw: Path) -> list[dict]:
+    """Two GPUs: each model split by layers over both (dsq --tensor-split 1,1 against llama-bench -sm
+    layer -ts 1,1), then the 8B served tensor-parallel (--tp 2), on one GPU, and by llama-server -sm row."""
+    rows = []
+    for tag in ("llama3-8b", "v2l"):
+        ll, d = llama_bench_rates(raw / f"llama_layers2_{tag}.json"), dsq_rows(raw / f"dsq_layers2_{tag}.json").get("99", {})
+        row = {"what": f"{tag}, layers over two GPUs", "llama_decode": ll.get((99, "decode")),
+               "dsq_decode": d.get("decode_tok_s_median"), "llama_prefill": ll.get((99, "prefill")),
+               "dsq_prefill": d.get("prefill_tok_s_median"), "dsq_roofline": d.get("decode_roofline_tok_s"),
+               "dsq_vram_mib": d.get("peak_vram_mb")}
+        row["decode_ratio"] = _ratio(row["dsq_decode"], row["llama_decode"])
+        row["prefill_ratio"] = _ratio(row["dsq_prefill"], row["llama_prefill"])
+        rows.append(row)
+    serve = {}
+    for eng in ("dsq-tp2", "dsq-1gpu", "llama-server-row"):
+        doc = _load(raw / f"serve_{eng}.json") or {}
+        levels = doc.get("levels") or [] if isinstance(doc, dict) else []
+        serve[eng] = next((lv for lv in levels if lv.get("concurrency") == 32), {})
+    rows.append({"what": "llama3-8b served, 32 concurrent, 64 requests of 128 tokens", "serve": serve,
+                 "tp2_over_one_gpu": _ratio(_tput(serve["dsq-tp2"]), _tput(serve["dsq-1gpu"])),
+                 "tp2_over_llama_row": _ratio(_tput(serve["dsq-tp2"]), _tput(serve["llama-server-row"]))})
+    return rows
+
+
+def multi_markdown(rows: list[dict], gpu: str) -> str:
+    lines = moe_markdown(rows[:2] + [{"what": "", "serve": {}, "throughput_ratio": None}], gpu).split("\n")[:6]
+    s = rows[2]
+    lines += ["", f"{s['what']}: output tok/s " + ", ".join(f"{k} {_f(_tput(v))}" for k, v in s["serve"].items())
+              + f"; --tp 2 over one GPU {_f(s['tp2_over_one_gpu'], 2)}, over llama-server -sm row "
+              f"{_f(s['tp2_over_llama_row'], 2)}", ""]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=["tests", "race", "moe"])
+    ap.add_argument("part", choices=["tests", "race", "moe", "multi"])
     ap.add_argument("raw", type=Path, help="the folder of raw records device_plan.sh wrote")
     ap.add_argument("--out", type=Path, required=True, help="OUT/partN: writes partN.json and partN.md")
     a = ap.parse_args(argv)
@@ -197,6 +230,9 @@ def main(argv=None) -> None:
     elif a.part == "race":
         rows = [r for tag, _ in SHAPES for r in race_rows(a.raw, tag)]
         md = race_markdown(rows, gpu)
+    elif a.part == "multi":
+        rows = multi_rows(a.raw)
+        md = multi_markdown(rows, gpu)
     else:
         rows = moe_rows(a.raw)
         md = moe_markdown(rows, gpu)

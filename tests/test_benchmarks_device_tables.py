@@ -76,6 +76,19 @@ def test_moe_rows_and_serve(tmp_path):
     assert "ratio 1.50" in dt.moe_markdown(rows, "H200")
 
 
+def test_multi_rows_two_gpus(tmp_path):
+    _llama(tmp_path / "llama_layers2_llama3-8b.json", {99: (8000.0, 200.0)})
+    _dsq(tmp_path / "dsq_layers2_llama3-8b.json", {"all": {"decode_tok_s_median": 260.0, "prefill_tok_s_median": 16000.0}})
+    for eng, tput in (("dsq-tp2", 1200.0), ("dsq-1gpu", 800.0), ("llama-server-row", 400.0)):
+        (tmp_path / f"serve_{eng}.json").write_text(json.dumps({"levels": [{"concurrency": 32, "output_tok_s": tput}]}))
+    rows = dt.multi_rows(tmp_path)
+    assert rows[0]["decode_ratio"] == 1.3 and rows[0]["prefill_ratio"] == 2.0
+    assert rows[1]["dsq_decode"] is None  # V2-Lite: not run here
+    assert rows[2]["tp2_over_one_gpu"] == 1.5 and rows[2]["tp2_over_llama_row"] == 3.0
+    md = dt.multi_markdown(rows, "2x H100")
+    assert "| llama3-8b, layers over two GPUs | 200.0 | 260.0 | **1.30x** |" in md and "over llama-server -sm row 3.00" in md
+
+
 def test_the_device_plan_parses():
     r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "device_plan.sh")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
