@@ -420,3 +420,55 @@ def test_layers_run_in_segments_as_in_one_pass(tiny_dir):
     kc, _ = mixed.update(1, k, k, torch.tensor([3, 4]))
     assert kc.dtype == torch.bfloat16 and torch.equal(kc[:, :, 3:5], k.to(torch.bfloat16))
     assert mixed.k[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind, qtype", [("llama", "Q4_K_M"), ("gemma3", "F32")])
+def test_prefill_graph_spans_equal_eager_chunks_on_the_cpu(kind, qtype, tiny_gguf, monkeypatch):
+    """The prompt graphs' bookkeeping, with a stand-in for CUDA's capture whose replay runs the
+    captured call again on the static buffers: chunks copied in, slots at their positions, each
+    chunk attending over its span's keys (PREFILL_CHUNK times a power of two, masked by slot), the
+    output copied out before the next replay. Greedy tokens and prompt logits equal the eager
+    chunks' for a prompt of several chunks, the same prompt again (replays) and one that shares a
+    prefix, so its chunks start at other slots. The capture itself runs on the GPU test
+    (test_native_cuda.py::test_prefill_graphs_equal_eager_chunks)."""
+    from dsq.runtime import native
+    from dsq.runtime.sampling import SamplingParams
+
+    class Replayed:
+        def __init__(self, fn, out):
+            self.fn, self.out, self.replays = fn, out, 0
+
+        def replay(self):
+            self.out.copy_(self.fn())
+            self.replays += 1
+
+    def capture(fn, pool):
+        out = fn()
+        return Replayed(fn, out), out
+
+    monkeypatch.setattr(native, "_capture", capture)
+    monkeypatch.setattr(native, "PREFILL_CHUNK", 16)  # chunks of 16 tokens: spans 16, 32, 64, 128
+    path = tiny_gguf(kind, qtype)
+    graphs = native.NativeModel(path, "gguf", n_ctx=128, threads=1)
+    eager = native.NativeModel(path, "gguf", n_ctx=128, threads=1)
+    graphs._prefill_graphs = native._PrefillGraphs(graphs.model, graphs.cache, torch.device("cpu"))
+    assert eager._prefill_graphs is None
+    prompt = (IDS * 2)[:90]
+    other = prompt[:37] + [11, 12, 13] * 13  # 76 tokens; after the shared 37 its chunks start at slot 37
+    greedy = SamplingParams(temperature=0)
+    for p, fresh in ((prompt, True), (prompt, True), (other, False)):
+        toks = []
+        for m in (graphs, eager):
+            if fresh:
+                m.reset()
+            toks.append([e.token_id for e in m.stream(p, greedy, 8, ignore_eos=True)])
+        assert toks[0] == toks[1]
+    pg = graphs._prefill_graphs
+    assert set(pg.graphs) == {16, 32, 64, 128} and not pg.failed
+    assert sum(g.replays for g, _ in pg.graphs.values()) >= 5  # the repeated prompt's chunks replayed
+    with torch.inference_mode():
+        for m in (graphs, eager):
+            m.reset()
+        a = graphs._prefill(prompt, 0, graphs.cache, torch.zeros(1, dtype=torch.long)).float()
+        b = eager._prefill(prompt, 0, eager.cache, torch.zeros(1, dtype=torch.long)).float()
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())

@@ -102,13 +102,12 @@ class _PrefillGraphs:
     real), then its graph is captured (recorded, not run) for the next; a capture that fails leaves
     every chunk eager, with a warning."""
 
-    def __init__(self, model, cache):
-        dev = torch.device("cuda")
+    def __init__(self, model, cache, dev: torch.device = torch.device("cuda")):
         self.model, self.cache = model, cache
         self.ids = torch.zeros(1, PREFILL_CHUNK, dtype=torch.long, device=dev)
         self.slots = torch.zeros(PREFILL_CHUNK, dtype=torch.long, device=dev)
         self.pad = torch.zeros(1, dtype=torch.long, device=dev)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failed = False
 
@@ -134,15 +133,22 @@ class _PrefillGraphs:
         run = lambda: self.model(self.ids, self.slots, self.cache, self.pad, kv_len=S, last_only=True)  # noqa: E731
         out = run()
         try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.graphs[S] = (graph, run())
+            self.graphs[S] = _capture(run, self.pool)
         except Exception as e:  # noqa: BLE001 - eager chunks work without the graphs
             self.failed = True
             self.graphs.clear()
             warnings.warn(f"capturing a prompt chunk failed, prefilling eagerly: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}", RuntimeWarning, stacklevel=3)
         return out
+
+
+def _capture(fn, pool) -> tuple:
+    """fn captured as a CUDA graph in the memory pool `pool` (recorded, not run), and its output,
+    which each replay rewrites."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 def _gpu_part(model, x, start: int, slot, cache, pad):
