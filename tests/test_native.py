@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsq.cli import app
-from tiny import corpus, hf_logits, kld_top1
+from tiny import corpus, hf_logits, kld_top1, same_greedy_over_chunk_starts
 
 KINDS = ["llama", "qwen2", "gemma3"]
 IDS = [5, 17, 99, 250, 31, 7, 400, 12, 3, 77] * 8  # 80 tokens: longer than gemma3's window of 16
@@ -432,7 +432,6 @@ def test_prefill_graph_spans_equal_eager_chunks_on_the_cpu(kind, qtype, tiny_ggu
     prefix, so its chunks start at other slots. The capture itself runs on the GPU test
     (test_native_cuda.py::test_prefill_graphs_equal_eager_chunks)."""
     from dsq.runtime import native
-    from dsq.runtime.sampling import SamplingParams
 
     class Replayed:
         def __init__(self, fn, out):
@@ -454,15 +453,7 @@ def test_prefill_graph_spans_equal_eager_chunks_on_the_cpu(kind, qtype, tiny_ggu
     graphs._prefill_graphs = native._PrefillGraphs(graphs.model, graphs.cache, torch.device("cpu"))
     assert eager._prefill_graphs is None
     prompt = (IDS * 2)[:90]
-    other = prompt[:37] + [11, 12, 13] * 13  # 76 tokens; after the shared 37 its chunks start at slot 37
-    greedy = SamplingParams(temperature=0)
-    for p, fresh in ((prompt, True), (prompt, True), (other, False)):
-        toks = []
-        for m in (graphs, eager):
-            if fresh:
-                m.reset()
-            toks.append([e.token_id for e in m.stream(p, greedy, 8, ignore_eos=True)])
-        assert toks[0] == toks[1]
+    same_greedy_over_chunk_starts(graphs, eager, prompt)
     pg = graphs._prefill_graphs
     assert set(pg.graphs) == {16, 32, 64, 128} and not pg.failed
     assert sum(g.replays for g, _ in pg.graphs.values()) >= 5  # the repeated prompt's chunks replayed

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiny import hf_logits
+from tiny import hf_logits, same_greedy_over_chunk_starts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 IDS = [5, 17, 99, 250, 31, 7, 400, 12, 3, 77] * 8
@@ -328,7 +328,6 @@ def test_prefill_graphs_equal_eager_chunks(kind, qtype, tiny_gguf, monkeypatch):
     logits and greedy tokens: a prompt of several chunks, the same prompt again (replays), and a
     prompt that shares a prefix, so its chunks start at other slots."""
     from dsq.runtime import native
-    from dsq.runtime.sampling import SamplingParams
 
     monkeypatch.setattr(native, "PREFILL_CHUNK", 16)  # chunks of 16 tokens: spans 16, 32, 64, 128
     path = tiny_gguf(kind, qtype)
@@ -337,15 +336,7 @@ def test_prefill_graphs_equal_eager_chunks(kind, qtype, tiny_gguf, monkeypatch):
     eager._prefill_graphs = None
     assert graphs._prefill_graphs is not None
     prompt = (IDS * 2)[:90]
-    other = prompt[:37] + [11, 12, 13] * 13  # 76 tokens; after the shared 37 its chunks start at slot 37
-    greedy = SamplingParams(temperature=0)
-    for p, fresh in ((prompt, True), (prompt, True), (other, False)):
-        toks = []
-        for m in (graphs, eager):
-            if fresh:
-                m.reset()
-            toks.append([e.token_id for e in m.stream(p, greedy, 8, ignore_eos=True)])
-        assert toks[0] == toks[1]
+    same_greedy_over_chunk_starts(graphs, eager, prompt)
     assert set(graphs._prefill_graphs.graphs) == {16, 32, 64, 128} and not graphs._prefill_graphs.failed
     with torch.inference_mode():
         for m in (graphs, eager):

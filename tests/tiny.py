@@ -186,3 +186,20 @@ def stand_in_graphs(monkeypatch):
 
     monkeypatch.setattr(native, "_graphed", graphed)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+
+def same_greedy_over_chunk_starts(graphs, eager, prompt: list[int]) -> None:
+    """Two NativeModels (prompt graphs on, off) give the same greedy tokens for `prompt`, for the
+    same prompt again (its chunks replayed) and for one sharing its first 37 tokens, so that its
+    chunks start at other slots than a chunk's multiple."""
+    from dsq.runtime.sampling import SamplingParams
+
+    other = prompt[:37] + [11, 12, 13] * 13
+    greedy = SamplingParams(temperature=0)
+    for p, fresh in ((prompt, True), (prompt, True), (other, False)):
+        toks = []
+        for m in (graphs, eager):
+            if fresh:
+                m.reset()
+            toks.append([e.token_id for e in m.stream(p, greedy, 8, ignore_eos=True)])
+        assert toks[0] == toks[1], (len(p), fresh)
