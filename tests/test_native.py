@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsq.cli import app
-from tiny import corpus, hf_logits, kld_top1, same_greedy_over_chunk_starts
+from tiny import corpus, hf_logits, kld_top1, same_greedy_over_chunk_starts, stand_in_graphs
 
 KINDS = ["llama", "qwen2", "gemma3"]
 IDS = [5, 17, 99, 250, 31, 7, 400, 12, 3, 77] * 8  # 80 tokens: longer than gemma3's window of 16
@@ -433,19 +433,7 @@ def test_prefill_graph_spans_equal_eager_chunks_on_the_cpu(kind, qtype, tiny_ggu
     (test_native_cuda.py::test_prefill_graphs_equal_eager_chunks)."""
     from dsq.runtime import native
 
-    class Replayed:
-        def __init__(self, fn, out):
-            self.fn, self.out, self.replays = fn, out, 0
-
-        def replay(self):
-            self.out.copy_(self.fn())
-            self.replays += 1
-
-    def capture(fn, pool):
-        out = fn()
-        return Replayed(fn, out), out
-
-    monkeypatch.setattr(native, "_capture", capture)
+    stand_in_graphs(monkeypatch)
     monkeypatch.setattr(native, "PREFILL_CHUNK", 16)  # chunks of 16 tokens: spans 16, 32, 64, 128
     path = tiny_gguf(kind, qtype)
     graphs = native.NativeModel(path, "gguf", n_ctx=128, threads=1)

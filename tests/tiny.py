@@ -167,18 +167,20 @@ def kld_top1(ref, test) -> tuple[float, float, float]:
 
 
 def stand_in_graphs(monkeypatch):
-    """dsq serve's captured steps (PagedKV.capture, capture_chunks) without a GPU: each 'graph'
-    reruns the captured function over its static inputs when replayed."""
+    """Captured steps (dsq serve's PagedKV.capture and capture_chunks, the native prompt graphs)
+    without a GPU: each 'graph' reruns the captured function over its static inputs when replayed,
+    and counts its replays."""
     import torch
 
     from dsq.runtime import native
 
     class Replay:
         def __init__(self, run, out):
-            self.run, self.out = run, out
+            self.run, self.out, self.replays = run, out, 0
 
         def replay(self):
             self.out.copy_(self.run())
+            self.replays += 1
 
     def graphed(run, pool=None):
         out = run()

@@ -99,15 +99,16 @@ class _PrefillGraphs:
     chunk's last slot + 1 rounded up to PREFILL_CHUNK times a power of two, at most the cache), over
     static ids and slots, so a chunk at any position replays the graph of its span, masked to its
     slots as the eager chunk is. A span's first chunk runs eagerly (its kernels built, its output
-    real), then its graph is captured (recorded, not run) for the next; a capture that fails leaves
-    every chunk eager, with a warning."""
+    real), then its graph is captured as the decode step's is (_graphed: its warm-ups rewrite the
+    same keys and values) for the next; a capture that fails leaves every chunk eager, with a
+    warning. `dev`: where the static buffers live (the CPU under tests' stand-in graphs)."""
 
     def __init__(self, model, cache, dev: torch.device = torch.device("cuda")):
         self.model, self.cache = model, cache
         self.ids = torch.zeros(1, PREFILL_CHUNK, dtype=torch.long, device=dev)
         self.slots = torch.zeros(PREFILL_CHUNK, dtype=torch.long, device=dev)
         self.pad = torch.zeros(1, dtype=torch.long, device=dev)
-        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
+        self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failed = False
 
@@ -133,22 +134,13 @@ class _PrefillGraphs:
         run = lambda: self.model(self.ids, self.slots, self.cache, self.pad, kv_len=S, last_only=True)  # noqa: E731
         out = run()
         try:
-            self.graphs[S] = _capture(run, self.pool)
+            self.graphs[S] = _graphed(run, self.pool)
         except Exception as e:  # noqa: BLE001 - eager chunks work without the graphs
             self.failed = True
             self.graphs.clear()
             warnings.warn(f"capturing a prompt chunk failed, prefilling eagerly: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}", RuntimeWarning, stacklevel=3)
         return out
-
-
-def _capture(fn, pool) -> tuple:
-    """fn captured as a CUDA graph in the memory pool `pool` (recorded, not run), and its output,
-    which each replay rewrites."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
-    return graph, out
 
 
 def _gpu_part(model, x, start: int, slot, cache, pad):
