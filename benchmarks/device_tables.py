@@ -164,16 +164,23 @@ def _tput(s: dict | None) -> float | None:
     return float(s["output_tok_s"]) if s.get("output_tok_s") else None
 
 
-def moe_markdown(rows: list[dict], gpu: str) -> str:
+def engines_table(rows: list[dict], gpu: str) -> list[str]:
+    """The card, then a row a placement: both engines' decode and prefill, their ratios, dsq's share of
+    its decode roofline and its VRAM (the rows of moe_rows and multi_rows)."""
     lines = [f"Card: {gpu}", "", "| placement | llama-bench decode | dsq decode | ratio | dsq % roofline | "
              "llama-bench prefill | dsq prefill | ratio | dsq VRAM MiB |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows[:2]:
+    for r in rows:
         roof = f"{100 * r['dsq_decode'] / r['dsq_roofline']:.0f}% of {r['dsq_roofline']:.1f}" \
             if r.get("dsq_roofline") and r.get("dsq_decode") else "-"
         lines.append(f"| {r['what']} | {_f(r['llama_decode'])} | {_f(r['dsq_decode'])} | "
                      f"{_mark(r['decode_ratio'], DECODE_GOAL)} | {roof} | {_f(r['llama_prefill'], 0)} | "
                      f"{_f(r['dsq_prefill'], 0)} | {_mark(r['prefill_ratio'], PREFILL_GOAL_ALL)} | "
                      f"{_f(r['dsq_vram_mib'], 0)} |")
+    return lines
+
+
+def moe_markdown(rows: list[dict], gpu: str) -> str:
+    lines = engines_table(rows[:2], gpu)
     s = rows[2]
     lines += ["", f"{s['what']}: output tok/s dsq {_f(_tput(s['serve'].get('dsq')))}, llama-server "
               f"{_f(_tput(s['serve'].get('llama-server')))} (ratio {_f(s['throughput_ratio'], 2)})", ""]
@@ -209,7 +216,7 @@ def multi_rows(raw: Path) -> list[dict]:
 
 
 def multi_markdown(rows: list[dict], gpu: str) -> str:
-    lines = moe_markdown(rows[:2] + [{"what": "", "serve": {}, "throughput_ratio": None}], gpu).split("\n")[:6]
+    lines = engines_table(rows[:2], gpu)
     s = rows[2]
     lines += ["", f"{s['what']}: output tok/s " + ", ".join(f"{k} {_f(_tput(v))}" for k, v in s["serve"].items())
               + f"; --tp 2 over one GPU {_f(s['tp2_over_one_gpu'], 2)}, over llama-server -sm row "
