@@ -4,7 +4,6 @@ full-sequence forward (tiny random Gemma 3: sliding and global layers), and the 
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -76,12 +75,10 @@ def test_paged_forward_matches_the_full_sequence(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def builtin():
+def builtin(builtin_gguf):
     from dsq.runtime.engine import load
 
-    if os.environ.get("DSQ_NO_BUILTIN") == "1":  # the device scripts: no PyPI there, so no built-in model
-        pytest.skip("DSQ_NO_BUILTIN=1: the built-in model is not installed on this machine")
-    return load(None, backend="native", ctx=512, cuda_graph=False)
+    return load(builtin_gguf, backend="native", ctx=512, cuda_graph=False)
 
 
 def _run_engine(nm, prompts, max_tokens, ignore_eos: bool = False, warm: bool = False, capture=None,
