@@ -134,10 +134,11 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
-@pytest.mark.parametrize("gpu_layers", [1, 0])
-def test_streamed_prefill_matches_the_gpu_layers(qtype, gpu_layers, tiny_gguf, monkeypatch):
+@pytest.mark.parametrize("gpu_layers, head", [(1, "gpu"), (0, "cpu"), (0, "gpu")])
+def test_streamed_prefill_matches_the_gpu_layers(qtype, gpu_layers, head, tiny_gguf, monkeypatch):
     """A long prompt runs the CPU layers on the GPU, their weights streamed over (StreamedLayers),
-    in a split model and in a CPU model on a machine with a GPU. Layer 0 then computes what it
+    in a split model, in a CPU model on a machine with a GPU and in one whose head alone is on the
+    GPU. Layer 0 then computes what it
     computes on the GPU in an all-GPU model (same kernels, bf16): the same keys and values, kept in
     its CPU cache, and the same logits. Against the CPU's own float32 kernels (no streaming) the
     difference is bf16 rounding of activations and weights (~2% on this 2-layer random model)."""
@@ -146,13 +147,13 @@ def test_streamed_prefill_matches_the_gpu_layers(qtype, gpu_layers, tiny_gguf, m
 
     path = tiny_gguf("llama", qtype)
     gpu = _prefill_two_chunks(NativeModel(path, "gguf", n_ctx=256, gpu_layers=-1, cuda_graph=False))
-    m = NativeModel(path, "gguf", n_ctx=256, gpu_layers=gpu_layers, head="gpu")
+    m = NativeModel(path, "gguf", n_ctx=256, gpu_layers=gpu_layers, head=head)
     assert m._streamed is not None and m._streamed.pinned
     streamed = _prefill_two_chunks(m)
     monkeypatch.setattr(native, "STREAM_MIN_ROWS", 0)
-    cpu_kernels = _prefill_two_chunks(NativeModel(path, "gguf", n_ctx=256, gpu_layers=gpu_layers, head="gpu"))
+    cpu_kernels = _prefill_two_chunks(NativeModel(path, "gguf", n_ctx=256, gpu_layers=gpu_layers, head=head))
     for got, same, near in zip(streamed, gpu, cpu_kernels):
-        assert _rel(got, same) < (1e-3 if gpu_layers else 2e-2)  # at 0 the head runs on the CPU in float32
+        assert _rel(got, same) < (1e-3 if head == "gpu" else 2e-2)  # --head cpu: on the CPU in float32
         assert _rel(got, near) < 5e-2
 
 
@@ -278,6 +279,42 @@ def _greedy(m, n: int) -> list[int]:
     from dsq.runtime.sampling import SamplingParams
 
     return [e.token_id for e in m.stream(IDS[:30], SamplingParams(temperature=0), n, GenStats(), ignore_eos=True)]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
+def test_head_alone_on_the_gpu_at_zero_layers(qtype, tiny_gguf):
+    """--gpu-layers 0 with the head on the GPU (the default where llama.cpp's reserve at -ngl 0
+    holds it, placement.split_head): every layer on the CPU in float32 through its one C call, the
+    final norm and the head a captured graph (_SplitStep after the last layer). Its logits are the
+    all-CPU model's within bf16 rounding of the head; the captured step decodes the eager model's
+    greedy tokens; --head 0.5 keeps half the rows in RAM, joined after the graph."""
+    from dsq.runtime.generate import GenStats
+    from dsq.runtime.native import NativeModel
+    from dsq.runtime.placement import split_head
+    from dsq.runtime.sampling import SamplingParams
+
+    path = tiny_gguf("llama", qtype)
+    cpu = NativeModel(path, "gguf", n_ctx=256, gpu_layers=0, head="cpu")
+    assert cpu.head_device.type == "cpu" and cpu._split is None and cpu.model.dtype == torch.float32
+    default = NativeModel(path, "gguf", n_ctx=256, gpu_layers=0)  # this tiny head is far larger than the reserve
+    assert split_head(path, 0, 256) == "cpu" and default.head_device.type == "cpu"
+    ref = cpu.logits(IDS)
+    n = cpu.model.args.num_hidden_layers
+    for head in ("gpu", "0.5"):
+        m = NativeModel(path, "gguf", n_ctx=256, gpu_layers=0, head=head)
+        eager = NativeModel(path, "gguf", n_ctx=256, gpu_layers=0, head=head, cuda_graph=False)
+        assert {d.type for d in m.model.layer_devices()} == {"cpu"} and m.model.model.norm.weight.is_cuda
+        assert m.model.layer_dtypes() == [torch.float32] * n and [k.dtype for k in m.cache.k] == [torch.float32] * n
+        assert m.fused_layers == n and m._split is not None and m._split.start == n and eager._split is None
+        assert m._split.head_rows == (head == "0.5") and m.head_device.type == ("cuda" if head == "gpu" else "cpu")
+        assert np.linalg.norm(m.logits(IDS) - ref) / np.linalg.norm(ref) < 2e-2
+        toks = []
+        for x in (m, eager):
+            st = GenStats()
+            list(x.stream(IDS[:30], SamplingParams(temperature=0), 24, st, ignore_eos=True))
+            toks.append(st.token_ids)
+        assert toks[0] == toks[1]
+        del m, eager
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])

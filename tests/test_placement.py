@@ -126,11 +126,30 @@ def h200():
     return Bandwidths(cpu=93e9, gpu=4.2e12, split_overhead_s=50e-6, source="test")
 
 
+def test_native_zero_layers_keep_the_head_on_the_gpu():
+    """native --gpu-layers 0 on a machine with VRAM: the output head's rows on the GPU, by default
+    the whole head where llama.cpp's CUDA build reserves that room at -ngl 0 (split_head): a token
+    then reads the head from VRAM and the layers from RAM, predicted faster than --head cpu. With no
+    VRAM, or with --head cpu, nothing is on the GPU."""
+    shape = llama3_8b_q4_k_m()
+    on = plan_placement(shape, vram=8 * GiB, ctx=4096, backend="native", gpu_layers=0, bandwidths=h200())
+    assert on.gpu_layers == 0 and on.output_device == "GPU" and on.head == "gpu" and on.gpu_layers_arg == "0"
+    assert on.bytes_per_token_gpu == shape.output_bytes and on.split_overhead_s > 0
+    off = plan_placement(shape, vram=8 * GiB, ctx=4096, backend="native", gpu_layers=0, head="cpu", bandwidths=h200())
+    assert off.output_device == "CPU" and off.gpu_total_bytes == 0 and off.bytes_per_token_gpu == 0
+    assert on.predicted_tok_s > off.predicted_tok_s
+    rows = plan_placement(shape, vram=8 * GiB, ctx=4096, backend="native", gpu_layers=0, head="0.4", bandwidths=h200())
+    assert rows.output_device == "GPU+CPU" and off.gpu_total_bytes < rows.gpu_total_bytes < on.gpu_total_bytes
+    none = plan_placement(shape, vram=0, ctx=4096, backend="native", gpu_layers=0, bandwidths=h200())
+    assert none.output_device == "CPU" and none.gpu_total_bytes == 0
+
+
 def test_native_plan_weighs_the_head_against_layers():
     """native: `--gpu-layers N` puts the output head on the GPU with any layer, the embedding in RAM
     (host-mapped). Choosing, the plan weighs the head against the layers its VRAM would hold: a
     budget that holds the head and one layer but not more puts layers there and the head in RAM
-    (--head cpu), as llama.cpp places it; a budget below one layer leaves everything on the CPU."""
+    (--head cpu), as llama.cpp places it; a budget below one layer holds a share of the head's rows
+    alone (a prompt's streamed layer beside them), and one below that leaves everything on the CPU."""
     shape = llama3_8b_q4_k_m()
     one = plan_placement(shape, vram=0, ctx=512, backend="native", gpu_layers=1, bandwidths=h200())
     assert one.output_device == "GPU" and one.embed_device == "CPU" and one.gpu_layers == 1
@@ -140,7 +159,12 @@ def test_native_plan_weighs_the_head_against_layers():
     assert plan.gpu_layers > 0 and plan.output_device == "CPU"  # the head's VRAM holds layers instead
     llama = plan_placement(shape, vram=head_only, ctx=512, backend="llama.cpp", bandwidths=h200())
     assert llama.gpu_layers > 0 and llama.output_device == "CPU"  # llama.cpp: layers first, the head last
-    none = plan_placement(shape, vram=one.min_gpu_bytes - 1, ctx=512, backend="native", bandwidths=h200())
+    rows = plan_placement(shape, vram=one.min_gpu_bytes - 1, ctx=512, backend="native", bandwidths=h200())
+    assert rows.gpu_layers == 0 and rows.output_device == "GPU+CPU" and 0 < float(rows.head) < 1
+    assert rows.gpu_total_bytes <= one.min_gpu_bytes - 1 and "not even one layer fits" in rows.notes[0]
+    assert rows.bytes_per_token_gpu == pytest.approx(float(rows.head) * shape.output_bytes, abs=1)
+    fixed = rows.gpu_total_bytes - round(float(rows.head) * shape.output_bytes)  # what holds no head row
+    none = plan_placement(shape, vram=fixed, ctx=512, backend="native", bandwidths=h200())
     assert none.gpu_layers == 0 and none.gpu_total_bytes == 0 and none.output_device == "CPU"
     assert "not even one layer fits" in none.notes[0]
     full = plan_placement(shape, vram=64 * GiB, ctx=512, backend="native", bandwidths=h200())
@@ -369,8 +393,9 @@ def test_a_split_head_fits_the_free_vram():
 
 
 def test_the_native_default_head_at_a_split_is_the_planners(monkeypatch, tiny_gguf):
-    """NativeModel without --head: at a split on a GPU the planner's share, with the GPU's free memory;
-    without a split, or without a GPU, the head whole (where its layers are)."""
+    """NativeModel without --head: at a split on a GPU, 0 layers too, the planner's share, with the GPU's
+    free memory; with every layer on the GPU, or without a GPU, the head whole (where its layers are);
+    at 0 layers of a model whose shape cannot be read, in RAM."""
     import torch
 
     from dsq.runtime import native
@@ -389,4 +414,6 @@ def test_the_native_default_head_at_a_split_is_the_planners(monkeypatch, tiny_gg
     assert native._split_head(path, GpuLayers(1), 256, gpu) == f"1:256:{10 * GiB}" and seen["dev"] == gpu
     assert native._split_head(path, GpuLayers(1), 256, None) == "gpu"
     assert native._split_head(path, GpuLayers.ALL, 256, gpu) == "gpu"
-    assert native._split_head(path, GpuLayers(0), 256, gpu) == "gpu"
+    assert native._split_head(path, GpuLayers(0), 256, gpu) == f"0:256:{10 * GiB}"
+    assert native._split_head(None, GpuLayers(0), 256, gpu) == "cpu"
+    assert native._split_head(None, GpuLayers(1), 256, gpu) == "gpu"

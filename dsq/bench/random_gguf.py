@@ -141,8 +141,8 @@ def _deepseek_plan(cfg: dict, mix: str) -> list[tuple[str, tuple[int, ...], str]
     H, nope, rope, v = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
                         cfg["v_head_dim"])
     r, q_lora = cfg["kv_lora_rank"], cfg.get("q_lora_rank")
-    E, I, F = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
-    S = I * cfg["n_shared_experts"]
+    E, FE, F = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    S = FE * cfg["n_shared_experts"]
     shapes: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (V, h))]
     for i in range(L):
         b = f"blk.{i}."
@@ -159,8 +159,8 @@ def _deepseek_plan(cfg: dict, mix: str) -> list[tuple[str, tuple[int, ...], str]
         shapes.append((b + "ffn_gate_inp.weight", (E, h)))
         if cfg["model_type"] == "deepseek_v3":
             shapes.append((b + "exp_probs_b.bias", (E,)))
-        shapes += [(b + "ffn_gate_exps.weight", (E, I, h)), (b + "ffn_up_exps.weight", (E, I, h)),
-                   (b + "ffn_down_exps.weight", (E, h, I))]
+        shapes += [(b + "ffn_gate_exps.weight", (E, FE, h)), (b + "ffn_up_exps.weight", (E, FE, h)),
+                   (b + "ffn_down_exps.weight", (E, h, FE))]
         if S:
             shapes += [(b + "ffn_gate_shexp.weight", (S, h)), (b + "ffn_up_shexp.weight", (S, h)),
                        (b + "ffn_down_shexp.weight", (h, S))]

@@ -57,8 +57,9 @@ def offload(
     GPU for the backend that runs it, and the decode tok/s a bandwidth model predicts.
 
     llama.cpp puts the last N layers on the GPU and the output head only with all of them; the
-    native backend puts the head there with any layer (in RAM with --head cpu) and, choosing,
-    picks the fastest split and head placement that fit.
+    native backend puts the head there with any layer, and with none where llama.cpp's CUDA build
+    would reserve the VRAM for it (in RAM with --head cpu) and, choosing, picks the fastest split
+    and head placement that fit.
     The bandwidths come from `dsq offload --calibrate` (kept in dsq's cache dir), else the CPU is
     measured for this call.
     """
@@ -192,7 +193,7 @@ def _print_plan(plan, label: str) -> None:
     out.print(t)
     on_gpu = sum(lc.device == "GPU" for lc in plan.layers)
     moe = plan.expert_bytes_cpu or any(lc.expert_bytes for lc in plan.layers)
-    head_placed = plan.backend == "native" and 0 < on_gpu < plan.n_layer and plan.head != "gpu"
+    head_placed = plan.backend == "native" and 0 <= on_gpu < plan.n_layer and plan.head != "gpu"
     ts = f" --tensor-split {','.join(f'{x:g}' for x in plan.tensor_split)}" if plan.tensor_split else ""
     run = f"dsq run -b {plan.backend} --gpu-layers {plan.gpu_layers_arg}{ts}" + (
         f" --experts {plan.experts}" if moe and plan.backend == "native" else "") + (

@@ -49,7 +49,8 @@ Head = Annotated[Optional[str], typer.Option(
     "gpu: in VRAM, read fastest every token; cpu: in RAM, as llama.cpp places it unless every layer is on the "
     "GPU, leaving its VRAM (~0.4 GB on an 8B) to layers; a share such as 0.6: that share of its rows in VRAM, "
     "the rest in RAM. Default: with --gpu-layers auto the plan's choice; with N layers the share that 10% of "
-    "their VRAM holds (the VRAM of llama.cpp's -ngl N + 10%).", show_default=False)]
+    "their VRAM holds (the VRAM of llama.cpp's -ngl N + 10%); with 0 layers on a machine with a GPU, the share "
+    "that llama.cpp's CUDA build reserves there holds.", show_default=False)]
 TensorSplit = Annotated[Optional[str], typer.Option(
     "--tensor-split", help="Several GPUs: each one's share of the GPU layers, in proportion, one number per "
     "visible GPU, as llama.cpp's -ts (e.g. 3,1: three quarters on the first). The layers go in contiguous "

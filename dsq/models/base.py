@@ -532,7 +532,8 @@ class Transformer(nn.Module):
             self._embed_scale = float(torch.tensor(self.args.embed_scale, dtype=self.dtype))
         devices = self.layer_devices()
         cpu = torch.device("cpu")
-        split = len({d == cpu for d in devices}) > 1
+        # split: CPU layers beside GPU layers, or beside a head on the GPU (the final norm's device)
+        split = len({d == cpu for d in [*devices, *([self.placement.norm] if self.placement else [])]}) > 1
         dtypes = [t if split and d == cpu else dtype for t, d in zip(self.layer_dtypes(), devices)]
         return self.Cache(self.args, batch, length, dtypes, devices)
 

@@ -1,7 +1,7 @@
 """--gpu-layers as one value: how much of a model sits on the GPU, counted as llama.cpp counts it.
 
 A number N puts the last N layers on the GPU, and N > n_layer the output head too (the native
-backend puts the head there with any layer); "all" is every layer and the head; "auto" fits the
+backend puts the head there with any layer, and at 0 where it fits: placement.split_head); "all" is every layer and the head; "auto" fits the
 GPU's free memory (the backend's placement plan) once `resolve` knows the model and the backend.
 `str()` gives the value as the user typed it; `n_gpu_layers` is llama.cpp's number (-1: all).
 """

@@ -164,18 +164,19 @@ def _gpu_rows_part(model, x, start: int, slot, cache, pad):
 
 class _SplitStep:
     """The decode step of a model split between the CPU and one GPU: the embedding and the first
-    `start` layers run eagerly on the CPU (the C kernels, float32), the rest of the layers, the
-    final norm and the head are one CUDA graph (of the torch.compile'd part with `compile`). The
-    hidden state crosses once per token, through pinned memory; the GPU's pad is copied only when
-    it changes. A head in RAM (--head cpu) runs after the graph, on the CPU: the graph ends with the
-    final norm, and the normed hidden state comes back once more. A head split by rows (--head
-    0.6) runs its GPU rows at the graph's end; their logits come back with the hidden state, and the
-    CPU runs only the rest."""
+    `start` layers run eagerly on the CPU (the C kernels, float32), the rest of the layers (none
+    with every layer on the CPU), the final norm and the head are one CUDA graph (of the
+    torch.compile'd part with `compile`). The hidden state crosses once per token, through pinned
+    memory; the GPU's pad is copied only when it changes. A head in RAM (--head cpu) runs after
+    the graph, on the CPU: the graph ends with the final norm, and the normed hidden state comes
+    back once more. A head split by rows (--head 0.6) runs its GPU rows at the graph's end; their
+    logits come back with the hidden state, and the CPU runs only the rest."""
 
     def __init__(self, model, cache, start: int, batch: int, compile_mode: str | None | bool = False):
         dev = torch.device("cuda")
         self.model, self.cache, self.start = model, cache, start
-        dt = model.model.layers[start].input_layernorm.weight.dtype
+        layers = model.model.layers
+        dt = (layers[start].input_layernorm if start < len(layers) else model.model.norm).weight.dtype
         self.x = torch.zeros(batch, 1, model.args.hidden_size, dtype=dt, device=dev)
         self.host = torch.zeros(batch, 1, model.args.hidden_size, dtype=dt, pin_memory=True)
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)
@@ -261,10 +262,13 @@ class _CompiledStep:
 
 
 def _split_head(model: Path | None, placed: GpuLayers, n_ctx: int, gpu) -> str:
-    """The default --head of a model split between the GPU and the CPU (placement.split_head), with
-    the GPU's free memory; "gpu" for a model that is not split or whose shape cannot be read."""
-    if gpu is None or model is None or placed.n_gpu_layers <= 0:
+    """The default --head of a model split between the GPU and the CPU, at 0 layers too
+    (placement.split_head), with the GPU's free memory; "gpu" for a model that is not split, or
+    with layers on the GPU whose shape cannot be read; "cpu" without a GPU or at 0 layers then."""
+    if gpu is None or placed.n_gpu_layers < 0:
         return "gpu"
+    if model is None:
+        return "gpu" if placed.n_gpu_layers else "cpu"
     from dsq.runtime.placement import split_head
 
     free, _ = torch.cuda.mem_get_info(gpu)
@@ -310,12 +314,14 @@ class NativeModel:
         self.tensor_split = None
         if gpus and placed.n_gpu_layers != 0:
             self.tensor_split = list(tensor_split) if tensor_split is not None else gl.free_shares(gpus)
-        dt = parse_dtype(dtype, torch.bfloat16 if placed.n_gpu_layers != 0 else torch.float32)
         loader = load_gguf if kind == "gguf" else load_hf
         # the head: as asked, else where --gpu-layers auto's plan put it, else at a split the share
         # of its rows that the VRAM of llama.cpp's placement leaves (placement.split_head)
         head = parse_head(head) if head is not None else placed.head or _split_head(
             shape_of, placed, n_ctx, gl.last_gpu(gpus, self.tensor_split) if gpus else None)
+        # bf16 where any of it runs on a GPU (the CPU layers of a split compute in float32 all the same)
+        on_gpu = placed.n_gpu_layers != 0 or (gpu is not None and head != "cpu")
+        dt = parse_dtype(dtype, torch.bfloat16 if on_gpu else torch.float32)
         shard = None
         if self.tp[1] > 1:
             from dsq.runtime import tp as tensor_parallel
@@ -383,18 +389,21 @@ class NativeModel:
         self._step = model
         mode = None if compile is True or compile == "default" else compile
         devs = [str(d) for d in model.layer_devices()]
-        on_cpu = set(devs) == {"cpu"} and self.head_device.type == "cpu"
+        # every layer on the CPU, the final norm and the head's rows on the GPU: a split after the last layer
+        head_only = set(devs) == {"cpu"} and model.placement is not None and str(model.placement.norm) == "cuda:0"
+        on_cpu = set(devs) == {"cpu"} and self.head_device.type == "cpu" and not head_only
         if compile and not on_cpu:  # True, or an inductor mode such as "max-autotune-no-cudagraphs"
             self._step = torch.compile(model, dynamic=False, mode=mode)
         self._graph = None
         self._split = None
-        split = set(devs) == {"cpu", "cuda:0"} and devs == sorted(devs)
+        split = (set(devs) == {"cpu", "cuda:0"} and devs == sorted(devs)) or head_only
         self._batch = None  # (B, cache length, cache, captured step) of the last batch (generate_batch)
         if cuda_graph and (str(self.head_device) == "cuda:0" or split):
             if set(devs) == {"cuda:0"}:
                 self._graph = self._capture_moe(model) if self._moe else self._capture(self.cache, 1)
             elif split:
-                self._split = self._capture_split(model, devs.index("cuda:0"), mode if compile else False)
+                self._split = self._capture_split(model, devs.index("cuda:0") if not head_only else len(devs),
+                                                  mode if compile else False)
         # full prompt chunks as CUDA graphs where the decode step is one (every layer on one GPU, no routing)
         self._prefill_graphs = (_PrefillGraphs(model, self.cache) if PREFILL_GRAPH and self._graph is not None
                                 and not self._moe else None)

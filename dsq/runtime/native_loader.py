@@ -43,21 +43,24 @@ def _place(model: Transformer, gpu_layers: GpuLayers, gpus: list[torch.device], 
            shares: list[float] | None = None) -> None:
     """Layers on their devices (GpuLayers.devices: llama.cpp's last N layers, over several GPUs in
     contiguous ranges by `shares`). The native runtime puts the output head on the last GPU whenever
-    any layer is on a GPU (head="gpu"; "cpu": where llama.cpp puts it, on the GPU only with every
-    layer there; a share such as "0.6": that share of its rows on the GPU at a split, the rest in
-    RAM, qmodules.RowSplitLinear), and keeps the token embedding in RAM (one row a token): on the
-    CPU in a split, host-mapped for the first GPU with every layer on GPUs
-    (runtime/host_mapped.py). The head is read every token, so it costs the most where memory is
-    slowest (docs/benchmarks.md#split-between-gpu-and-cpu). CPU layers of a split model
+    any layer is on a GPU, and with none on the first GPU given (head="gpu"; "cpu": where llama.cpp
+    puts it, on the GPU only with every layer there; a share such as "0.6": that share of its rows
+    on the GPU at a split, the rest in RAM, qmodules.RowSplitLinear), and keeps the token embedding
+    in RAM (one row a token): on the CPU in a split, host-mapped for the first GPU with every layer
+    on GPUs (runtime/host_mapped.py). The head is read every token, so it costs the most where
+    memory is slowest (docs/benchmarks.md#split-between-gpu-and-cpu). CPU layers of a split model
     compute in float32, the C kernels' dtype. `each(layer)` runs on each layer once it is in place.
     The plan is kept as model.placement: the runtime moves the hidden state by it."""
     cpu = torch.device("cpu")
     per, head_on = gpu_layers.devices(model.args.num_hidden_layers, gpus, shares)
     on_gpu = [d != cpu for d in per]
     last = last_gpu(gpus, shares) if gpus else None
-    split = any(on_gpu) and not all(on_gpu)
+    head_only = bool(gpus) and not any(on_gpu) and head != "cpu"  # no layer on the GPU, the head's rows there
+    if head_only:
+        last = gpus[0]  # the one GPU the split step captures on
+    split = (any(on_gpu) and not all(on_gpu)) or head_only
     share = head_share(head) if split else 0.0  # of the head's rows, on the GPU
-    if any(on_gpu) and (share == 1 or not split):
+    if (any(on_gpu) or head_only) and (share == 1 or not split):
         head_on = last
     for i, (layer, dev, g) in enumerate(zip(model.model.layers, per, on_gpu)):
         layer = model.model.layers[i] = to_device(layer, dev)

@@ -4,8 +4,9 @@ Bytes per layer come from the file itself (each tensor at its actual quant type)
 the context length, plus compute buffers. Each backend places a `--gpu-layers N` its own way:
 - llama.cpp: the last N layers on the GPU, and N = n_layer + 1 the output head too; the token
   embedding stays on the CPU. Its plan is the largest N that fits.
-- native: the last N layers, the output head whenever any layer is there (or, at a split, in RAM
-  with --head cpu: the plan weighs both); the token embedding in
+- native: the last N layers, the output head whenever any layer is there and at 0 layers where
+  llama.cpp's CUDA build reserves VRAM for it (or, at a split, in RAM with --head cpu or a share of
+  its rows: the plan weighs them); the token embedding in
   RAM (with every layer on the GPU, host-mapped: runtime/host_mapped.py); each layer's KV cache on
   its layer's device (float32 for the CPU layers of a split). Its plan is the N that fits with the
   fastest predicted decode.
@@ -152,8 +153,9 @@ class _Option:
 
     @property
     def split(self) -> bool:
-        """The CPU and the GPU each hold a part of the per-token work (one exchange each way)."""
-        return any(self.on_gpu) and not (all(self.on_gpu) and self.head_gpu)
+        """The CPU and the GPU each hold a part of the per-token work (one exchange each way): some
+        layers, or with none the output head's rows."""
+        return (any(self.on_gpu) or self.head > 0) and not (all(self.on_gpu) and self.head_gpu)
 
 
 def _option(shape: ModelShape, backend: str, n: int) -> _Option:
@@ -168,11 +170,14 @@ def _option(shape: ModelShape, backend: str, n: int) -> _Option:
 
 def _options(shape: ModelShape, backend: str) -> list[_Option]:
     """Every placement the backend can make, from nothing on the GPU to everything; native also
-    each split with its head in RAM (--head cpu) or a share of its rows in VRAM (HEAD_SHARES)."""
+    each split with its head in RAM (--head cpu) or a share of its rows in VRAM (HEAD_SHARES), and
+    with no layer on the GPU the head's rows alone there (what llama.cpp's CUDA build reserves
+    VRAM for at -ngl 0, llama_split_reserve)."""
     top = shape.n_layer + 1 if backend == "llama.cpp" else shape.n_layer
     opts = [_option(shape, backend, n) for n in range(top + 1)]
     if backend == "native":
-        opts += [_Option(o.n, o.on_gpu, h) for o in opts if 0 < o.n < shape.n_layer for h in (0.0, *HEAD_SHARES)]
+        opts += [_Option(o.n, o.on_gpu, h) for o in opts if 0 <= o.n < shape.n_layer
+                 for h in (0.0, *HEAD_SHARES, 1.0) if h != o.head]
     return opts
 
 
@@ -212,12 +217,15 @@ def split_head(model: str | Path | ModelShape, n: int, ctx: int, free_vram: int 
     share of the output head's rows ("gpu", the whole, then tenths, HEAD_SHARES) that fits in what
     llama.cpp's split reserves for the head and its logits (llama_split_reserve) plus
     SPLIT_VRAM_MARGIN of those layers' bytes less SPLIT_BASE_EXTRA, and in `free_vram` by the plan's
-    count; "gpu" where the model is not split. --gpu-layers N asks for the VRAM of N layers as
+    count; "gpu" where every layer is on the GPU. --gpu-layers N asks for the VRAM of N layers as
     llama.cpp places them: the head's rows, read every token, are the fastest use of it (a head in
-    RAM is ~20% of an 8B split's token)."""
+    RAM is ~20% of an 8B split's token). At 0 layers that room is llama.cpp's reserve alone (its
+    CUDA build holds it at -ngl 0 too); a head tied to the embedding stays in RAM there."""
     shape = load_shape(model)
-    if not 0 < n < shape.n_layer or not shape.output_bytes or shape.tied:
+    if not 0 <= n < shape.n_layer:
         return "gpu"
+    if not shape.output_bytes or shape.tied:
+        return "gpu" if n else "cpu"
     on = _option(shape, "native", n).on_gpu
     layers = sum(sum(t.values()) for t, g in zip(shape.layers, on) if g)
     room = SPLIT_VRAM_MARGIN * layers - SPLIT_BASE_EXTRA + llama_split_reserve(shape)
@@ -277,7 +285,7 @@ class _Costs:
 
     def gpu_bytes(self, opt: _Option) -> int:
         """GPU memory the placement needs (0 with nothing on the GPU)."""
-        if not any(opt.on_gpu) and not opt.head_gpu:
+        if not any(opt.on_gpu) and not opt.head:
             return 0
         s = self.shape
         layers = sum(w - self.experts[i] + self.layer_kv(i, True) for i, w in enumerate(self.weights)
@@ -461,8 +469,11 @@ def plan_placement(model: str | Path | ModelShape, vram: int | list[int], ctx: i
             opt = _choose(costs, _options(shape, backend), budgets, bw)
         else:
             opt = _option(shape, backend, given.count(shape.n_layer))
-            if head not in (None, "gpu") and backend == "native" and 0 < opt.n < shape.n_layer:
-                opt = _Option(opt.n, opt.on_gpu, head_share(head))
+            if backend == "native" and 0 <= opt.n < shape.n_layer:  # the head as asked, else the runtime's default
+                free = budgets[0] if len(budgets) == 1 and budgets[0] > 0 else None
+                asked = head if head is not None else "cpu" if not (opt.n or vram) else split_head(shape, opt.n, ctx,
+                                                                                                     free)
+                opt = _Option(opt.n, opt.on_gpu, head_share(asked))
         picked.append((not _fits(costs, opt, budgets), costs.seconds(opt, bw), kind, costs, opt))
     _, _, kind, costs, opt = min(picked, key=lambda p: p[:2])  # one that fits, then the fastest
     plan = _plan(shape, costs, opt, bw, vram, ctx, ram, notes, chosen=given is None or given.auto)
@@ -533,7 +544,7 @@ def _plan_notes(opt: _Option, vram: int, gpu_total: int, min_gpu: int, fits_ram:
     notes = []
     if fits_ram is False:
         notes.append("the CPU share does not fit the --ram budget")
-    if chosen and opt.n == 0 and vram:
+    if chosen and opt.n == 0 and vram and min_gpu > vram:
         notes.append(f"not even one layer fits the VRAM budget (the first needs ~{min_gpu / MiB:.0f} MiB)")
     if not chosen and vram and gpu_total > vram:
         notes.append(f"this placement needs ~{gpu_total / MiB:.0f} MiB of GPU memory, more than the "

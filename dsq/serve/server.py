@@ -96,8 +96,9 @@ def build(model: str | None, *, ctx: int, threads: int | None, dtype: str | None
             ranks.close()
             raise
     ref = resolve_model(model, console, revision)
+    # one device: at --gpu-layers 0 the head stays in RAM with the layers (not its rows alone on a GPU)
     nm = load(ref, backend="native", ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers, console=console,
-              cuda_graph=False, experts=experts)
+              cuda_graph=False, experts=experts, head="cpu")
     return _build(nm, None, ctx=ctx, dtype=dtype, kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_dt=kv_dt,
                   block_size=block_size, max_seqs=max_seqs, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
                   spec_tokens=spec_tokens, threads=threads, gpu_layers=gpu_layers, draft=draft, console=console)
@@ -137,7 +138,7 @@ def _load_draft(draft: str, nm, *, ctx: int, threads, dtype, gpu_layers: str, co
 
     try:
         dm = load(None if draft == "builtin" else draft, backend="native", ctx=ctx, threads=threads, dtype=dtype,
-                  gpu_layers=gpu_layers, console=console, cuda_graph=False)
+                  gpu_layers=gpu_layers, console=console, cuda_graph=False, head="cpu")
     except DsqError as e:
         hint = e.hint and e.hint.replace("nothing for the built-in model", "'builtin' for the built-in model")
         raise type(e)(f"--draft: {e.message}", hint) from None

@@ -236,7 +236,9 @@ def plan(world: int, model, *, gpu_layers: str, threads: int | None, console=Non
                            f"pass --tp {n} or fewer" if n > 1 else "leave --tp out")
     if threads is None and not cuda:  # the ranks share the cores
         threads = max(1, default_threads() // world)
-    return {"model": ref, "backend": "native", "gpu_layers": gpu_layers if cuda else "0", "threads": threads}, cuda
+    # head "cpu": on the CPU ranks the head stays in RAM with the layers, not alone on a GPU
+    return {"model": ref, "backend": "native", "gpu_layers": gpu_layers if cuda else "0", "threads": threads,
+            "head": "cpu"}, cuda
 
 
 def model_args(ref):
