@@ -110,6 +110,10 @@ if [ "$PART" = 2 ]; then
   DSQ_PREFILL_GRAPH=0 timeout $(t 40) python3 -m benchmarks.gpu_prefill /tmp/q7b.gguf --tokens 512 \
     > "$R/prefill_eager_q7b.txt" 2>&1
   log "prefill, eager chunks"
+  # where an all-GPU decode step's time goes (its top CUDA kernels over 8 captured steps)
+  timeout $(t 60) python3 -m benchmarks.decode_profile /tmp/q7b.gguf --steps 8 --threads "$TH" \
+    > "$R/decode_profile_q7b.txt" 2>&1
+  log "decode profile"
   python3 -m benchmarks.device_tables race "$R" --out "$OUT/part2"
   log "done"
   exit 0
