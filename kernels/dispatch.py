@@ -4,7 +4,8 @@ quantized modules call these functions, never a kernel directly.
 - Quantized matmuls (`packed_linear`, the GPU layout): on CUDA the Triton kernels when Triton
   imports; `gpu_kernel` picks the family by rows of x and format (see its docstring). Elsewhere
   the torch reference (kernels/packed.py). `packed_experts`: a MoE layer's (token, expert) pairs
-  through stacked expert weights, the ids read on the device.
+  through stacked expert weights, the ids read on the device. `linear_add`: a module's output
+  plus a residual, on a GPU at one row added in the int8-x GEMV's epilogue.
 - GGUF, int4/int8 and FP8 weights on the CPU (`gguf_linear`, `int_linear`, `fp8_linear`): the C
   kernels (kernels/csrc) when they were built, else the torch reference with the same signature.
 - A generation's prefill runs inside `int8_prefill()`: on the avx2 build, GGUF weights at M > 1
@@ -454,17 +455,56 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return fp8_ref.fp8_linear_ref(x, weight, scale, bias)
 
 
+def _triton_device(x: torch.Tensor) -> bool:
+    """Whether the GPU layout's matmuls of x go to the Triton kernels: CUDA, unless DSQ_KERNELS=reference
+    or Triton cannot build here."""
+    return x.device.type == "cuda" and not _reference() and _triton_ok()
+
+
 def packed_linear(x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The GPU layout (kernels/packed.py). Under torch.compile: the same as one operator it keeps."""
     if torch.compiler.is_compiling():
         from dsq.kernels import ops
 
         return ops.packed_linear_op(x, p, bias)
-    if x.device.type == "cuda" and not _reference() and _triton_ok():
+    if _triton_device(x):
         y = _triton_linear(gpu_kernel(p, x.numel() // p.K, x.dtype), x, p, bias)
         if y is not None:
             return y
     return packed.linear_ref(x, p, bias)
+
+
+# a decode step's residual add (x + mlp(h)) in the epilogue of the down projection's int8-x GEMV
+# (linear_add) instead of a launch of its own, one a layer; DSQ_FUSE_RESIDUAL=0 keeps the separate add
+FUSE_RESIDUAL = os.environ.get("DSQ_FUSE_RESIDUAL", "1") != "0"
+
+
+def linear_add(module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """module(x) + residual. One row of x through a GPU-layout module without a bias of its own
+    (a PackedLinear: `packed` and `bias` None) that the one-row int8-x GEMV takes ("q8"), the
+    residual that row's shape, dtype and device, contiguous: the residual is that GEMV's bias,
+    added in float32 to the sums before their one rounding to x's dtype, in the GEMV's launch
+    (through packed_linear, so under torch.compile the same operator with its bias). Anything
+    else (the CPU, prefill, other kernels, float weights, a module's own bias or hooks,
+    DSQ_FUSE_RESIDUAL=0): module(x) + residual as it was."""
+    p = _residual_epilogue(module, x, residual)
+    if p is None:
+        return module(x) + residual
+    return packed_linear(x, p, residual.view(-1))
+
+
+def _residual_epilogue(module, x: torch.Tensor, residual: torch.Tensor) -> packed.Packed | None:
+    """The module's Packed weight when linear_add can add `residual` in its GEMV, else None."""
+    if not FUSE_RESIDUAL or not _triton_device(x) or getattr(module, "bias", None) is not None:
+        return None
+    if getattr(module, "_forward_hooks", None) or getattr(module, "_forward_pre_hooks", None):
+        return None  # a hook (calibration's capture) sees the module called
+    p = getattr(module, "packed", None)
+    if (not isinstance(p, packed.Packed) or x.numel() != p.K or residual.shape != (*x.shape[:-1], p.N)
+            or residual.dtype != x.dtype or residual.device != x.device or not residual.is_contiguous()
+            or (torch.is_grad_enabled() and residual.requires_grad)):
+        return None
+    return p if gpu_kernel(p, 1, x.dtype) == "q8" else None
 
 
 def packed_experts(x: torch.Tensor, p: packed.Packed, ids: torch.Tensor, n_expert: int) -> torch.Tensor:

@@ -42,6 +42,43 @@ def test_gguf_packed_for_the_gpu(kind, qtype, tiny_gguf, monkeypatch):
         assert fused == 2 * 2  # one format everywhere: q/k/v and gate/up fuse in both layers
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
+def test_one_token_adds_the_residual_in_the_down_projection(qtype, tiny_gguf, monkeypatch):
+    """A one-token step on the GPU's route (dispatch._triton_device) on the CPU: each layer's
+    x + mlp(h) goes into its down projection's int8-x GEMV as the bias (dispatch.linear_add), run
+    by the interpreter, and the logits equal those of the separate add. The GEMVs without a bias
+    run the kernel's torch reference (packed.linear_ref_q8), as the interpreter takes ~5 s a call.
+    Q4_K_M: Q6_K down projections among them."""
+    import torch
+
+    from dsq.kernels import dispatch, packed, triton_gemv_q8
+    from dsq.runtime.native import NativeModel
+
+    if not dispatch.ACT_Q8:
+        pytest.skip("DSQ_ACT_Q8=0: no int8-x GEMV")
+    with monkeypatch.context() as mp:
+        mp.setattr(dispatch, "use_triton", lambda device: True)
+        m = NativeModel(tiny_gguf("llama", qtype), "gguf", n_ctx=64, dtype="fp32")
+    seen, real = [], triton_gemv_q8.q8_linear
+
+    def q8_linear(x, p, bias=None, **k):
+        seen.append(bias is not None)
+        if bias is None:
+            return packed.linear_ref_q8(x, p)
+        return real(x, p, bias, config={"BN": 64, "BK": 256})
+
+    monkeypatch.setattr(dispatch, "_triton_device", lambda x: True)
+    monkeypatch.setattr(triton_gemv_q8, "q8_linear", q8_linear)
+    ids = torch.tensor([[IDS[5]]])
+    with torch.inference_mode():
+        fused = m.model(ids)
+        n, seen[:] = sum(seen), []
+        monkeypatch.setattr(dispatch, "FUSE_RESIDUAL", False)
+        plain = m.model(ids)
+    assert n == len(m.model.model.layers) and seen and not any(seen)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5 * float(plain.abs().max()))
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
 def test_checkpoints_packed_for_the_gpu(method, tiny_dir, tmp_path, monkeypatch):
     from dsq.quant import CalibSpec, QuantSpec, quantize

@@ -100,3 +100,40 @@ def test_packed_linear_is_one_operator_under_compile():
         assert "dsq.packed_linear" in "".join(str(g.graph) for g in ex.graphs)
         torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), f(x))
         torch.testing.assert_close(ops.packed_linear_op(x, p, bias), packed.linear_ref(x, p, bias))
+
+
+def test_linear_add_under_compile_is_the_operator_with_the_residual_as_bias(monkeypatch):
+    """dispatch.linear_add's fused residual (one row through the int8-x GEMV) under torch.compile:
+    the one dsq.packed_linear operator with the residual as its bias, no graph break, and the
+    compiled function equals the eager one. Without a GPU on the GPU's route (_triton_device) with
+    the kernel in Triton's interpreter."""
+    import torch.nn.functional as F
+    from triton_interp import CUDA, DEV
+
+    from dsq.bench.random_models import random_packed
+    from dsq.kernels import triton_gemv_q8
+    from dsq.runtime.qmodules import PackedLinear
+
+    if not dispatch.ACT_Q8:
+        pytest.skip("DSQ_ACT_Q8=0: no int8-x GEMV")
+    if not CUDA:
+        monkeypatch.setattr(dispatch, "_triton_device", lambda x: True)
+    seen, real = [], triton_gemv_q8.q8_linear
+    monkeypatch.setattr(triton_gemv_q8, "q8_linear",
+                        lambda x, p, bias=None, **k: seen.append(bias is not None) or real(x, p, bias, **k))
+    mod = PackedLinear(random_packed("Q4_K", 48, 256, device=DEV), None, "Q4_K")
+
+    def f(x, r):
+        return dispatch.linear_add(mod, F.silu(x), r) * 1.5
+
+    x, r = torch.randn(1, 1, 256, device=DEV), torch.randn(1, 1, 48, device=DEV)
+    with torch.inference_mode():
+        want = f(x, r)
+        assert seen == [True]
+        ex = torch._dynamo.explain(f)(x, r)
+        assert ex.graph_break_count == 0
+        assert "dsq.packed_linear" in "".join(str(g.graph) for g in ex.graphs)
+        seen.clear()
+        got = torch.compile(f, fullgraph=True)(x, r)
+    assert seen == [True]
+    assert float((got - want).norm() / want.norm()) < 1e-4

@@ -457,6 +457,89 @@ def test_q8_refuses_what_it_cannot_run():
         triton_gemv_q8.q8_linear(torch.randn(17, 256, device=DEV), p.to(DEV))
 
 
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_q8_gemv_adds_a_residual_row_as_its_bias(fmt, dtype):
+    """A decode step's one row of x (1, 1, K) with the layer's residual (1, 1, N) as the bias
+    (dispatch.linear_add): the int8-x product plus the residual, rounded once to x's dtype."""
+    N, K = 21, 512
+    p = q8_case(fmt, N, K)
+    x, res = (torch.randn(1, 1, K) * 2).to(dtype), (torch.randn(1, 1, N) * 4).to(dtype)
+    y = triton_gemv_q8.q8_linear(x.to(DEV), p.to(DEV), bias=res.to(DEV))
+    assert y.shape == (1, 1, N) and y.dtype == dtype
+    check(y, packed.linear_ref_q8(x.double(), p).double() + res.double(), dtype)
+
+
+def _q8_biases(monkeypatch) -> list:
+    """The GPU's route for CPU tensors (dispatch._triton_device: the kernels run in the
+    interpreter); returns the list that gets each q8_linear call's bias."""
+    from dsq.kernels import dispatch
+
+    if not dispatch.ACT_Q8:
+        pytest.skip("DSQ_ACT_Q8=0: no int8-x GEMV")
+    seen, real = [], triton_gemv_q8.q8_linear
+    monkeypatch.setattr(dispatch, "_triton_device", lambda x: True)
+    monkeypatch.setattr(triton_gemv_q8, "q8_linear",
+                        lambda x, p, bias=None, **k: seen.append(bias) or real(x, p, bias, **k))
+    return seen
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_add_fuses_one_row_into_the_gemv(fmt, dtype, monkeypatch):
+    """dispatch.linear_add's fused branch (the GPU's, run here through the interpreter): the
+    residual goes into the GEMV as its bias; float32: bit for bit module(x) + residual (one
+    float32 add either way); bf16: the int8-x product plus the residual rounded once instead of twice."""
+    from dsq.kernels import dispatch
+    from dsq.runtime.qmodules import PackedLinear
+
+    seen = _q8_biases(monkeypatch)
+    N, K = 21, 512
+    mod = PackedLinear(q8_case(fmt, N, K).to(DEV), None, fmt)
+    x, res = (torch.randn(1, 1, K) * 2).to(dtype).to(DEV), (torch.randn(1, 1, N) * 4).to(dtype).to(DEV)
+    y = dispatch.linear_add(mod, x, res)
+    assert len(seen) == 1 and seen[0] is not None and seen[0].data_ptr() == res.data_ptr()
+    plain = mod(x) + res
+    assert seen[1] is None and y.shape == plain.shape and y.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(y, plain)
+    else:
+        exact = packed.linear_ref_q8(x.cpu().double(), mod.packed.to("cpu")).double() + res.cpu().double()
+        # one rounding of the float32 sum: within a bf16 step of the exact one (half a step on a GPU,
+        # which rounds to nearest; the interpreter's float32 -> bf16 truncates)
+        assert ((y.cpu().double() - exact).abs() <= exact.abs() * 2 ** -7).all()
+        assert ((y.double() - plain.double()).abs() <= plain.double().abs() * 2 ** -6).all()  # plain: two roundings
+
+
+def test_linear_add_falls_back_to_module_plus_residual(monkeypatch):
+    """Wherever the add cannot go in a one-row GEMV, linear_add is exactly module(x) + residual and
+    the GEMV gets no residual: 2 rows, DSQ_FUSE_RESIDUAL=0, a module with its own bias, a residual
+    of another dtype or layout, a float module; and CPU tensors on the CPU's own route."""
+    from torch import nn
+
+    from dsq.kernels import dispatch
+    from dsq.runtime.qmodules import PackedLinear
+
+    N, K = 21, 512
+    p = q8_case("Q4_K", N, K).to(DEV)
+    mod = PackedLinear(p, None, "Q4_K")
+    x1, r1 = torch.randn(1, 1, K, device=DEV), torch.randn(1, 1, N, device=DEV)
+    assert torch.equal(dispatch.linear_add(mod, x1, r1), mod(x1) + r1)  # the CPU: x not on the GPU
+    seen = _q8_biases(monkeypatch)
+    x2, r2 = torch.randn(1, 2, K, device=DEV), torch.randn(1, 2, N, device=DEV)
+    cases = [(mod, x2, r2),  # two rows
+             (PackedLinear(p, nn.Parameter(torch.randn(N, device=DEV), requires_grad=False), "Q4_K"), x1, r1),
+             (mod, x1, r1.double()), (mod, x1, torch.randn(1, 1, 2 * N, device=DEV)[..., ::2]),
+             (nn.Linear(K, N, bias=False).to(DEV), x1, r1)]
+    for m, x, r in cases:
+        with torch.no_grad():
+            assert torch.equal(dispatch.linear_add(m, x, r), m(x) + r)
+    monkeypatch.setattr(dispatch, "FUSE_RESIDUAL", False)
+    assert torch.equal(dispatch.linear_add(mod, x1, r1), mod(x1) + r1)
+    residuals = {r.data_ptr() for _, _, r in cases}
+    assert seen and not any(b is not None and b.data_ptr() in residuals for b in seen)  # the q8 GEMV ran, never given a residual
+
+
 @pytest.mark.skipif(not CUDA, reason="real shapes and autotuning need a GPU")
 @pytest.mark.parametrize("fmt,M", [(f, M) for f in ["gptq-int4-act", "Q4_0", "Q8_0", "Q4_K", "gptq-int8"]
                                    for M in (1, 3, 7, 16)]

@@ -117,6 +117,34 @@ def test_split_logits_and_greedy_tokens_match_one_process(case, pair):
     assert eng.counters["failed"] == 0
 
 
+def test_a_summed_mlp_leaves_the_residual_to_its_layer(monkeypatch):
+    """A rank's MLP output is summed over the ranks: the layer's residual is added once, after the
+    sum, never by each rank's down projection (MLP's adds_residual, dispatch.linear_add)."""
+    from torch import nn
+
+    from dsq.models.base import MLP, DecoderLayer, ModelArgs
+    from dsq.runtime import tp
+
+    class Attn(nn.Module):
+        def forward(self, x, *rest):
+            return torch.sin(x)
+
+    args = ModelArgs(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    layer = DecoderLayer(args, 0)
+    layer.self_attn = Attn()
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        nn.init.normal_(getattr(layer, n).weight)
+    monkeypatch.setattr(tp, "all_reduce", lambda y: 2 * y)  # two ranks with equal shares
+    layer.mlp.__class__ = tp.summed(MLP)
+    assert MLP.adds_residual and not layer.mlp.adds_residual
+    x = torch.randn(1, 1, 32)
+    with torch.no_grad():
+        x2, h = layer.post_attention_layernorm.add_norm(x, torch.sin(layer.input_layernorm(x)))
+        assert torch.equal(layer(x, None, None, None, None, None, None), x2 + 2 * MLP.forward(layer.mlp, h))
+
+
 def test_gguf_columns_split_by_blocks_or_dequantized(tiny_gguf):
     """o_proj (Q8_0, 256 columns): halves of whole 32-value blocks stay blocks, a split at 112
     (three and a half blocks) is dequantized; either way the parts' outputs sum to the whole's."""

@@ -397,6 +397,10 @@ def act_mul(act, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
+    # forward(x, residual) gives mlp(x) + residual, the add in down_proj's one-row GEMV on a GPU
+    # (dispatch.linear_add); DecoderLayer passes its residual only to an mlp whose class says so
+    adds_residual = True
+
     def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
         h, f = args.hidden_size, intermediate_size or args.intermediate_size
@@ -425,11 +429,16 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
         return True
 
-    def forward(self, x):
+    def forward(self, x, residual: torch.Tensor | None = None):
+        """down(act(gate x) * up x), plus `residual` when given."""
         if "gate_up_proj" in self._modules:
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(act_mul(self.act, g, u))
-        return self.down_proj(act_mul(self.act, self.gate_proj(x), self.up_proj(x)))
+            h = act_mul(self.act, g, u)
+        else:
+            h = act_mul(self.act, self.gate_proj(x), self.up_proj(x))
+        if residual is None:
+            return self.down_proj(h)
+        return dispatch.linear_add(self.down_proj, h, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -457,6 +466,8 @@ class DecoderLayer(nn.Module):
             x, h = self.pre_feedforward_layernorm.add_norm(x, self.post_attention_layernorm(a))
             return x + self.post_feedforward_layernorm(self.mlp(h))
         x, h = self.post_attention_layernorm.add_norm(x, a)
+        if getattr(self.mlp, "adds_residual", False):
+            return self.mlp(h, residual=x)
         return x + self.mlp(h)
 
 

@@ -111,8 +111,10 @@ def summed(cls: type) -> type:
     if cls.__name__.startswith("Summed"):
         return cls
     if cls not in _SUMMED:
+        # adds_residual off: each rank adding the layer's residual would put it in the sum world times
         _SUMMED[cls] = type(f"Summed{cls.__name__}", (cls,),
-                            {"forward": lambda self, *a, **k: all_reduce(cls.forward(self, *a, **k))})
+                            {"forward": lambda self, *a, **k: all_reduce(cls.forward(self, *a, **k)),
+                             "adds_residual": False})
     return _SUMMED[cls]
 
 
