@@ -74,9 +74,9 @@ def table(results: dict, hog_core: int) -> str:
              "| llama.cpp prefill tok/s | ratio |", "|---|---|---|---|---|---|---|"]
     for cond, report in results.items():
         r = rows(report)
-        n, l = r["native"], r["llama.cpp"]
-        d = [n["decode_tok_s_median"], l["decode_tok_s_median"]]
-        p = [n["prefill_tok_s_median"], l["prefill_tok_s_median"]]
+        n, ll = r["native"], r["llama.cpp"]
+        d = [n["decode_tok_s_median"], ll["decode_tok_s_median"]]
+        p = [n["prefill_tok_s_median"], ll["prefill_tok_s_median"]]
         name = f"busy (hog on CPU {hog_core})" if cond == "busy" else cond
         lines.append(f"| {name} | {d[0]:.1f} | {d[1]:.1f} | {d[0] / d[1]:.2f}x | {p[0]:.0f} | {p[1]:.0f} "
                      f"| {p[0] / p[1]:.2f}x |")

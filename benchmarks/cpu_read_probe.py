@@ -35,7 +35,7 @@ def main(argv=None) -> None:
             raw = torch.randint(0, 64, (N, row), dtype=torch.uint8)  # small bytes: finite fp16 scales
             xin = torch.randn(1, K)
             cpu.gguf_linear(xin, raw, qt, K, threads=th)
-            s = best_seconds(lambda: cpu.gguf_linear(xin, raw, qt, K, threads=th), 7)
+            s = best_seconds(lambda raw=raw, qt=qt, K=K: cpu.gguf_linear(xin, raw, qt, K, threads=th), 7)
             print(f"  {name}: {raw.numel() / s / 1e9:.1f} GB/s ({s * 1e3:.2f} ms a GEMV)", flush=True)
             del raw
 

@@ -27,19 +27,19 @@ def _setup(shape: str, n_expert: int | None, seed: int = 0):
     from dsq.bench.random_models import deepseek_config
 
     cfg = deepseek_config(shape)
-    H, I, E, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    H, FI, E, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
     E = n_expert or E
     L = cfg["num_hidden_layers"]
     rng = np.random.default_rng(seed)
     q = (deepseek_tensor_type("Q4_K_M", "blk.1.ffn_gate_exps.weight", H, L),
          deepseek_tensor_type("Q4_K_M", "blk.1.ffn_up_exps.weight", H, L),
-         deepseek_tensor_type("Q4_K_M", "blk.0.ffn_down_exps.weight", I, L))  # layer 0: the Q6_K rule's
+         deepseek_tensor_type("Q4_K_M", "blk.0.ffn_down_exps.weight", FI, L))  # layer 0: the Q6_K rule's
     mats = [torch.from_numpy(random_blocks(t, E * n, c, rng)).view(E, n, -1)
-            for t, n, c in ((q[0], I, H), (q[1], I, H), (q[2], H, I))]
-    return cfg, (H, I, E, k), q, mats
+            for t, n, c in ((q[0], FI, H), (q[1], FI, H), (q[2], H, FI))]
+    return cfg, (H, FI, E, k), q, mats
 
 
-def _per_expert(x, ids, w, mats, q, H, I):
+def _per_expert(x, ids, w, mats, q, H, FI):
     from dsq.kernels import cpu
 
     out = torch.zeros_like(x)
@@ -47,7 +47,7 @@ def _per_expert(x, ids, w, mats, q, H, I):
         rows, slot = (ids == e).nonzero(as_tuple=True)
         xe = x[rows].contiguous()
         h = torch.nn.functional.silu(cpu.gguf_linear(xe, mats[0][e], q[0], H)) * cpu.gguf_linear(xe, mats[1][e], q[1], H)
-        out.index_add_(0, rows, cpu.gguf_linear(h.contiguous(), mats[2][e], q[2], I) * w[rows, slot, None])
+        out.index_add_(0, rows, cpu.gguf_linear(h.contiguous(), mats[2][e], q[2], FI) * w[rows, slot, None])
     return out
 
 
@@ -56,7 +56,7 @@ def run(shape: str, rows: list[int], threads: int | None, n_expert: int | None, 
 
     if threads:
         torch.set_num_threads(threads)
-    cfg, (H, I, E, k), q, mats = _setup(shape, n_expert)
+    cfg, (H, FI, E, k), q, mats = _setup(shape, n_expert)
     per_row = [m[0].numel() for m in mats]  # bytes of one expert's gate, up, down
     out = []
     for M in rows:
@@ -72,12 +72,12 @@ def run(shape: str, rows: list[int], threads: int | None, n_expert: int | None, 
                 one.append(time.perf_counter() - t0)
         for r, (x, ids, w) in enumerate(calls):
             t0 = time.perf_counter()
-            _per_expert(x, ids, w, mats, q, H, I)
+            _per_expert(x, ids, w, mats, q, H, FI)
             if r:
                 sep.append(time.perf_counter() - t0)
         read = [ids.unique().numel() * sum(per_row) for _, ids, _ in calls[1:]]
         for x, ids, w in calls[:2]:
-            y, ref = cpu.moe_experts(x, ids, w, *mats, q), _per_expert(x, ids, w, mats, q, H, I)
+            y, ref = cpu.moe_experts(x, ids, w, *mats, q), _per_expert(x, ids, w, mats, q, H, FI)
             assert torch.allclose(y, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
         t_one, t_sep = float(np.median(one)), float(np.median(sep))
         out.append({"shape": shape, "rows": M, "threads": torch.get_num_threads(), "experts": E, "k": k,

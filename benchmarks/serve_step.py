@@ -143,7 +143,7 @@ def main() -> None:
                 eng.step()
             step_ms = _timed(eng.step, dev, a.steps)
             rs = eng.running
-            fwd = lambda: eng.kv.forward([[r.tokens[-1]] for r in rs], [r.computed for r in rs],  # noqa: E731
+            fwd = lambda eng=eng, rs=rs: eng.kv.forward([[r.tokens[-1]] for r in rs], [r.computed for r in rs],  # noqa: E731
                                          [r.blocks for r in rs])  # rewrites the last token's slot: same shapes
             fwd()
             fwd_ms = _timed(fwd, dev, a.steps)

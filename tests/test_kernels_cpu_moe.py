@@ -19,12 +19,12 @@ pytestmark = pytest.mark.skipif(not BUILDS, reason="no CPU kernels built")
 MIXES = [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q4_0", "Q5_0", "Q5_0"), ("Q5_K", "Q6_K", "Q8_0")]
 
 
-def _experts(qtypes, E, H, I, rng, extra_rows: int = 0):
+def _experts(qtypes, E, H, FI, rng, extra_rows: int = 0):
     """(gate, up, down) stacked blocks; extra_rows > 0 makes each a view of a taller tensor."""
     def stack(q, rows, cols):
         b = np.stack([random_blocks(q, rows + extra_rows, cols, rng) for _ in range(E)])
         return torch.from_numpy(b)[:, :rows]
-    g, u, d = stack(qtypes[0], I, H), stack(qtypes[1], I, H), stack(qtypes[2], H, I)
+    g, u, d = stack(qtypes[0], FI, H), stack(qtypes[1], FI, H), stack(qtypes[2], H, FI)
     return g, u, d
 
 
@@ -35,14 +35,14 @@ def _choices(M, E, k, rng):
 
 def _per_expert(x, ids, w, g, u, d, qtypes, lib):
     """The same sum from separate gguf_linear calls of the same build (the same rounding of x)."""
-    H, I = x.shape[1], g.shape[1]
+    H, FI = x.shape[1], g.shape[1]
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
         rows, slot = (ids == e).nonzero(as_tuple=True)
         xe = x[rows].contiguous()
         h = torch.nn.functional.silu(cpu.gguf_linear(xe, g[e], qtypes[0], H, lib=lib)) * \
             cpu.gguf_linear(xe, u[e], qtypes[1], H, lib=lib)
-        out.index_add_(0, rows, cpu.gguf_linear(h.contiguous(), d[e], qtypes[2], I, lib=lib) * w[rows, slot, None])
+        out.index_add_(0, rows, cpu.gguf_linear(h.contiguous(), d[e], qtypes[2], FI, lib=lib) * w[rows, slot, None])
     return out
 
 
@@ -52,8 +52,8 @@ def _per_expert(x, ids, w, g, u, d, qtypes, lib):
 def test_moe_experts_matches_reference(isa, qtypes, M):
     rng = np.random.default_rng()
     E, k, H = 8, 3, 512
-    I = 256 if qtypes[2].endswith("_K") else 288  # 288: rows of 32-blocks that are no multiple of 256
-    g, u, d = _experts(qtypes, E, H, I, rng, extra_rows=int(rng.integers(0, 3)))
+    FI = 256 if qtypes[2].endswith("_K") else 288  # 288: rows of 32-blocks that are no multiple of 256
+    g, u, d = _experts(qtypes, E, H, FI, rng, extra_rows=int(rng.integers(0, 3)))
     x = torch.randn(M, H) * 0.1
     ids, w = _choices(M, E, k, rng)
     lib = cpu.load(isa)
@@ -83,8 +83,8 @@ def test_moe_experts_one_row(isa, qtypes, case, monkeypatch):
         monkeypatch.setenv("DSQ_NO_VNNI", "1")
     rng = np.random.default_rng()
     E, k, H = 8, 3, 512
-    I = 256 if qtypes[2].endswith("_K") else 288
-    g, u, d = _experts(qtypes, E, H, I, rng)
+    FI = 256 if qtypes[2].endswith("_K") else 288
+    g, u, d = _experts(qtypes, E, H, FI, rng)
     x = torch.randn(1, H) * 0.1
     ids, w = _choices(1, E, k, rng)
     if case == "an expert chosen twice":
