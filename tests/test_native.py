@@ -422,6 +422,40 @@ def test_layers_run_in_segments_as_in_one_pass(tiny_dir):
     assert mixed.k[0].dtype == torch.float32
 
 
+def test_a_prompt_through_every_layer_streamed_meets_the_head_where_its_norm_is(tiny_dir, monkeypatch):
+    """A model with every layer on the CPU streams a long prompt's layers through the GPU
+    (StreamedLayers), which leaves the hidden state there; the placement has it on the last layer's
+    device, the CPU. _streamed_prefill hands the last position to the final norm's device itself (a
+    head in RAM read a GPU tensor before: 'two devices'). On the CPU, with a stand-in for the
+    streamed layers: the hand-off goes to the norm's device, and the logits are the eager pass's."""
+    from dsq.runtime import native
+    from dsq.runtime.native import NativeModel
+
+    m = NativeModel(tiny_dir("llama"), "hf", n_ctx=64)
+    model = m.model
+    n = len(model.model.layers)
+
+    class Streamed:  # runs the layers where they are, as StreamedLayers runs them on the GPU
+        def __init__(self):
+            self.n = n
+
+        def run(self, x, slots, cache, pad, kv_len):
+            return model.forward_layers(x, 0, n, slots, cache, pad, kv_len)
+
+    handed = []
+    real = native.cross_device
+    monkeypatch.setattr(native, "cross_device", lambda x, dev, dt=None: handed.append((x.shape, dev)) or real(x, dev, dt))
+    m._streamed = Streamed()
+    ids = torch.tensor([[5, 17, 99, 250, 31, 7, 8, 9]])
+    slots = torch.arange(ids.shape[1])
+    with torch.inference_mode():
+        want = model(ids, slots, model.make_cache(1, 16, torch.float32), kv_len=ids.shape[1], last_only=True)
+        got = m._streamed_prefill(ids, slots, model.make_cache(1, 16, torch.float32), torch.zeros(1, dtype=torch.long),
+                                  ids.shape[1])
+    assert handed == [((1, 1, model.args.hidden_size), model.placement.norm)]
+    assert torch.allclose(got, want, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind, qtype", [("llama", "Q4_K_M"), ("gemma3", "F32")])
 def test_prefill_graph_spans_equal_eager_chunks_on_the_cpu(kind, qtype, tiny_gguf, monkeypatch):
     """The prompt graphs' bookkeeping, with a stand-in for CUDA's capture whose replay runs the

@@ -20,6 +20,7 @@ import torch
 
 from dsq.errors import DsqError
 from dsq.kernels import dispatch
+from dsq.models.base import cross_device
 from dsq.models.registry import gguf_name
 from dsq.runtime import fused_layer
 from dsq.runtime.generate import GenStats, TokenEvent
@@ -503,6 +504,10 @@ class NativeModel:
         m, n = self.model, self._streamed.n
         pad = pad.cpu() if pad is not None else torch.zeros(ids.shape[0], dtype=torch.long)
         x = self._streamed.run(m.embed(ids), slots, cache, pad, kv_len)
+        if n == len(m.model.layers) and m.placement is not None:
+            # every layer streamed: x is on the GPU, where the placement has the last layer on the CPU;
+            # it goes to the final norm's device itself (a head in RAM: back to the CPU)
+            x = cross_device(x[:, -1:], m.placement.norm, m.dtype)
         x = m.forward_layers(x, n, len(m.model.layers), slots, cache, pad, kv_len)
         return m.head(x, last_only=True)
 
