@@ -1,8 +1,8 @@
 """--gpu-layers as one value: how much of a model sits on the GPU, counted as llama.cpp counts it.
 
 A number N puts the last N layers on the GPU, and N > n_layer the output head too (the native
-backend puts the head there with any layer, and at 0 where it fits: placement.split_head); "all" is every layer and the head; "auto" fits the
-GPU's free memory (the backend's placement plan) once `resolve` knows the model and the backend.
+backend puts the head there with any layer, and at 0 where it fits: head_alone); "all" is every
+layer and the head; "auto" fits the GPU's free memory (the backend's placement plan) once `resolve` knows the model and the backend.
 `str()` gives the value as the user typed it; `n_gpu_layers` is llama.cpp's number (-1: all).
 """
 
@@ -209,6 +209,13 @@ def parse_head(value: str | None) -> str:
 def head_share(head: str) -> float:
     """The share of the output head's rows a parsed --head puts on the GPU of a split."""
     return 1.0 if head == "gpu" else 0.0 if head == "cpu" else float(head)
+
+
+def head_alone(gpu_layers: GpuLayers, gpus, head: str) -> bool:
+    """Whether the native runtime puts the output head's rows (a parsed --head) on a GPU with no
+    layer there: --gpu-layers 0 on a machine with a GPU, unless --head cpu (placement.split_head
+    picks the default)."""
+    return bool(gpus) and gpu_layers.n_gpu_layers == 0 and head != "cpu"
 
 
 def head_arg(share: float) -> str:

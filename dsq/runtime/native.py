@@ -321,7 +321,7 @@ class NativeModel:
         head = parse_head(head) if head is not None else placed.head or _split_head(
             shape_of, placed, n_ctx, gl.last_gpu(gpus, self.tensor_split) if gpus else None)
         # bf16 where any of it runs on a GPU (the CPU layers of a split compute in float32 all the same)
-        on_gpu = placed.n_gpu_layers != 0 or (gpu is not None and head != "cpu")
+        on_gpu = placed.n_gpu_layers != 0 or gl.head_alone(placed, gpus, head)
         dt = parse_dtype(dtype, torch.bfloat16 if on_gpu else torch.float32)
         shard = None
         if self.tp[1] > 1:

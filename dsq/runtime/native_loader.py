@@ -16,7 +16,7 @@ from torch import nn
 from dsq.errors import BadModelFile
 from dsq.models.base import Placement, Transformer, module_device
 from dsq.models.registry import arch_for_gguf, build_args
-from dsq.runtime.gpu_layers import GpuLayers, head_share, last_gpu
+from dsq.runtime.gpu_layers import GpuLayers, head_alone, head_share, last_gpu
 from dsq.runtime.host_mapped import map_embedding
 from dsq.runtime.qmodules import GGUFEmbedding, GGUFLinear, RowSplitLinear, prepare_kernels, set_module, to_device
 
@@ -55,7 +55,7 @@ def _place(model: Transformer, gpu_layers: GpuLayers, gpus: list[torch.device], 
     per, head_on = gpu_layers.devices(model.args.num_hidden_layers, gpus, shares)
     on_gpu = [d != cpu for d in per]
     last = last_gpu(gpus, shares) if gpus else None
-    head_only = bool(gpus) and not any(on_gpu) and head != "cpu"  # no layer on the GPU, the head's rows there
+    head_only = head_alone(gpu_layers, gpus, head)
     if head_only:
         last = gpus[0]  # the one GPU the split step captures on
     split = (any(on_gpu) and not all(on_gpu)) or head_only

@@ -237,6 +237,14 @@ def split_head(model: str | Path | ModelShape, n: int, ctx: int, free_vram: int 
     return "cpu"
 
 
+def _default_head(shape: ModelShape, n: int, ctx: int, budgets: list[int]) -> str:
+    """The --head the native runtime takes without one at a given count of n layers (split_head,
+    with one GPU's budget as its free memory); in RAM at 0 layers with no VRAM at all (no GPU)."""
+    if not n and not any(budgets):
+        return "cpu"
+    return split_head(shape, n, ctx, budgets[0] if len(budgets) == 1 and budgets[0] > 0 else None)
+
+
 class _Costs:
     """Bytes one model at one context needs on each device, and reads per token, on one backend."""
 
@@ -469,11 +477,8 @@ def plan_placement(model: str | Path | ModelShape, vram: int | list[int], ctx: i
             opt = _choose(costs, _options(shape, backend), budgets, bw)
         else:
             opt = _option(shape, backend, given.count(shape.n_layer))
-            if backend == "native" and 0 <= opt.n < shape.n_layer:  # the head as asked, else the runtime's default
-                free = budgets[0] if len(budgets) == 1 and budgets[0] > 0 else None
-                asked = head if head is not None else "cpu" if not (opt.n or vram) else split_head(shape, opt.n, ctx,
-                                                                                                     free)
-                opt = _Option(opt.n, opt.on_gpu, head_share(asked))
+            if backend == "native" and 0 <= opt.n < shape.n_layer:
+                opt = _Option(opt.n, opt.on_gpu, head_share(head or _default_head(shape, opt.n, ctx, budgets)))
         picked.append((not _fits(costs, opt, budgets), costs.seconds(opt, bw), kind, costs, opt))
     _, _, kind, costs, opt = min(picked, key=lambda p: p[:2])  # one that fits, then the fastest
     plan = _plan(shape, costs, opt, bw, vram, ctx, ram, notes, chosen=given is None or given.auto)
