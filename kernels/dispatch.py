@@ -183,7 +183,7 @@ def _elementwise_gpu(*ts: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)))
 
 
-# x rounded to int8 for the q8 GEMVs in the launch of the norm or activation that makes x, instead of a
+# x rounded to int8 for the q8 GEMVs in the launch of the norm, activation or decode attention that makes x, instead of a
 # _quant_x launch before each GEMV that reads it: V2-Lite's all-GPU decode 376 -> 397 tok/s
 # (docs/benchmarks.md#deepseek); DSQ_PRODUCER_Q8=0 turns it off
 PRODUCER_Q8 = os.environ.get("DSQ_PRODUCER_Q8", "1") == "1"
@@ -306,7 +306,9 @@ def attn_decode_gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         from dsq.kernels import ops
 
         return ops.attn_decode(q, k, v, mask, scale)
-    return triton_attn.attn_decode(q, k, v, mask, scale)
+    # the combination also rounds o (B, 1, H * D) for o_proj: whole blocks a head, rows as the producers'
+    q8 = PRODUCER_Q8 and ACT_Q8 and q.shape[-1] % 32 == 0 and q.shape[0] <= PRODUCER_Q8_ROWS
+    return triton_attn.attn_decode(q, k, v, mask, scale, q8=q8)
 
 
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, mask: torch.Tensor, scale: float,

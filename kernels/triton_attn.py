@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from dsq.kernels.triton_common import INTERPRET, sm_count
+from dsq.kernels.triton_gemv_q8 import _q8_blocks, offer, q8_room
 
 
 @triton.jit
@@ -194,10 +195,12 @@ def _attn_rows(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, seq_ptr, acc_ptr, ml_pt
 
 
 @triton.jit
-def _attn_combine(acc_ptr, ml_ptr, o_ptr, H, s_ob, s_oh, NSPLIT, REP: tl.constexpr, D: tl.constexpr,
-                  NSP: tl.constexpr):
+def _attn_combine(acc_ptr, ml_ptr, o_ptr, xw_ptr, sx_ptr, xs_ptr, H, s_ob, s_oh, NSPLIT, REP: tl.constexpr,
+                  D: tl.constexpr, NSP: tl.constexpr, Q8: tl.constexpr = False):
     """Program b * H + h (one query head): its NSPLIT partial results into o = sum acc / sum l,
-    each slice scaled by exp(m_slice - m_max)."""
+    each slice scaled by exp(m_slice - m_max). Q8 (D a multiple of 32): the head's D / 32 blocks of
+    o, as stored, also rounded to int8 in nibble order into row b of the output projection's x
+    (triton_gemv_q8.offer), as the norm and the activation do."""
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -212,8 +215,12 @@ def _attn_combine(acc_ptr, ml_ptr, o_ptr, H, s_ob, s_oh, NSPLIT, REP: tl.constex
     w = tl.exp(m - mx)  # an empty slice: exp(-inf) = 0
     den = tl.sum(w * lsum, axis=0)
     a = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=spm[:, None], other=0)  # (NSP, D)
-    o = tl.sum(a * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
-    tl.store(o_ptr + b * s_ob + h * s_oh + d, o.to(o_ptr.dtype.element_ty))
+    o = (tl.sum(a * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + b * s_ob + h * s_oh + d, o)
+    if Q8:
+        blk = h * (D // 32) + tl.arange(0, D // 32)
+        _q8_blocks(tl.reshape(o.to(tl.float32), (D // 32, 4, 8)), blk, blk >= 0, xw_ptr + b * (H * D // 4),
+                   sx_ptr + b * (H * D // 32), xs_ptr + b * (H * D // 32), True)
 
 
 def _partials(S: int, block: int, nsplit: int | None, programs: int, lines: int, D: int, device):
@@ -230,10 +237,13 @@ def _partials(S: int, block: int, nsplit: int | None, programs: int, lines: int,
     return split, nsplit, acc, ml
 
 
-def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool, lens=None, seq=None) -> torch.Tensor:
+def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool, lens=None, seq=None,
+            q8: bool = False) -> torch.Tensor:
     """Both public entries: the partial results over `nsplit` slices of the cache (default: about
     two programs per SM), then their combination. With `seq` (paged, with lens), tiles of rows
-    of one sequence go through `_attn_rows` and the other rows through `_attn_part`."""
+    of one sequence go through `_attn_rows` and the other rows through `_attn_part`. With `q8`
+    (and D a multiple of 32) the combination also rounds o to int8 for the output projection's
+    q8 GEMV and offers it (triton_gemv_q8.offer)."""
     B, H, _, D = q.shape
     HK = k.shape[1]
     S = mask.shape[-1]
@@ -256,9 +266,13 @@ def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool, lens=None, 
         _attn_rows[(triton.cdiv(B, rt) * HK, nsplit)](*args, REP=rep, RPW=rpw, RT=rt, D=D, BS=block, F32=f32,
                                                      num_warps=warps)
     o = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device)
-    _attn_combine[(B * H,)](acc, ml, o, H, o.stride(0), o.stride(2), nsplit, REP=rep, D=D,
-                            NSP=triton.next_power_of_2(nsplit), num_warps=1)
-    return o.reshape(B, 1, H * D)
+    xq = q8_room(B, H * D, q.device) if q8 and D % 32 == 0 else None
+    _attn_combine[(B * H,)](acc, ml, o, *(xq or (o, o, o)), H, o.stride(0), o.stride(2), nsplit, REP=rep, D=D,
+                            NSP=triton.next_power_of_2(nsplit), Q8=xq is not None, num_warps=1)
+    o = o.reshape(B, 1, H * D)
+    if xq is not None:
+        offer(o, xq)
+    return o
 
 
 def paged_attn_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
@@ -358,7 +372,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, mask:
                                HP=max(16, triton.next_power_of_2(hg)), R=R, P=P, BS=block, F32=f32, PAGED=paged,
                                LENS=lens is not None, num_warps=8)
     o = torch.empty(B, 1, H, R, dtype=q_lat.dtype, device=q_lat.device)
-    _attn_combine[(B * H,)](acc, ml, o, H, o.stride(0), o.stride(2), nsplit, REP=hg, D=R,
+    _attn_combine[(B * H,)](acc, ml, o, o, o, o, H, o.stride(0), o.stride(2), nsplit, REP=hg, D=R,
                             NSP=triton.next_power_of_2(nsplit), num_warps=4)
     return o
 
@@ -387,11 +401,12 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                nsplit: int | None = None, block: int = 64) -> torch.Tensor:
+                nsplit: int | None = None, block: int = 64, q8: bool = False) -> torch.Tensor:
     """softmax(q k^T scale, masked) v for one query token: q (B, H, 1, D), k/v (B, Hk, S, D),
     mask (B, 1, 1, S) bool (True: attend) -> (B, 1, H * D) in q's dtype (rows with nothing to
-    attend are 0). `nsplit` slices of the cache (default: about two programs per SM)."""
-    return _decode(q, k, v, None, mask, scale, nsplit, block, paged=False)
+    attend are 0). `nsplit` slices of the cache (default: about two programs per SM). `q8`: the
+    result also rounded to int8 for the q8 GEMV that reads it next, in the same launch (_decode)."""
+    return _decode(q, k, v, None, mask, scale, nsplit, block, paged=False, q8=q8)
 
 
 def attn_decode_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -43,6 +43,31 @@ def test_attn_decode_equals_its_reference(B, H, HK, S, D, nsplit, dtype):
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
 
 
+@pytest.mark.parametrize("B,H,HK,D", [(1, 8, 2, 32), (2, 4, 1, 64), (1, 2, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attn_decode_rounds_its_output_for_the_q8_gemv(B, H, HK, D, dtype):
+    """With q8 the combination also writes o (as stored, in its dtype) rounded to int8 per 32
+    elements in nibble order, each head its own D / 32 blocks of its row, and offers it to the
+    output projection's q8 GEMV: exactly packed.quantize_x_q8 of each row; o itself is unchanged.
+    A head of 16 (not a whole block) offers nothing."""
+    from test_elementwise_triton import _check_rounding, _offered
+
+    from dsq.kernels import triton_gemv_q8
+
+    q, k, v = _case(B, H, HK, 50, D, dtype, seed=1)
+    q = q * 4  # scores away from uniform: heads' outputs of different sizes
+    mask = torch.ones(B, 1, 1, 50, dtype=torch.bool)
+    mask[-1, ..., 40:] = False
+    args = (q.to(DEV), k.to(DEV), v.to(DEV), mask.to(DEV), D ** -0.5)
+    got = ta.attn_decode(*args, nsplit=3, block=16, q8=True)
+    assert torch.equal(got.cpu(), ta.attn_decode(*args, nsplit=3, block=16).cpu())
+    _check_rounding(got, _offered(got))
+    q16, k16, v16 = _case(1, 4, 2, 20, 16, dtype)
+    o16 = ta.attn_decode(q16.to(DEV), k16.to(DEV), v16.to(DEV), torch.ones(1, 1, 1, 20, dtype=torch.bool, device=DEV),
+                         0.25, q8=True)
+    assert all(e[0]() is not o16 for e in triton_gemv_q8._MADE)
+
+
 def test_attn_decode_row_with_nothing_to_attend_is_zero():
     q, k, v = _case(2, 4, 2, 40, 16, torch.float32)
     mask = torch.ones(2, 1, 1, 40, dtype=torch.bool)
