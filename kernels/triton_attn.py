@@ -195,7 +195,7 @@ def _attn_rows(q_ptr, k_ptr, v_ptr, t_ptr, m_ptr, l_ptr, seq_ptr, acc_ptr, ml_pt
 
 
 @triton.jit
-def _attn_combine(acc_ptr, ml_ptr, o_ptr, xw_ptr, sx_ptr, xs_ptr, H, s_ob, s_oh, NSPLIT, REP: tl.constexpr,
+def _attn_combine(acc_ptr, ml_ptr, o_ptr, xw_ptr, sx_ptr, xs_ptr, xb_ptr, H, s_ob, s_oh, NSPLIT, REP: tl.constexpr,
                   D: tl.constexpr, NSP: tl.constexpr, Q8: tl.constexpr = False):
     """Program b * H + h (one query head): its NSPLIT partial results into o = sum acc / sum l,
     each slice scaled by exp(m_slice - m_max). Q8 (D a multiple of 32): the head's D / 32 blocks of
@@ -220,7 +220,7 @@ def _attn_combine(acc_ptr, ml_ptr, o_ptr, xw_ptr, sx_ptr, xs_ptr, H, s_ob, s_oh,
     if Q8:
         blk = h * (D // 32) + tl.arange(0, D // 32)
         _q8_blocks(tl.reshape(o.to(tl.float32), (D // 32, 4, 8)), blk, blk >= 0, xw_ptr + b * (H * D // 4),
-                   sx_ptr + b * (H * D // 32), xs_ptr + b * (H * D // 32), True)
+                   sx_ptr + b * (H * D // 32), xs_ptr + b * (H * D // 32), True, xb_ptr + b * (H * D // 4), True)
 
 
 def _partials(S: int, block: int, nsplit: int | None, programs: int, lines: int, D: int, device):
@@ -266,8 +266,8 @@ def _decode(q, k, v, table, mask, scale, nsplit, block, paged: bool, lens=None, 
         _attn_rows[(triton.cdiv(B, rt) * HK, nsplit)](*args, REP=rep, RPW=rpw, RT=rt, D=D, BS=block, F32=f32,
                                                      num_warps=warps)
     o = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device)
-    xq = q8_room(B, H * D, q.device) if q8 and D % 32 == 0 else None
-    _attn_combine[(B * H,)](acc, ml, o, *(xq or (o, o, o)), H, o.stride(0), o.stride(2), nsplit, REP=rep, D=D,
+    xq = q8_room(B, H * D, q.device, both=True) if q8 and D % 32 == 0 else None
+    _attn_combine[(B * H,)](acc, ml, o, *(xq or (o, o, o, o)), H, o.stride(0), o.stride(2), nsplit, REP=rep, D=D,
                             NSP=triton.next_power_of_2(nsplit), Q8=xq is not None, num_warps=1)
     o = o.reshape(B, 1, H * D)
     if xq is not None:
@@ -372,7 +372,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, mask:
                                HP=max(16, triton.next_power_of_2(hg)), R=R, P=P, BS=block, F32=f32, PAGED=paged,
                                LENS=lens is not None, num_warps=8)
     o = torch.empty(B, 1, H, R, dtype=q_lat.dtype, device=q_lat.device)
-    _attn_combine[(B * H,)](acc, ml, o, o, o, o, H, o.stride(0), o.stride(2), nsplit, REP=hg, D=R,
+    _attn_combine[(B * H,)](acc, ml, o, o, o, o, o, H, o.stride(0), o.stride(2), nsplit, REP=hg, D=R,
                             NSP=triton.next_power_of_2(nsplit), num_warps=4)
     return o
 

@@ -39,7 +39,7 @@ def _rows(x: torch.Tensor) -> tuple[int, int, int, int] | None:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, xw_ptr, sx_ptr, xs_ptr, R1, N, sx0, sx1, sa0, sa1, ss0, ss1,
+def _rms_norm_kernel(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, xw_ptr, sx_ptr, xs_ptr, xb_ptr, R1, N, sx0, sx1, sa0, sa1, ss0, ss1,
                      eps, offset, HAS_ADD: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr,
                      Q8: tl.constexpr = False):
     r = tl.program_id(0)
@@ -63,7 +63,7 @@ def _rms_norm_kernel(x_ptr, a_ptr, w_ptr, y_ptr, s_ptr, xw_ptr, sx_ptr, xs_ptr, 
     if Q8:  # y rounded to int8 for the q8 GEMVs that read it next (triton_gemv_q8.offer)
         blk = tl.arange(0, BLOCK // 32)
         _q8_blocks(tl.reshape(y.to(tl.float32), (BLOCK // 32, 4, 8)), blk, blk < N // 32, xw_ptr + r * (N // 4),
-                   sx_ptr + r * (N // 32), xs_ptr + r * (N // 32), True)
+                   sx_ptr + r * (N // 32), xs_ptr + r * (N // 32), True, xb_ptr + r * (N // 4), True)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
@@ -87,8 +87,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     s = torch.empty_like(x, memory_format=torch.contiguous_format) if add is not None else y
     rs = _rows(s) if add is not None else rx
     R0, R1 = rx[0], rx[1]
-    xq = triton_gemv_q8.q8_room(y.numel() // N, N, y.device) if q8 and N % 32 == 0 else None
-    _rms_norm_kernel[(R0 * R1,)](x, add if add is not None else x, weight, y, s, *(xq or (y, y, y)), R1, N, rx[2],
+    xq = triton_gemv_q8.q8_room(y.numel() // N, N, y.device, both=True) if q8 and N % 32 == 0 else None
+    _rms_norm_kernel[(R0 * R1,)](x, add if add is not None else x, weight, y, s, *(xq or (y, y, y, y)), R1, N, rx[2],
                                  rx[3], ra[2], ra[3], rs[2], rs[3], float(eps), float(offset), HAS_ADD=add is not None,
                                  OFFSET=bool(offset), BLOCK=triton.next_power_of_2(N), Q8=xq is not None,
                                  num_warps=4 if N <= 4096 else 8)
@@ -98,7 +98,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 
 
 @triton.jit
-def _act_mul_kernel(g_ptr, u_ptr, y_ptr, xw_ptr, sx_ptr, xs_ptr, R1, F, sg0, sg1, su0, su1, GELU: tl.constexpr,
+def _act_mul_kernel(g_ptr, u_ptr, y_ptr, xw_ptr, sx_ptr, xs_ptr, xb_ptr, R1, F, sg0, sg1, su0, su1, GELU: tl.constexpr,
                     BLOCK: tl.constexpr, Q8: tl.constexpr = False):
     r = tl.program_id(0)
     r0, r1 = r // R1, r % R1
@@ -118,7 +118,7 @@ def _act_mul_kernel(g_ptr, u_ptr, y_ptr, xw_ptr, sx_ptr, xs_ptr, R1, F, sg0, sg1
     if Q8:  # as the norm's: this program's BLOCK / 32 blocks of the row
         blk = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
         _q8_blocks(tl.reshape(y.to(tl.float32), (BLOCK // 32, 4, 8)), blk, blk < F // 32, xw_ptr + r * (F // 4),
-                   sx_ptr + r * (F // 32), xs_ptr + r * (F // 32), True)
+                   sx_ptr + r * (F // 32), xs_ptr + r * (F // 32), True, xb_ptr + r * (F // 4), True)
 
 
 def act_mul(g: torch.Tensor, u: torch.Tensor, gelu: bool = False, q8: bool = False) -> torch.Tensor | None:
@@ -132,8 +132,8 @@ def act_mul(g: torch.Tensor, u: torch.Tensor, gelu: bool = False, q8: bool = Fal
     F_ = g.shape[-1]
     y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     BLOCK = min(1024, triton.next_power_of_2(F_))
-    xq = triton_gemv_q8.q8_room(y.numel() // F_, F_, y.device) if q8 and F_ % 32 == 0 else None
-    _act_mul_kernel[(rg[0] * rg[1], triton.cdiv(F_, BLOCK))](g, u, y, *(xq or (y, y, y)), rg[1], F_, rg[2], rg[3],
+    xq = triton_gemv_q8.q8_room(y.numel() // F_, F_, y.device, both=True) if q8 and F_ % 32 == 0 else None
+    _act_mul_kernel[(rg[0] * rg[1], triton.cdiv(F_, BLOCK))](g, u, y, *(xq or (y, y, y, y)), rg[1], F_, rg[2], rg[3],
                                                              ru[2], ru[3], GELU=gelu, BLOCK=BLOCK, Q8=xq is not None,
                                                              num_warps=4)
     if xq is not None:

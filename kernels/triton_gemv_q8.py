@@ -286,15 +286,17 @@ def _quant_x(x_ptr, perm_ptr, xw_ptr, sx_ptr, xsum_ptr, K, s_x, NIBBLES: tl.cons
     if HAS_PERM:
         e = tl.load(perm_ptr + e, mask=bm[:, None, None], other=0)
     x = tl.load(x_ptr + e, mask=bm[:, None, None], other=0).to(tl.float32)
-    _q8_blocks(x, blk, bm, xw_ptr, sx_ptr, xsum_ptr, NIBBLES)
+    _q8_blocks(x, blk, bm, xw_ptr, sx_ptr, xsum_ptr, NIBBLES, xw_ptr, False)
 
 
 @triton.jit
-def _q8_blocks(x, blk, bm, xw_ptr, sx_ptr, xsum_ptr, NIBBLES: tl.constexpr):
+def _q8_blocks(x, blk, bm, xw_ptr, sx_ptr, xsum_ptr, NIBBLES: tl.constexpr, xb_ptr, BOTH: tl.constexpr):
     """x (NB, 4, 8) float32, blocks `blk` (NB,) of 32 elements of one row as 4 words of 8, rounded to
     int8 and stored where `bm` into that row's words, scales and sums (xw_ptr, sx_ptr, xsum_ptr: the
     row's first): _quant_x's work, which the kernels that make x (triton_elementwise's norm and
-    activation) also do in their own launch."""
+    activation, the decode attention's combination) also do in their own launch. BOTH (with
+    NIBBLES): the words in byte order as well, into xb_ptr's row (the scales and sums are the same),
+    for GEMVs of byte-order formats (Q6_K, Q8_0) that read the same x."""
     j = tl.arange(0, 8)
     w4 = tl.arange(0, 4)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
@@ -315,13 +317,17 @@ def _q8_blocks(x, blk, bm, xw_ptr, sx_ptr, xsum_ptr, NIBBLES: tl.constexpr):
         ow = blk[:, None] * 8 + w4[None, :]
         tl.store(xw_ptr + ow, ev, mask=bm[:, None])
         tl.store(xw_ptr + ow + 4, od, mask=bm[:, None])
-    else:  # byte order: element e of a word of 8
+    if BOTH or not NIBBLES:  # byte order: element e of a word of 8
         sh = 8 * (j % 4)
         lo = tl.sum(tl.where((j < 4)[None, None, :], qi << sh[None, None, :], 0), axis=2)
         hi = tl.sum(tl.where((j >= 4)[None, None, :], qi << sh[None, None, :], 0), axis=2)
-        ow = blk[:, None] * 8 + w4[None, :] * 2
-        tl.store(xw_ptr + ow, lo, mask=bm[:, None])
-        tl.store(xw_ptr + ow + 1, hi, mask=bm[:, None])
+        ob = blk[:, None] * 8 + w4[None, :] * 2
+        if BOTH:
+            tl.store(xb_ptr + ob, lo, mask=bm[:, None])
+            tl.store(xb_ptr + ob + 1, hi, mask=bm[:, None])
+        else:
+            tl.store(xw_ptr + ob, lo, mask=bm[:, None])
+            tl.store(xw_ptr + ob + 1, hi, mask=bm[:, None])
     sx = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
     tl.store(sx_ptr + blk, sx, mask=bm)
     tl.store(xsum_ptr + blk, sx * qs, mask=bm)
@@ -421,39 +427,46 @@ def _x_rows(x: torch.Tensor, p: Packed) -> torch.Tensor:
     return x1
 
 
-# x rounded to int8 by the kernel that made x (triton_elementwise's norm and activation), for the
-# GEMVs that read x next, in nibble order: (weakref to x, its address, its size, (words, scales, sums)),
-# newest last; a decode layer reads at most two such x before it makes the next
+# x rounded to int8 by the kernel that made x (triton_elementwise's norm and activation, the decode
+# attention's combination), for the GEMVs that read x next: (weakref to x, its address, its size,
+# (words in nibble order, scales, sums, words in byte order)), newest last; a decode layer reads at
+# most two such x before it makes the next
 _MADE: list = []
 _MADE_KEEP = 4
 
 
-def offer(x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-    """Record xq (words (M, K / 4), scales and sums (M, K / 32)) as x's rows rounded to int8 in
-    nibble order (the GGUF K-quants' and int4's), made in the launch that made x: q8 GEMVs of x, or of a view of all of it,
-    then skip their _quant_x launch. The producers' outputs are never written in place after (the
-    models' norm and activation outputs are read, not updated), and an entry lives only as long as
-    x: its memory cannot be another tensor's meanwhile."""
+def offer(x: torch.Tensor, xq: tuple[torch.Tensor, ...]) -> None:
+    """Record xq (words (M, K / 4) in nibble order, scales and sums (M, K / 32), and the words in
+    byte order, or only the first three: q8_room(..., both=True) or not) as x's rows rounded to int8,
+    made in the launch that made x: q8 GEMVs of x, or of a view of all of it, in nibble order (the
+    GGUF K-quants' and int4's) or byte order (Q6_K, Q8_0) then skip their _quant_x launch. The
+    producers' outputs are never written in place after (the models' norm and activation outputs are
+    read, not updated), and an entry lives only as long as x: its memory cannot be another tensor's
+    meanwhile."""
     keep = [e for e in _MADE[-(_MADE_KEEP - 1):] if e[0]() is not None]
     _MADE[:] = keep + [(weakref.ref(x), x.data_ptr(), x.numel(), xq)]
 
 
 def _made(x1: torch.Tensor, p: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The offered rounding of rows x1 for weight p, or None."""
-    if p.perm is not None or p.fmt.codes != NIB:
+    """The offered rounding of rows x1 for weight p (words in p's order, scales, sums), or None."""
+    if p.perm is not None:
         return None
     ptr, n = x1.data_ptr(), x1.numel()
     for ref, at, size, xq in reversed(_MADE):
         if (at == ptr and size == n and xq[0].shape == (x1.shape[0], p.K // 4)
                 and xq[0].device == x1.device and ref() is not None):
-            return xq
+            if p.fmt.codes == NIB:
+                return xq[:3]
+            return (xq[3], xq[1], xq[2]) if len(xq) > 3 else None
     return None
 
 
-def q8_room(M: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Room for M rows of K values rounded to int8: words (M, K / 4), block scales and sums (M, K / 32)."""
+def q8_room(M: int, K: int, device, both: bool = False) -> tuple[torch.Tensor, ...]:
+    """Room for M rows of K values rounded to int8: words (M, K / 4), block scales and sums (M, K / 32);
+    with `both`, words in byte order after them (_q8_blocks' BOTH)."""
     sx = torch.empty(M, K // 32, dtype=torch.float32, device=device)
-    return torch.empty(M, K // 4, dtype=torch.int32, device=device), sx, torch.empty_like(sx)
+    xw = torch.empty(M, K // 4, dtype=torch.int32, device=device)
+    return (xw, sx, torch.empty_like(sx)) + ((torch.empty_like(xw),) if both else ())
 
 
 def _quantize_x(x1: torch.Tensor, p: Packed, pdl: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

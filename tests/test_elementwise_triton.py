@@ -142,14 +142,17 @@ def _offered(y: torch.Tensor):
 
 
 def _check_rounding(y: torch.Tensor, xq) -> None:
-    """xq is exactly packed.quantize_x_q8 of each row of y, in nibble order."""
+    """xq is exactly packed.quantize_x_q8 of each row of y, its words in nibble order, then in
+    byte order (the producers offer both)."""
     from dsq.kernels import packed
 
     rows = y.reshape(-1, y.shape[-1]).cpu()
+    assert len(xq) == 4 and xq[3].shape == xq[0].shape
     assert xq[0].shape == (rows.shape[0], rows.shape[1] // 4) and xq[1].shape == (rows.shape[0], rows.shape[1] // 32)
     for r in range(rows.shape[0]):
         want = packed.quantize_x_q8(rows[r].float(), packed.NIB)
         assert torch.equal(xq[0][r].cpu(), want[0])
+        assert torch.equal(xq[3][r].cpu(), packed.quantize_x_q8(rows[r].float(), packed.U8)[0])
         torch.testing.assert_close(xq[1][r].cpu(), want[1], rtol=1e-6, atol=0)
         torch.testing.assert_close(xq[2][r].cpu(), want[2], rtol=1e-5, atol=1e-6)
 
@@ -192,8 +195,9 @@ def test_the_activation_rounds_its_output_for_the_q8_gemvs(dtype):
 
 def test_a_q8_gemv_reads_what_the_producer_offered(monkeypatch):
     """A q8 GEMV of the norm's output (or of a view of all of it) launches no _quant_x of its own and
-    computes exactly what it computes from its own rounding (the same x in a fresh tensor); a weight
-    in byte order (Q8_0), part of the rows, or act-order (a permutation) rounds x itself."""
+    computes exactly what it computes from its own rounding (the same x in a fresh tensor), in nibble
+    order (Q4_K) or byte order (Q8_0, Q6_K); part of the rows, or act-order (a permutation), rounds
+    x itself."""
     import numpy as np
     from test_kernels_ref import random_blocks
 
@@ -204,10 +208,12 @@ def test_a_q8_gemv_reads_what_the_producer_offered(monkeypatch):
     K = 512
     q4k = packed.from_gguf(torch.from_numpy(random_blocks("Q4_K", 12, K, rng)), "Q4_K", K).to(DEV)
     q80 = packed.from_gguf(torch.from_numpy(random_blocks("Q8_0", 12, K, rng)), "Q8_0", K).to(DEV)
+    q6k = packed.from_gguf(torch.from_numpy(random_blocks("Q6_K", 12, K, rng)), "Q6_K", K).to(DEV)
     x = torch.randn(1, 2, K, device=DEV)
     y = te.rms_norm(x, torch.ones(K, device=DEV), 1e-6, q8=True)
+    y1 = te.rms_norm(x[:, :1], torch.ones(K, device=DEV), 1e-6, q8=True)  # Q6_K: the q8 GEMV at one row
     del launches[:]
-    cases = [(y, q4k, 0), (y.view(2, K), q4k, 0), (y, q80, 1), (y[:, :1], q4k, 1)]
+    cases = [(y, q4k, 0), (y.view(2, K), q4k, 0), (y, q80, 0), (y1, q6k, 0), (y1, q4k, 0), (y[:, :1], q4k, 1)]
     for xin, p, n in cases:
         got = triton_gemv_q8.q8_linear(xin, p)
         assert len(launches) == n, (p.fmt, xin.shape)
@@ -237,7 +243,8 @@ def test_an_offer_dies_with_its_tensor():
 
     p = packed.from_gguf(torch.from_numpy(random_blocks("Q4_K", 4, 256, np.random.default_rng(1))), "Q4_K", 256)
     y = te.rms_norm(torch.randn(1, 256).to(DEV), torch.ones(256, device=DEV), 1e-6, q8=True)
-    assert triton_gemv_q8._made(y, p.to(DEV)) is _offered(y)
+    made = triton_gemv_q8._made(y, p.to(DEV))
+    assert made is not None and all(a is b for a, b in zip(made, _offered(y)[:3], strict=True))
     other = torch.randn(1, 256).to(DEV)
     del y
     gc.collect()
