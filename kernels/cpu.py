@@ -215,7 +215,7 @@ def gguf_rows(ids: torch.Tensor, raw: torch.Tensor, qtype: str, dim: int) -> tor
 def _moe_check(x, ids, weights, gate, up, down, qtypes, out) -> torch.Tensor:
     """moe_experts's argument checks; returns the output tensor (`out`, or a new one)."""
     M, H = x.shape
-    E, I = gate.shape[:2]
+    E, inter = gate.shape[:2]
     k = ids.shape[-1] if ids.ndim == 2 else 0
     if not (x.dtype == weights.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == weights.shape
             and ids.shape[0] == M and k and all(t.is_contiguous() and t.is_cpu for t in (x, ids, weights))):
@@ -225,7 +225,7 @@ def _moe_check(x, ids, weights, gate, up, down, qtypes, out) -> torch.Tensor:
         raise ValueError(f"moe_experts: the C kernels run {', '.join(GGML_TYPES)}, not {'/'.join(qtypes)}")
     from dsq.kernels.gguf_ref import row_bytes
 
-    want = ((E, I, row_bytes(qtypes[0], H)), (E, I, row_bytes(qtypes[1], H)), (E, H, row_bytes(qtypes[2], I)))
+    want = ((E, inter, row_bytes(qtypes[0], H)), (E, inter, row_bytes(qtypes[1], H)), (E, H, row_bytes(qtypes[2], inter)))
     for name, t, shape in zip(("gate", "up", "down"), (gate, up, down), want):
         if (t.dtype != torch.uint8 or tuple(t.shape) != shape or not t.is_cpu or t.stride(2) != 1
                 or t.stride(1) != shape[2]):
@@ -247,12 +247,12 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate:
     gguf_linear. Bad input raises ValueError."""
     lib = _lib_with(lib, "dsq_moe_experts")
     y = _moe_check(x, ids, weights, gate, up, down, qtypes, out)
-    E, I = gate.shape[:2]
+    E, inter = gate.shape[:2]
     M, H = x.shape
-    if lib.dsq_moe_experts(gate.data_ptr(), up.data_ptr(), down.data_ptr(), *(GGML_TYPES[q] for q in qtypes), E, H, I,
+    if lib.dsq_moe_experts(gate.data_ptr(), up.data_ptr(), down.data_ptr(), *(GGML_TYPES[q] for q in qtypes), E, H, inter,
                            gate.stride(0), up.stride(0), down.stride(0), x.data_ptr(), M, ids.data_ptr(),
                            weights.data_ptr(), ids.shape[1], y.data_ptr(), threads or torch.get_num_threads()):
-        raise ValueError(f"dsq_moe_experts refused {'/'.join(qtypes)} experts ({E}, {I}, {H}): "
+        raise ValueError(f"dsq_moe_experts refused {'/'.join(qtypes)} experts ({E}, {inter}, {H}): "
                          f"an expert id outside 0..{E - 1}, a width the formats do not take, or no memory")
     return y
 
@@ -273,9 +273,9 @@ def moe_host_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     """moe_experts's call as a struct for dsq_moe_host (a CUDA host function: moe_host_fn), over
     fixed buffers the caller keeps alive and refills before each call (checked as moe_experts)."""
     _moe_check(x, ids, weights, gate, up, down, qtypes, out)
-    E, I = gate.shape[:2]
+    E, inter = gate.shape[:2]
     M, H = x.shape
-    return MoeArgs(gate.data_ptr(), up.data_ptr(), down.data_ptr(), *(GGML_TYPES[q] for q in qtypes), E, H, I,
+    return MoeArgs(gate.data_ptr(), up.data_ptr(), down.data_ptr(), *(GGML_TYPES[q] for q in qtypes), E, H, inter,
                    gate.stride(0), up.stride(0), down.stride(0), x.data_ptr(), M, ids.data_ptr(), weights.data_ptr(),
                    ids.shape[1], out.data_ptr(), threads or torch.get_num_threads(), 0)
 

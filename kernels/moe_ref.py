@@ -28,14 +28,14 @@ def moe_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     and an expert's row count, that projection's input is rounded to int8 per 32 values first, as a
     build whose integer dots do that computes it."""
     M, H = x.shape
-    I = gate.shape[1]
+    inter = gate.shape[1]
     xf = x.float()
     out = torch.zeros(M, H)
     for e in ids.unique().tolist():
         rows, slot = (ids == e).nonzero(as_tuple=True)
         wg = dequantize(gate[e], qtypes[0], H)
         wu = dequantize(up[e], qtypes[1], H)
-        wd = dequantize(down[e], qtypes[2], I)
+        wd = dequantize(down[e], qtypes[2], inter)
         xe = xf[rows]
         on = [bool(int8 and int8(q, len(rows))) for q in qtypes]
         h = F.silu(F.linear(_q8(xe, on[0]), wg)) * F.linear(_q8(xe, on[1]), wu)
