@@ -142,7 +142,7 @@ if [ "$PART" = 3 ]; then
   done
   # dsq serve and llama-server, the same load: 64 requests at 32 concurrent, 512-word prompts, 128 tokens
   PORT=8000
-  up() { for _ in $(seq 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0; kill -0 "$1" 2>/dev/null || return 1; sleep 1; done; return 1; }
+  up() { for _ in $(seq "$(t 150)"); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0; kill -0 "$1" 2>/dev/null || return 1; sleep 1; done; return 1; }
   load() { timeout $(t 150) python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 32 --requests 64 \
     --prompt-tokens 512 --max-tokens 128 --out "$R/serve_$1.json" --force > "$R/serve_$1.txt" 2>&1; }
   python3 -m dsq serve "$g" --gpu-layers all --ctx 4096 --max-seqs 64 --port $PORT > "$R/serve_dsq.log" 2>&1 &
@@ -175,7 +175,7 @@ if [ "$PART" = 4 ]; then
     log "$tag: layer split over two GPUs"
   done
   PORT=8000 g=/tmp/r8b.gguf
-  up() { for _ in $(seq 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0; kill -0 "$1" 2>/dev/null || return 1; sleep 1; done; return 1; }
+  up() { for _ in $(seq "$(t 150)"); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0; kill -0 "$1" 2>/dev/null || return 1; sleep 1; done; return 1; }
   load() { timeout $(t 120) python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 32 --requests 64 \
     --prompt-tokens 512 --max-tokens 128 --out "$R/serve_$1.json" --force > "$R/serve_$1.txt" 2>&1; }
   serve() {  # serve NAME COMMAND...: start it, load it, stop it
