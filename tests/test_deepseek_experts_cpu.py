@@ -202,3 +202,30 @@ def test_cuda_experts_cpu_rest_on_gpu(kind, tiny_gguf, monkeypatch):
     eager = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="cpu")
     c = _greedy(eager, 16)
     assert eager._graph is None and sum(x == y for x, y in zip(b, c)) >= 8
+
+
+def test_a_bench_row_with_experts_in_ram_gets_their_roofline(tiny_gguf, monkeypatch):
+    """dsq bench's decode roofline for a run with the routed experts in RAM counts the token's share
+    of them at the CPU's bandwidth: each summary row says where its experts ran, and the plan beside
+    it (dsq.bench.prediction) takes that placement, not the GPU's."""
+    import dsq.bench.prediction as prediction
+    from dsq.bench.report import summarize
+    from dsq.runtime.machine import Bandwidths, GpuInfo
+    from dsq.runtime.placement import plan_placement
+
+    path = tiny_gguf("deepseek_v3", "Q4_K_M")
+    monkeypatch.setattr(prediction, "detect_gpu", lambda: GpuInfo("test GPU", 80 << 30, 80 << 30))
+    bw = Bandwidths(cpu=10e9, gpu=1000e9, split_overhead_s=1e-5, source="calibrated test")
+    run = dict(backend="native", gpu_layers="all", gpu_layers_effective=-1, prompt_tokens=16, gen_tokens=4,
+               prefill_tok_s=1.0, decode_tok_s=1.0, ttft_ms=1.0, tpot_ms=1.0, peak_rss_mb=1.0, peak_vram_mb=1.0,
+               load_s=1.0, threads=1)
+    rows = summarize([dict(run, experts="cpu")])
+    assert rows[0]["experts"] == "cpu"
+    got = prediction.predicted_plans(path, rows, ctx=64, kv_tokens=18, bandwidths=bw)[("native", "all")]
+    want = {e: plan_placement(path, vram=0, ctx=64, backend="native", gpu_layers="all", kv_tokens=18,
+                              bandwidths=bw, experts=e).roofline_tok_s for e in ("cpu", "gpu")}
+    assert got.experts == "cpu" and got.roofline_tok_s == pytest.approx(want["cpu"])
+    assert want["cpu"] < want["gpu"] / 2  # the CPU's share dominates: reading it at 1% of the GPU's bandwidth
+    gpu_row = summarize([dict(run)])  # a record without the field: the experts ran with their layers
+    assert prediction.predicted_plans(path, gpu_row, ctx=64, kv_tokens=18, bandwidths=bw)[
+        ("native", "all")].roofline_tok_s == pytest.approx(want["gpu"])

@@ -14,7 +14,8 @@ def predicted_plans(model: str | Path, rows: list[dict], *, ctx: int, kv_tokens:
                     bandwidths: Bandwidths | None = None, experts: str = "gpu") -> dict[tuple[str, str], Plan]:
     """(backend, --gpu-layers as asked) -> the plan at the split that bench summary row ran, for
     its rows of one sequence (the model predicts batch-1 decode); `experts`: where the native
-    runs had a MoE model's routed experts ("gpu" or "cpu")."""
+    runs had a MoE model's routed experts ("gpu" or "cpu"), for rows that do not say (a summary row's
+    own `experts`, where the run was, wins)."""
     from dsq.runtime.model_shape import load_shape
 
     shape = load_shape(model)
@@ -27,7 +28,7 @@ def predicted_plans(model: str | Path, rows: list[dict], *, ctx: int, kv_tokens:
         split = _split_ran(r, gpu is not None)
         plans[(r["backend"], str(r["gpu_layers"]))] = plan_placement(
             shape, vram=0, ctx=ctx, backend=r["backend"], gpu_layers=split, kv_tokens=kv_tokens, bandwidths=bw,
-            experts=experts if r["backend"] == "native" else "gpu", head=r.get("head"))
+            experts=r.get("experts", experts) if r["backend"] == "native" else "gpu", head=r.get("head"))
     return plans
 
 

@@ -34,6 +34,7 @@ def summarize(records: list[dict]) -> list[dict]:
         vram = [r["peak_vram_mb"] for r in rs if r.get("peak_vram_mb") is not None]
         row["peak_vram_mb"] = max(vram) if vram else None
         row["head"] = rs[0].get("head", "gpu")
+        row["experts"] = rs[0].get("experts", "gpu")
         each = [r["peak_vram_mb_per_gpu"] for r in rs if r.get("peak_vram_mb_per_gpu")]
         row["peak_vram_mb_per_gpu"] = [max(g) for g in zip(*each)] if each else None
         row["tensor_split"] = rs[0].get("tensor_split")
