@@ -39,6 +39,12 @@ tables() {  # tables KIND PART: the part's JSON and markdown table, and its raw 
   tar czf "$OUT/part$2-raw.tgz" -C "$R" . 2>/dev/null
 }
 
+halt() {  # halt PID: SIGTERM (a server's drain), then SIGKILL after 20 s: a process that ignores it cannot hold the call
+  kill -TERM "$1" 2>/dev/null
+  for _ in $(seq 20); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+  kill -KILL "$1" 2>/dev/null; wait "$1" 2>/dev/null
+}
+
 gguf() {  # gguf SHAPE PATH: a random Q4_K_M GGUF of a named shape (dsq.bench.random_gguf)
   [ -f "$2" ] || python3 -m dsq.bench.random_gguf "$2" --shape "$1" --mix Q4_K_M --force 2>&1 | tail -1
 }
@@ -135,26 +141,29 @@ if [ "$PART" = 3 ]; then
   timeout $(t 60) "$LB" -m "$g" -ngl 99 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_gpu.json" 2>/dev/null
   timeout $(t 80) "$LB" -m "$g" -ngl 99 -ot exps=CPU -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_cpu.json" 2>/dev/null
   log "llama-bench"
-  for e in gpu cpu; do
-    timeout $(t 100) python3 -m dsq bench "$g" -b native -g all --experts "$e" --prompt-tokens 512 --max-tokens 32 \
+  # experts in RAM first (~30 s); on the GPU a bare machine compiles and autotunes the expert kernels
+  # for ~2 minutes first (2026-12-07, H100: past 100 s)
+  for e in cpu gpu; do
+    timeout $(t $([ "$e" = gpu ] && echo 170 || echo 100)) python3 -m dsq bench "$g" -b native -g all --experts "$e" --prompt-tokens 512 --max-tokens 32 \
       --repeat 2 --threads "$TH" --out "$R/dsq_v2l_$e.json" --force > "$R/dsq_v2l_$e.txt" 2>&1
     log "dsq bench --experts $e"
   done
   # dsq serve and llama-server, the same load: 64 requests at 32 concurrent, 512-word prompts, 128 tokens
   PORT=8000
-  up() { for _ in $(seq "$(t 150)"); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0; kill -0 "$1" 2>/dev/null || return 1; sleep 1; done; return 1; }
+  # dsq serve warms its kernels up before it listens: 197 s for V2-Lite on a bare H100 machine
+  up() { for _ in $(seq "$(t 240)"); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0; kill -0 "$1" 2>/dev/null || return 1; sleep 1; done; return 1; }
   load() { timeout $(t 150) python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 32 --requests 64 \
     --prompt-tokens 512 --max-tokens 128 --out "$R/serve_$1.json" --force > "$R/serve_$1.txt" 2>&1; }
   python3 -m dsq serve "$g" --gpu-layers all --ctx 4096 --max-seqs 64 --port $PORT > "$R/serve_dsq.log" 2>&1 &
   pid=$!
   if up $pid; then load dsq; fi
-  kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null
+  halt $pid
   log "dsq serve"
   "$LL/build/bin/llama-server" -m "$g" -ngl 99 -fa 1 --parallel 32 -c $((32 * 4096)) -cb --port $PORT \
     --host 127.0.0.1 > "$R/serve_llama.log" 2>&1 &
   pid=$!
   if up $pid; then load llama-server; fi
-  kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null
+  halt $pid
   log "llama-server"
   python3 -m benchmarks.device_tables moe "$R" --out "$OUT/part3"
   log "done"
@@ -183,7 +192,7 @@ if [ "$PART" = 4 ]; then
     "$@" > "$R/serve_$name.log" 2>&1 &
     local pid=$!
     if up $pid; then load "$name"; fi
-    kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null
+    halt $pid
     log "$name"
   }
   serve dsq-tp2 python3 -m dsq serve "$g" --gpu-layers all --tp 2 --ctx 4096 --max-seqs 64 --port $PORT

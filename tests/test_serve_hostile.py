@@ -515,3 +515,44 @@ def test_bench_serve_sends_the_api_key(server, runner, tmp_path, how):
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.exit_code == 1 and len(lines) == 1 and "HTTP 401" in lines[0] and "--api-key" in lines[0], r.output
         assert not out.exists()
+
+
+def test_sigterm_during_the_warm_up_stops_the_server(monkeypatch, capsys):
+    """A SIGTERM while the GPU kernels warm up (minutes on a cold cache) stops `dsq serve` there,
+    status 0 and one line, without ever listening; the kernels' guards, which catch a failing
+    kernel's Exception and go on, do not swallow it. After the warm-up SIGTERM is uvicorn's drain."""
+    import os
+    import signal
+    import types
+
+    import uvicorn
+
+    from dsq.serve import server as srv
+
+    class WarmingEngine:
+        device = types.SimpleNamespace(type="cuda")
+        max_seqs, prefill_chunk, ranks = 4, 64, None
+        warmed = False
+
+        def warm_up(self):
+            try:  # as dispatch._guarded does around a kernel
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            except Exception:  # noqa: BLE001
+                pass
+            WarmingEngine.warmed = True
+            return {"graphs": [], "chunk_graphs": []}
+
+        def start(self):
+            raise AssertionError("the engine started after a SIGTERM in its warm-up")
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: (_ for _ in ()).throw(AssertionError("listened")))
+    before = signal.getsignal(signal.SIGTERM)
+    api = types.SimpleNamespace(app=lambda: None, model_id="m")
+    t0 = time.perf_counter()
+    try:
+        assert srv.run(WarmingEngine(), api, "127.0.0.1", 0) is None
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert time.perf_counter() - t0 < 4 and not WarmingEngine.warmed
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "dsq serve: stopped during the warm-up"

@@ -195,26 +195,19 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0, limits=None) -
 
     limits = limits or Limits()
     server = uvicorn.Server(uvicorn_config(api.app(), host, port, limits, drain_s))
-    # uvicorn re-raises the signal that stopped it once it has shut down: a handler of ours takes
-    # it, so SIGTERM ends the process with status 0 after the drain
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    if engine.device.type == "cuda":  # (on the CPU nothing compiles: no warm-up)
-        sys.stderr.write(f"dsq serve: warming up the GPU kernels (batches up to {engine.max_seqs}, prompt chunks "
-                         f"up to {engine.prefill_chunk} tokens)...\n")
-        sys.stderr.flush()
-        t0 = time.perf_counter()
-        done = engine.warm_up()
-        parts = ", ".join(f"{k} {v:.0f} s" for k, v in done.get("seconds", {}).items())
-        took = f"warmed up in {time.perf_counter() - t0:.0f} s" + (f" ({parts})" if parts else "")
-        if done["graphs"]:
-            lengths = sorted({t for t, _ in done["chunk_graphs"]})
-            chunks = f", prompt chunks of {', '.join(map(str, lengths))} tokens" if lengths else ""
-            dec = [b for b in done["graphs"] if b <= engine.max_seqs]
-            mixed = [b for b in done["graphs"] if b > engine.max_seqs]
-            mixed = f", steps with prompt tokens of {', '.join(map(str, mixed))} rows" if mixed else ""
-            took += (f"; decode steps of {', '.join(map(str, dec))} rows{mixed}{chunks} captured "
-                     f"as CUDA graphs")
-        sys.stderr.write(f"dsq serve: {took}\n")
+    # SIGTERM during the warm-up (minutes on a cold cache) stops it: no request is running yet
+    signal.signal(signal.SIGTERM, _stop_warm_up)
+    try:
+        _warm_up(engine)
+    except _WarmUpStopped:
+        if engine.ranks is not None:
+            engine.ranks.close()
+        sys.stderr.write("dsq serve: stopped during the warm-up\n")
+        return
+    # From here uvicorn takes SIGTERM while it runs (its drain), and re-raises it once it has shut
+    # down: ours takes that, so the process ends with status 0. One that comes before uvicorn's
+    # handler is in place asks it to exit as soon as it starts.
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     engine.start()
     for note in getattr(engine.nm, "tp_notes", []):
@@ -236,3 +229,33 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0, limits=None) -
     if not server.started:
         raise DsqError(f"could not listen on {host}:{port}", "pick another --port (is one server already there?)")
     sys.stderr.write("dsq serve: stopped\n")
+
+
+class _WarmUpStopped(BaseException):
+    """SIGTERM came during the warm-up (not an Exception: the kernels' guards catch those and go on)."""
+
+
+def _stop_warm_up(*_) -> None:
+    raise _WarmUpStopped
+
+
+def _warm_up(engine) -> None:
+    """The engine's GPU warm-up, with its progress and what it captured on stderr (on the CPU nothing
+    compiles: no warm-up)."""
+    if engine.device.type == "cuda":
+        sys.stderr.write(f"dsq serve: warming up the GPU kernels (batches up to {engine.max_seqs}, prompt chunks "
+                         f"up to {engine.prefill_chunk} tokens)...\n")
+        sys.stderr.flush()
+        t0 = time.perf_counter()
+        done = engine.warm_up()
+        parts = ", ".join(f"{k} {v:.0f} s" for k, v in done.get("seconds", {}).items())
+        took = f"warmed up in {time.perf_counter() - t0:.0f} s" + (f" ({parts})" if parts else "")
+        if done["graphs"]:
+            lengths = sorted({t for t, _ in done["chunk_graphs"]})
+            chunks = f", prompt chunks of {', '.join(map(str, lengths))} tokens" if lengths else ""
+            dec = [b for b in done["graphs"] if b <= engine.max_seqs]
+            mixed = [b for b in done["graphs"] if b > engine.max_seqs]
+            mixed = f", steps with prompt tokens of {', '.join(map(str, mixed))} rows" if mixed else ""
+            took += (f"; decode steps of {', '.join(map(str, dec))} rows{mixed}{chunks} captured "
+                     f"as CUDA graphs")
+        sys.stderr.write(f"dsq serve: {took}\n")
