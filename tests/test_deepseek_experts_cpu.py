@@ -204,6 +204,33 @@ def test_cuda_experts_cpu_rest_on_gpu(kind, tiny_gguf, monkeypatch):
     assert eager._graph is None and sum(x == y for x, y in zip(b, c)) >= 8
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_prompt_chunks_stream_the_experts_from_ram(kind, tiny_gguf, monkeypatch):
+    """Experts in RAM, the rest on the GPU: a prompt of STREAM_ROWS tokens or more copies each MoE
+    layer's experts to the GPU and runs them with the GPU's kernels, so its logits are the all-on-GPU
+    model's (the same kernels over the same blocks) up to the order of sums, closer than the C
+    call's (int8-rounded x); nothing of the streamed weights stays in VRAM after the prompt."""
+    from dsq.models.deepseek_model import CPURoutedExperts
+    from dsq.runtime.native import NativeModel
+    from tiny import kld_top1
+
+    path = tiny_gguf(kind, "Q4_K_M")
+    whole = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="gpu")
+    split = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="cpu")
+    a = whole.logits(IDS)
+    c_call = split.logits(IDS)  # 30 rows < STREAM_ROWS: the C call
+    monkeypatch.setattr(CPURoutedExperts, "STREAM_ROWS", 16)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    streamed = split.logits(IDS)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before + (1 << 20)
+    kld_s, top1_s, _ = kld_top1(a, streamed)
+    kld_c, _, _ = kld_top1(a, c_call)
+    assert np.isfinite(streamed).all() and top1_s >= 0.9 and kld_s <= kld_c + 1e-4, (kld_s, kld_c, top1_s)
+
+
 def test_a_bench_row_with_experts_in_ram_gets_their_roofline(tiny_gguf, monkeypatch):
     """dsq bench's decode roofline for a run with the routed experts in RAM counts the token's share
     of them at the CPU's bandwidth: each summary row says where its experts ran, and the plan beside
@@ -229,3 +256,48 @@ def test_a_bench_row_with_experts_in_ram_gets_their_roofline(tiny_gguf, monkeypa
     gpu_row = summarize([dict(run)])  # a record without the field: the experts ran with their layers
     assert prediction.predicted_plans(path, gpu_row, ctx=64, kv_tokens=18, bandwidths=bw)[
         ("native", "all")].roofline_tok_s == pytest.approx(want["gpu"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_a_prompt_chunk_streams_the_experts_and_gets_the_same_logits(kind, qtype, tiny_gguf, monkeypatch):
+    """From STREAM_ROWS tokens a call from a GPU copies the layer's experts over and runs them there
+    (CPURoutedExperts.streamed: the GGUF blocks converted by packed.from_gguf, run as
+    GPUStackedExperts). Here the copy's target is the CPU (streams() is made to answer for CPU rows):
+    one call equals the C kernels' on the same rows (to float rounding: both dequantize the same
+    blocks), with and without the shared experts' `add`, and a prompt through the model
+    (MoE.forward's streamed branch) gives the C path's logits to ~1% of the largest: inside a prompt
+    the C kernels round x to int8 (dispatch.int8_prefill), the torch stand-in here does not. A
+    chunk below the threshold does not stream."""
+    import torch
+
+    from dsq.models.deepseek_model import CPURoutedExperts, MoE
+
+    path = tiny_gguf(kind, qtype)
+    m = _load(path, "cpu")
+    moe = next(layer.mlp for layer in m.model.model.layers if isinstance(layer.mlp, MoE))
+    ex = moe.experts
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(70, ex.hidden, generator=g)
+    weights, ids = moe.gate(x)
+    want = ex(x, ids, weights)  # the C kernels (CPU rows never stream)
+    got = ex.streamed(x, ids, weights)
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    add = torch.randn(70, ex.hidden, generator=g)
+    assert torch.allclose(ex.streamed(x, ids, weights, add=add), got + add, atol=1e-5)
+    base = m.logits(IDS)
+    calls = []
+    real = CPURoutedExperts.streamed
+
+    def spy(self, *a, **k):
+        calls.append(a[0].shape[0])
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(CPURoutedExperts, "streams", lambda self, x: x.shape[0] >= 16)
+    monkeypatch.setattr(CPURoutedExperts, "streamed", spy)
+    streamed = m.logits(IDS)  # 30 tokens: every MoE layer streams
+    assert calls and set(calls) == {len(IDS)}
+    assert np.abs(streamed - base).max() <= 2e-2 * np.abs(base).max()
+    calls.clear()
+    m.logits(IDS[:10])
+    assert not calls

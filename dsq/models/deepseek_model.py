@@ -418,6 +418,11 @@ class CPURoutedExperts(nn.Module):
     On the CPU the call runs directly."""
 
     QUEUE_ROWS = 16
+    # From this many tokens a call from a GPU copies the layer's experts over and runs them there
+    # (`streamed`): a prompt chunk chooses nearly every expert, and the copy of their blocks costs less
+    # than the C kernels over that many rows (as llama.cpp offloads a large batch's MoE matmuls
+    # under -ot exps=CPU); docs/benchmarks.md#deepseek. DSQ_MOE_STREAM_ROWS=N moves it, 0 turns it off.
+    STREAM_ROWS = int(os.environ.get("DSQ_MOE_STREAM_ROWS", "") or 64)
     pinned = _Pinned()
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, qtypes: tuple[str, str, str]):
@@ -446,12 +451,31 @@ class CPURoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (N, H), ids and weights (N, k) -> (N, H) in x's dtype, on x's device."""
+        if self.streams(x):
+            return self.streamed(x, ids, weights)
         if x.device.type == "cpu":
             y = self._run(x.float().contiguous(), ids.long().contiguous(), weights.float().contiguous())
             return y if x.dtype == torch.float32 else y.to(x.dtype)
         if x.shape[0] <= self.QUEUE_ROWS and self.queues(x.device):
             return self.queued(x, ids, weights)
         return self.receive(self.send(x, ids, weights))
+
+    def streams(self, x: torch.Tensor) -> bool:
+        """Whether a call with rows x (N, H) runs `streamed`: from a GPU, from STREAM_ROWS rows."""
+        return self.STREAM_ROWS > 0 and x.device.type == "cuda" and x.shape[0] >= self.STREAM_ROWS
+
+    def streamed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 add: torch.Tensor | None = None) -> torch.Tensor:
+        """x (N, H) through this layer's experts copied to x's device for this call: each stacked
+        projection's blocks converted to the GPU kernels' layout there (packed.from_gguf, a chunk of
+        rows copied at a time), run as GPUStackedExperts runs its own, then dropped; plus `add`."""
+        E = self.n_expert
+        parts = [packed.from_gguf(t.reshape(E * t.shape[1], t.shape[2]), q, k, device=x.device)
+                 for t, q, k in ((self.gate, self.qtypes[0], self.hidden), (self.up, self.qtypes[1], self.hidden),
+                                 (self.down, self.qtypes[2], self.inter))]
+        twin = GPUStackedExperts(None, parts[0], parts[1], parts[2], E, F.silu, "streamed from RAM")
+        del parts
+        return twin(x, ids, weights, add=add)
 
     def queued(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The call queued on x's stream between the copies (no host sync)."""
@@ -516,6 +540,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
+        if isinstance(self.experts, CPURoutedExperts) and self.experts.streams(flat):  # a prompt chunk
+            shared = self.shared_experts(x).reshape(flat.shape) if self.shared_experts is not None else None
+            return self.experts.streamed(flat, ids, weights, add=shared).view_as(x)
         if (self.overlap and isinstance(self.experts, CPURoutedExperts) and x.device.type != "cpu"
                 and not (flat.shape[0] <= CPURoutedExperts.QUEUE_ROWS and CPURoutedExperts.queues(x.device))):
             # the GPU runs the shared experts while the CPU runs the routed ones
