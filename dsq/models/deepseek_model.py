@@ -421,8 +421,10 @@ class CPURoutedExperts(nn.Module):
     # From this many tokens a call from a GPU copies the layer's experts over and runs them there
     # (`streamed`): a prompt chunk chooses nearly every expert, and the copy of their blocks costs less
     # than the C kernels over that many rows (as llama.cpp offloads a large batch's MoE matmuls
-    # under -ot exps=CPU); docs/benchmarks.md#deepseek. DSQ_MOE_STREAM_ROWS=N moves it, 0 turns it off.
-    STREAM_ROWS = int(os.environ.get("DSQ_MOE_STREAM_ROWS", "") or 64)
+    # under -ot exps=CPU; docs/benchmarks.md#part-3-first-run-h100-machine-2026-12-07-cut-by-the-calls-limit:
+    # not yet timed: by that estimate the copy costs what the C call does at 35-115 rows, so 128 errs
+    # towards the C call). DSQ_MOE_STREAM_ROWS=N moves it, 0 turns it off.
+    STREAM_ROWS = int(os.environ.get("DSQ_MOE_STREAM_ROWS", "") or 128)
     pinned = _Pinned()
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, qtypes: tuple[str, str, str]):
