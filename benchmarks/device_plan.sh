@@ -11,7 +11,8 @@
 #                                      # llama-bench and dsq bench at all/24/16/8/0 layers (512-token prompt,
 #                                      # 32 generated), both engines' peak VRAM, all-GPU prefill of 2048 (~9 min)
 #   bash benchmarks/device_plan.sh 3   # DeepSeek-V2-Lite, experts on the GPU and in RAM, against llama-bench
-#                                      # (-ot exps=CPU); then dsq serve against llama-server at 32 concurrent (~8 min)
+#                                      # (-ot exps=CPU); then dsq serve against llama-server at 32 concurrent
+#                                      # (STEPS=bench, then STEPS=serve: a call each on a bare machine)
 #   bash benchmarks/device_plan.sh 4   # two GPUs (kind nvidia-h100-x2): the 8B and V2-Lite split by layers over
 #                                      # both against llama-bench -sm layer; serve --tp 2 against one GPU and
 #                                      # llama-server -sm row at 32 concurrent (~8 min; not run yet)
@@ -137,7 +138,11 @@ fi
 if [ "$PART" = 3 ]; then
   wait
   g=/tmp/v2l.gguf
+  # STEPS=bench or STEPS=serve runs half of the part, for a call each: on a bare machine dsq's
+  # compiles and warm-up (~2 + ~3 minutes for V2-Lite) leave the whole part past one call's limit
+  STEPS=${STEPS:-bench,serve}
   timeout $(t 60) python3 -m dsq offload --calibrate --threads "$TH" --json > "$R/calibration.json" 2>/dev/null
+  if [[ $STEPS == *bench* ]]; then
   timeout $(t 60) "$LB" -m "$g" -ngl 99 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_gpu.json" 2>/dev/null
   timeout $(t 80) "$LB" -m "$g" -ngl 99 -ot exps=CPU -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_cpu.json" 2>/dev/null
   log "llama-bench"
@@ -148,23 +153,26 @@ if [ "$PART" = 3 ]; then
       --repeat 2 --threads "$TH" --out "$R/dsq_v2l_$e.json" --force > "$R/dsq_v2l_$e.txt" 2>&1
     log "dsq bench --experts $e"
   done
-  # dsq serve and llama-server, the same load: 64 requests at 32 concurrent, 512-word prompts, 128 tokens
+  fi
+  if [[ $STEPS == *serve* ]]; then
+  # llama-server and dsq serve, the same load: 64 requests at 32 concurrent, 512-word prompts, 128 tokens
   PORT=8000
   # dsq serve warms its kernels up before it listens: 197 s for V2-Lite on a bare H100 machine
   up() { for _ in $(seq "$(t 240)"); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0; kill -0 "$1" 2>/dev/null || return 1; sleep 1; done; return 1; }
   load() { timeout $(t 150) python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 32 --requests 64 \
     --prompt-tokens 512 --max-tokens 128 --out "$R/serve_$1.json" --force > "$R/serve_$1.txt" 2>&1; }
-  python3 -m dsq serve "$g" --gpu-layers all --ctx 4096 --max-seqs 64 --port $PORT > "$R/serve_dsq.log" 2>&1 &
-  pid=$!
-  if up $pid; then load dsq; fi
-  halt $pid
-  log "dsq serve"
   "$LL/build/bin/llama-server" -m "$g" -ngl 99 -fa 1 --parallel 32 -c $((32 * 4096)) -cb --port $PORT \
     --host 127.0.0.1 > "$R/serve_llama.log" 2>&1 &
   pid=$!
   if up $pid; then load llama-server; fi
   halt $pid
   log "llama-server"
+  python3 -m dsq serve "$g" --gpu-layers all --ctx 4096 --max-seqs 64 --port $PORT > "$R/serve_dsq.log" 2>&1 &
+  pid=$!
+  if up $pid; then load dsq; fi
+  halt $pid
+  log "dsq serve"
+  fi
   python3 -m benchmarks.device_tables moe "$R" --out "$OUT/part3"
   log "done"
   exit 0
