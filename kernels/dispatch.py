@@ -306,9 +306,9 @@ def attn_decode_gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         from dsq.kernels import ops
 
         return ops.attn_decode(q, k, v, mask, scale)
-    # the combination also rounds o (B, 1, H * D) for o_proj: whole blocks a head, rows as the producers';
-    # a build of that variant that fails here leaves the plain one
-    if PRODUCER_Q8 and ACT_Q8 and q.shape[-1] % 32 == 0 and q.shape[0] <= PRODUCER_Q8_ROWS:
+    # the combination also rounds o (B, 1, H * D) for o_proj, up to the producers' rows (heads of whole
+    # blocks: _decode); a build of that variant that fails here leaves the plain one
+    if PRODUCER_Q8 and ACT_Q8 and q.shape[0] <= PRODUCER_Q8_ROWS:
         o = _guarded("attention rounding", triton_attn.attn_decode, q, k, v, mask, scale, None, 64, True)
         if o is not None:
             return o

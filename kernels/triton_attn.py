@@ -199,8 +199,8 @@ def _attn_combine(acc_ptr, ml_ptr, o_ptr, xw_ptr, sx_ptr, xs_ptr, xb_ptr, H, s_o
                   D: tl.constexpr, NSP: tl.constexpr, Q8: tl.constexpr = False):
     """Program b * H + h (one query head): its NSPLIT partial results into o = sum acc / sum l,
     each slice scaled by exp(m_slice - m_max). Q8 (D a multiple of 32): the head's D / 32 blocks of
-    o, as stored, also rounded to int8 in nibble order into row b of the output projection's x
-    (triton_gemv_q8.offer), as the norm and the activation do."""
+    o, as stored, also rounded to int8 (words in nibble and in byte order) into row b of the output
+    projection's x (triton_gemv_q8.offer), as the norm and the activation do."""
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H

@@ -294,9 +294,10 @@ def _q8_blocks(x, blk, bm, xw_ptr, sx_ptr, xsum_ptr, NIBBLES: tl.constexpr, xb_p
     """x (NB, 4, 8) float32, blocks `blk` (NB,) of 32 elements of one row as 4 words of 8, rounded to
     int8 and stored where `bm` into that row's words, scales and sums (xw_ptr, sx_ptr, xsum_ptr: the
     row's first): _quant_x's work, which the kernels that make x (triton_elementwise's norm and
-    activation, the decode attention's combination) also do in their own launch. BOTH (with
-    NIBBLES): the words in byte order as well, into xb_ptr's row (the scales and sums are the same),
-    for GEMVs of byte-order formats (Q6_K, Q8_0) that read the same x."""
+    activation, the decode attention's combination) also do in their own launch. Words in byte
+    order go to xb_ptr's row (xw_ptr's without NIBBLES); BOTH (with NIBBLES) writes them as well as
+    the nibble-order ones (the scales and sums are the same), for GEMVs of byte-order formats (Q6_K,
+    Q8_0) that read the same x."""
     j = tl.arange(0, 8)
     w4 = tl.arange(0, 4)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
@@ -322,12 +323,8 @@ def _q8_blocks(x, blk, bm, xw_ptr, sx_ptr, xsum_ptr, NIBBLES: tl.constexpr, xb_p
         lo = tl.sum(tl.where((j < 4)[None, None, :], qi << sh[None, None, :], 0), axis=2)
         hi = tl.sum(tl.where((j >= 4)[None, None, :], qi << sh[None, None, :], 0), axis=2)
         ob = blk[:, None] * 8 + w4[None, :] * 2
-        if BOTH:
-            tl.store(xb_ptr + ob, lo, mask=bm[:, None])
-            tl.store(xb_ptr + ob + 1, hi, mask=bm[:, None])
-        else:
-            tl.store(xw_ptr + ob, lo, mask=bm[:, None])
-            tl.store(xw_ptr + ob + 1, hi, mask=bm[:, None])
+        tl.store(xb_ptr + ob, lo, mask=bm[:, None])
+        tl.store(xb_ptr + ob + 1, hi, mask=bm[:, None])
     sx = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
     tl.store(sx_ptr + blk, sx, mask=bm)
     tl.store(xsum_ptr + blk, sx * qs, mask=bm)
@@ -436,10 +433,10 @@ _MADE_KEEP = 4
 
 
 def offer(x: torch.Tensor, xq: tuple[torch.Tensor, ...]) -> None:
-    """Record xq (words (M, K / 4) in nibble order, scales and sums (M, K / 32), and the words in
-    byte order, or only the first three: q8_room(..., both=True) or not) as x's rows rounded to int8,
-    made in the launch that made x: q8 GEMVs of x, or of a view of all of it, in nibble order (the
-    GGUF K-quants' and int4's) or byte order (Q6_K, Q8_0) then skip their _quant_x launch. The
+    """Record xq (q8_room(..., both=True): words (M, K / 4) in nibble order, scales and sums
+    (M, K / 32), words in byte order) as x's rows rounded to int8, made in the launch that made x:
+    q8 GEMVs of x, or of a view of all of it, in nibble order (the GGUF K-quants' and int4's) or
+    byte order (Q6_K, Q8_0) then skip their _quant_x launch. The
     producers' outputs are never written in place after (the models' norm and activation outputs are
     read, not updated), and an entry lives only as long as x: its memory cannot be another tensor's
     meanwhile."""
@@ -455,9 +452,7 @@ def _made(x1: torch.Tensor, p: Packed) -> tuple[torch.Tensor, torch.Tensor, torc
     for ref, at, size, xq in reversed(_MADE):
         if (at == ptr and size == n and xq[0].shape == (x1.shape[0], p.K // 4)
                 and xq[0].device == x1.device and ref() is not None):
-            if p.fmt.codes == NIB:
-                return xq[:3]
-            return (xq[3], xq[1], xq[2]) if len(xq) > 3 else None
+            return xq[:3] if p.fmt.codes == NIB else (xq[3], xq[1], xq[2])
     return None
 
 
