@@ -72,6 +72,8 @@ TH=${THREADS:-$(lscpu -p=CORE | grep -v '^#' | sort -u | wc -l)}
 LB=$LL/build/bin/llama-bench
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$R/gpu.txt"
+# the host's CPU and memory layout: a split's decode is a race of two CPU decoders, and both move with it
+lscpu | grep -E "^(Model name|Socket|Core|Thread|NUMA|L3)" > "$R/host.txt" 2>&1; free -g >> "$R/host.txt" 2>&1
 log "set up ($TH threads)"
 
 if [ "$PART" = 1 ]; then
