@@ -148,10 +148,10 @@ if [ "$PART" = 3 ]; then
   timeout $(t 60) "$LB" -m "$g" -ngl 99 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_gpu.json" 2>/dev/null
   timeout $(t 80) "$LB" -m "$g" -ngl 99 -ot exps=CPU -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_cpu.json" 2>/dev/null
   log "llama-bench"
-  # experts in RAM first (~30 s); on the GPU a bare machine compiles and autotunes the expert kernels
-  # for ~2 minutes first (2026-12-07, H100: past 100 s)
+  # on a bare machine the first dsq run compiles and autotunes the kernels for ~2 minutes (2026-12-07,
+  # H100: past 100 s), and a prompt chunk with the experts in RAM runs them on the GPU too
   for e in cpu gpu; do
-    timeout $(t $([ "$e" = gpu ] && echo 170 || echo 100)) python3 -m dsq bench "$g" -b native -g all --experts "$e" --prompt-tokens 512 --max-tokens 32 \
+    timeout $(t $([ "$e" = gpu ] && echo 170 || echo 150)) python3 -m dsq bench "$g" -b native -g all --experts "$e" --prompt-tokens 512 --max-tokens 32 \
       --repeat 2 --threads "$TH" --out "$R/dsq_v2l_$e.json" --force > "$R/dsq_v2l_$e.txt" 2>&1
     log "dsq bench --experts $e"
   done

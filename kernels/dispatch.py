@@ -533,6 +533,72 @@ def packed_experts(x: torch.Tensor, p: packed.Packed, ids: torch.Tensor, n_exper
     return packed.experts_ref(x, p, ids, n_expert)
 
 
+def grouped_experts(x: torch.Tensor, p: packed.Packed, counts: list[int], n_expert: int,
+                    slab_bytes: int | None = None) -> torch.Tensor:
+    """y (P, N) = each row of x (P, K) through its expert's weight, the rows grouped by expert in
+    order (counts[e] rows of expert e: a prompt chunk's (token, expert) pairs sorted by expert);
+    `p` stacks n_expert weights of N = p.N / n_expert rows. Each chosen expert's weight is read
+    once for all its rows. On CUDA: a slab of consecutive experts at a time written out in x's
+    dtype by one dequantize launch and multiplied by one grouped GEMM (`grouped_gemm`); elsewhere,
+    or where that fails, one packed_linear per chosen expert."""
+    if (x.device.type == "cuda" and not torch.compiler.is_compiling() and not _reference() and _triton_ok()
+            and hasattr(torch, "_grouped_mm") and x.dtype in (torch.bfloat16, torch.float16)):
+        from dsq.kernels import triton_common
+
+        # the grouped GEMM's rows of x and of W in whole 16-byte vectors (CUTLASS's alignment)
+        if triton_common.tiles_ok(p) and not (p.K * x.element_size()) % 16 and not (p.N // n_expert) % 8:
+            y = _guarded("grouped experts", grouped_gemm, x, p, counts, n_expert, slab_bytes)
+            if y is not None:
+                return y
+    N = p.N // n_expert
+    y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    r = 0
+    for e, c in enumerate(counts):
+        if c:
+            y[r:r + c] = packed_linear(x[r:r + c], p.rows(e * N, (e + 1) * N))
+        r += c
+    return y
+
+
+def grouped_gemm(x: torch.Tensor, p: packed.Packed, counts: list[int], n_expert: int,
+                 slab_bytes: int | None = None, dequantize=None) -> torch.Tensor:
+    """grouped_experts' GPU path (any device with the Triton kernels, the interpreter included):
+    runs of consecutive chosen experts whose weights in x's dtype fit `slab_bytes`
+    (triton_dequant.SLAB_BYTES), each written out by one `dequantize` (triton_dequant.dequantize)
+    into one buffer and multiplied with its rows by one torch._grouped_mm (offsets on the device,
+    no host sync)."""
+    from dsq.kernels import triton_dequant
+
+    dequantize = dequantize or triton_dequant.dequantize
+    N, K = p.N // n_expert, p.K
+    per = N * K * x.element_size()
+    group = max(1, (slab_bytes or triton_dequant.SLAB_BYTES) // per)
+    runs, e = [], 0  # (first expert, last + 1) of each slab, empty experts at its ends left out
+    while e < n_expert:
+        if not counts[e]:
+            e += 1
+            continue
+        end = min(n_expert, e + group)
+        while not counts[end - 1]:
+            end -= 1
+        runs.append((e, end))
+        e = end
+    y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    if not runs:
+        return y
+    buf = torch.empty(max(b - a for a, b in runs) * N, K, dtype=x.dtype, device=x.device)
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    for a, b in runs:
+        w = dequantize(p.rows(a * N, b * N), x.dtype, out=buf[:(b - a) * N])
+        ends = torch.tensor([starts[e + 1] - starts[a] for e in range(a, b)], dtype=torch.int32)
+        r0, r1 = starts[a], starts[b]
+        y[r0:r1] = torch._grouped_mm(x[r0:r1], w.view(b - a, N, K).transpose(1, 2),
+                                     offs=ends.to(x.device, non_blocking=True))
+    return y
+
+
 def _triton_linear(kind: str, x: torch.Tensor, p: packed.Packed, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The Triton kernel family `kind` (gpu_kernel's answer), or None when the float-x kernels do
     not take this weight (the caller then runs the reference)."""

@@ -109,13 +109,27 @@ def test_stacked_experts_equal_routed_experts(kind, qtype, q8, tiny_gguf, monkey
                 shared = torch.randn(T, H)
                 got = moe.experts(x, ids, w, add=shared)
             assert (got - (want + shared)).abs().max() <= tol * (want + shared).abs().max()
-        with monkeypatch.context() as mp:  # past PAIRS_ROWS tokens: the grouped loop (prompt chunks)
+        with monkeypatch.context() as mp:  # past PAIRS_ROWS tokens: the pairs sorted by expert (prompt chunks)
             mp.setattr(GPUStackedExperts, "PAIRS_ROWS", 2)
             x = torch.randn(5, H)
             w, ids = moe.gate(x)
+            want = ref(x, ids, w)
             del calls[:]
-            got, want = moe.experts(x, ids, w), ref(x, ids, w)
+            got = moe.experts(x, ids, w)  # off a GPU: one packed_linear per chosen expert
             assert not calls and (got - want).abs().max() <= 1e-4 * want.abs().max()
+            grouped: list = []
+
+            def gemm(xs, p, counts, n_expert):  # the GPU's grouped GEMMs, on the interpreter
+                grouped.append((xs.shape[0], sum(counts), n_expert))
+                return dispatch.grouped_gemm(xs, p, counts, n_expert)
+
+            mp.setattr(dispatch, "grouped_experts", gemm)
+            got = moe.experts(x, ids, w)
+            assert not calls and len(grouped) == 2 and all(g == (5 * k, 5 * k, len(refs[0])) for g in grouped)
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+            shared = torch.randn(5, H)
+            got = moe.experts(x, ids, w, add=shared)
+            assert (got - (want + shared)).abs().max() <= 1e-4 * (want + shared).abs().max()
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU stand-in for the loader's GPU path")
@@ -213,9 +227,34 @@ def test_cuda_stacked_experts_graph_decode_equals_eager(kind, tiny_gguf, monkeyp
     assert [len(x) for x in out] == [4, 4] and graph._batch is not None  # the batch's step captured
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "fp8-block"])
+def test_cuda_grouped_experts_equal_each_expert_alone(fmt, monkeypatch):
+    """On the GPU in bf16: the grouped GEMMs (torch._grouped_mm over dequantized slabs, several of
+    them) against one GEMM per expert through the dense prefill's kernels; every expert chosen but a
+    few, as a prompt chunk chooses them."""
+    from dsq.kernels import dispatch, packed, triton_dequant
+
+    monkeypatch.setattr(triton_dequant, "SLAB_BYTES", 5 * 512 * 1024 * 2)  # five experts a slab
+    E, N, K = 16, 512, 1024
+    p = _stacked(fmt, E, N, K).to("cuda")
+    counts = [int(c) for c in torch.randint(0, 40, (E,))]
+    counts[0] = counts[7] = counts[-1] = 0
+    x = torch.randn(sum(counts), K, device="cuda", dtype=torch.bfloat16)
+    got = dispatch.grouped_experts(x, p, counts, E)
+    assert "grouped experts" not in dispatch.FAILED
+    r = 0
+    for e, c in enumerate(counts):
+        if not c:
+            continue
+        want = x[r:r + c].float() @ packed.dequantize(p.rows(e * N, (e + 1) * N)).float().t()
+        assert (got[r:r + c].float() - want).abs().max() <= 2e-2 * want.abs().max().clamp(min=1e-6), e
+        r += c
+
+
 def test_expert_views_of_the_stack():
-    """GPUStackedExperts.expert (the grouped loop's weights): expert e's rows of the stack, views,
-    FP8 128-row scale blocks included."""
+    """Expert e's rows of a stacked weight (what the grouped GEMMs dequantize, a slab of experts at
+    a time): views, FP8 128-row scale blocks included."""
     from dsq.kernels import packed
     from dsq.models.deepseek_model import GPUStackedExperts
 
@@ -225,6 +264,56 @@ def test_expert_views_of_the_stack():
     st = packed.Packed.cat(ps)
     m = GPUStackedExperts(None, st, st, st, E, torch.nn.functional.silu)
     for e in range(E):
-        ex = m.expert("down", e)
+        ex = m.weight("down").rows(e * N, (e + 1) * N)
         assert ex.N == N and ex.lo.data_ptr() == m.down_lo[e * N].data_ptr()
         assert torch.equal(packed.dequantize(ex), packed.dequantize(ps[e]))
+    both = m.weight("down").rows(N, 3 * N)
+    assert torch.equal(packed.dequantize(both), torch.cat([packed.dequantize(ps[1]), packed.dequantize(ps[2])]))
+
+
+def _stacked(fmt: str, E: int, N: int, K: int):
+    import numpy as np
+    from test_kernels_ref import random_blocks
+
+    from dsq.kernels import packed
+
+    if fmt == "fp8-block":
+        return packed.Packed.cat([packed.from_fp8((torch.randn(N, K) * 3).to(torch.float8_e4m3fn),
+                                                  torch.rand(N // 128, K // 128) + 0.01) for _ in range(E)])
+    rng = np.random.default_rng()
+    return packed.from_gguf(torch.from_numpy(random_blocks(fmt, E * N, K, rng)), fmt, K)
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU stand-in (the interpreter); the CUDA test below runs the GPU's")
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0", "Q5_K", "fp8-block"])
+def test_grouped_gemm_runs_each_expert_once_over_its_rows(fmt):
+    """dispatch.grouped_gemm (a prompt chunk's pairs sorted by expert): each row through its own
+    expert's weight, equal to that expert's reference GEMM; only the chosen experts are written out,
+    a slab of at most slab_bytes at a time (here two experts, so four runs, empty experts at a slab's
+    ends left out) and the grouped GEMM skips an empty expert inside one."""
+    from dsq.kernels import dispatch, packed, triton_dequant
+
+    E, N, K = 7, 128, 256
+    p = _stacked(fmt, E, N, K)
+    counts = [0, 3, 0, 5, 1, 0, 4]
+    x = torch.randn(sum(counts), K)
+    written: list = []
+
+    def dequantize(q, dtype, out):
+        written.append(q.N)
+        return triton_dequant.dequantize(q, dtype, out=out)
+
+    got = dispatch.grouped_gemm(x, p, counts, E, slab_bytes=2 * N * K * 4 + 1, dequantize=dequantize)
+    assert written == [N, 2 * N, N], written  # experts 1, 3-4, 6: never 0, 2 or 5
+    r = 0
+    for e, c in enumerate(counts):
+        if c:
+            want = packed.linear_ref(x[r:r + c], p.rows(e * N, (e + 1) * N))
+            torch.testing.assert_close(got[r:r + c], want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        r += c
+    # one slab over an empty expert in its middle: the grouped GEMM's empty group
+    written.clear()
+    got = dispatch.grouped_gemm(x, p, counts, E, slab_bytes=E * N * K * 4, dequantize=dequantize)
+    assert written == [6 * N]
+    loop = dispatch.grouped_experts(x, p, counts, E)  # off a GPU: one packed_linear per chosen expert
+    torch.testing.assert_close(got, loop, rtol=1e-5, atol=1e-5 * float(loop.abs().max()))

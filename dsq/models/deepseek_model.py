@@ -286,18 +286,31 @@ class RoutedExperts(nn.ModuleList):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (N, H), ids and weights (N, k) -> (N, H) in x's dtype."""
-        return _each_expert_once(x, ids, weights, lambda xe, e: self[e](xe))
+        return _each_expert_once(x, ids, weights, lambda xe, e: self[e](xe), len(self))
 
 
-def _each_expert_once(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mlp) -> torch.Tensor:
+def _each_expert_once(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mlp, n_expert: int) -> torch.Tensor:
     """Each chosen expert's mlp(x rows, e) once over the tokens that chose it, weighted and summed per
-    token (one host sync: the ids)."""
-    out = torch.zeros_like(x)
-    for e in ids.unique().tolist():
-        rows, slot = (ids == e).nonzero(as_tuple=True)
-        y = mlp(x[rows], e) * weights[rows, slot, None]
-        out.index_add_(0, rows, y.to(out.dtype))
+    token (one host sync: how many pairs each expert has)."""
+    order, counts = _by_expert(ids, n_expert)
+    k = ids.shape[1]
+    tok = order // k
+    xs, out, r = x[tok], torch.zeros_like(x), 0
+    for e, c in enumerate(counts):
+        if c:
+            rows = tok[r:r + c]
+            y = mlp(xs[r:r + c], e) * weights.reshape(-1)[order[r:r + c], None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        r += c
     return out
+
+
+def _by_expert(ids: torch.Tensor, n_expert: int) -> tuple[torch.Tensor, list[int]]:
+    """ids (T, k) -> (the pairs' flat indices sorted by expert, each expert's count of pairs on the
+    host: the one host sync)."""
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    return order, torch.bincount(flat, minlength=n_expert).tolist()
 
 
 class GPUStackedExperts(nn.Module):
@@ -307,15 +320,17 @@ class GPUStackedExperts(nn.Module):
     PAIRS_ROWS tokens runs each (token, expert) pair through its expert with the ids read on the
     device (dispatch.packed_experts: two grouped GEMVs, the activation, the weighted sum per token),
     so it never syncs with the host and a decode step made of these can be captured as one CUDA
-    graph (the model's graph_safe). Longer calls (prompt chunks) run each chosen expert once over
-    its tokens, as RoutedExperts does (pairs would read an expert's weights once per token that
-    chose it)."""
+    graph (the model's graph_safe). Longer calls (prompt chunks) sort the pairs by expert (one host
+    sync: each expert's count) and run each projection as grouped GEMMs over the sorted rows
+    (dispatch.grouped_experts: each chosen expert's weight read once, a slab of experts a launch),
+    where pairs would read an expert's weights once per token that chose it."""
 
-    # tokens up to which a call takes the pairs path; above, the grouped loop (one host sync, then
-    # ~4 launches per chosen expert). Pairs read an expert's weights once per token that chose it,
-    # but a V2-Lite prompt of 64 tokens through the grouped loop prefilled at 64 tok/s against
-    # llama.cpp's 2400 (docs/benchmarks.md#deepseek): prompt chunks up to this size take pairs
-    # (128 itself not yet timed against the loop).
+    # tokens up to which a call takes the pairs path; above, the grouped GEMMs. A V2-Lite prompt of
+    # 64 tokens through a loop over the chosen experts prefilled at 64 tok/s against llama.cpp's
+    # 2400 (docs/benchmarks.md#deepseek), so prompt chunks up to this size took pairs; the grouped
+    # GEMMs replaced that loop (a 512-token chunk: 1.4 s of ~1,700 launches and host syncs,
+    # docs/benchmarks.md#the-gpu-claims-in-three-device-calls), and where they overtake pairs is not
+    # yet timed.
     # A captured batch decode step has one token a sequence, so batches up to this size capture.
     # DSQ_MOE_PAIRS_ROWS=N moves it.
     PAIRS_ROWS = int(os.environ.get("DSQ_MOE_PAIRS_ROWS", "") or 128)
@@ -342,14 +357,6 @@ class GPUStackedExperts(nn.Module):
         fmt, N, K = self._fmts[name]
         return packed.Packed(fmt, N, K, **{k: getattr(self, f"{name}_{k}") for k in self._PARTS})
 
-    def expert(self, name: str, e: int) -> packed.Packed:
-        """Expert e's rows of weight `name` (views)."""
-        p = self.weight(name)
-        n = p.N // self.n_expert
-        rows = {k: (p.fmt.sc_rows if k == "sc" else 1) for k in p.tensors()}  # FP8 block scales: n / 128 rows
-        kw = {k: t[e * n // rows[k]:(e + 1) * n // rows[k]] for k, t in p.tensors().items()}
-        return packed.Packed(p.fmt, n, p.K, **kw)
-
     def extra_repr(self) -> str:
         return (f"{self.n_expert} experts stacked ({', '.join(self._names)}), {self.source}, hidden={self.hidden}, "
                 f"inter={self.inter}")
@@ -360,8 +367,7 @@ class GPUStackedExperts(nn.Module):
         (the shared experts' output: on a GPU added in the launch that weighs and sums the pairs)."""
         T, k = ids.shape
         if T > self.PAIRS_ROWS:
-            y = _each_expert_once(x, ids, weights, self._mlp)
-            return y + add if add is not None else y
+            return self._grouped(x, ids, weights, add)
         E = self.n_expert
         if "gate_up" in self._fmts:
             g, u = dispatch.packed_experts(x, self.weight("gate_up"), ids, E).chunk(2, dim=-1)
@@ -375,12 +381,27 @@ class GPUStackedExperts(nn.Module):
         y = (y.view(T, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
         return y + add if add is not None else y
 
-    def _mlp(self, x: torch.Tensor, e: int) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 add: torch.Tensor | None) -> torch.Tensor:
+        """A prompt chunk's pairs sorted by expert, each projection's grouped GEMMs over them, the
+        outputs back in (token, slot) order, weighted and summed per token, plus `add`."""
+        T, k = ids.shape
+        E = self.n_expert
+        order, counts = _by_expert(ids, E)
+        xs = x[order // k]
         if "gate_up" in self._fmts:
-            g, u = dispatch.packed_linear(x, self.expert("gate_up", e)).chunk(2, dim=-1)
+            g, u = dispatch.grouped_experts(xs, self.weight("gate_up"), counts, E).chunk(2, dim=-1)
         else:
-            g, u = dispatch.packed_linear(x, self.expert("gate", e)), dispatch.packed_linear(x, self.expert("up", e))
-        return dispatch.packed_linear(act_mul(self.act, g, u), self.expert("down", e))
+            g = dispatch.grouped_experts(xs, self.weight("gate"), counts, E)
+            u = dispatch.grouped_experts(xs, self.weight("up"), counts, E)
+        ys = dispatch.grouped_experts(act_mul(self.act, g, u), self.weight("down"), counts, E)
+        y = torch.empty_like(ys)
+        y[order] = ys
+        out = dispatch.moe_combine(y, weights, x.dtype, add)
+        if out is not None:
+            return out
+        y = (y.view(T, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
+        return y + add if add is not None else y
 
 
 class _Pinned:
