@@ -149,8 +149,9 @@ if [ "$PART" = 3 ]; then
   timeout $(t 80) "$LB" -m "$g" -ngl 99 -ot exps=CPU -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_cpu.json" 2>/dev/null
   log "llama-bench"
   # on a bare machine the first dsq run compiles and autotunes the kernels for ~2 minutes (2026-12-07,
-  # H100: past 100 s), and a prompt chunk with the experts in RAM runs them on the GPU too
-  for e in cpu gpu; do
+  # H100: past 100 s), and a prompt chunk with the experts in RAM runs them on the GPU too: the
+  # experts on the GPU first, the row a cut call must not lose
+  for e in gpu cpu; do
     timeout $(t $([ "$e" = gpu ] && echo 170 || echo 150)) python3 -m dsq bench "$g" -b native -g all --experts "$e" --prompt-tokens 512 --max-tokens 32 \
       --repeat 2 --threads "$TH" --out "$R/dsq_v2l_$e.json" --force > "$R/dsq_v2l_$e.txt" 2>&1
     log "dsq bench --experts $e"
