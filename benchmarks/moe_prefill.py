@@ -1,0 +1,84 @@
+"""A prompt chunk through one MoE layer's routed experts on the GPU: the grouped GEMMs
+(GPUStackedExperts._grouped, dispatch.grouped_experts) against the loop over chosen experts they
+replaced (one packed_linear per projection and expert, its rows found on the device), V2-Lite's
+shape (64 experts, top 6, hidden 2048, 1408 a expert: gate/up Q4_K, down Q8_0 as a Q4_K_M file keeps
+its K = 1408 rows), random blocks, random routing.
+
+    python -m benchmarks.moe_prefill [--tokens 512,128] [--repeat 10]
+
+Prints each path's best wall ms a call (synced) and their largest difference relative to the
+loop's largest output (docs/benchmarks.md#the-gpu-claims-in-three-device-calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def _loop(moe, x, ids, w):
+    """The loop the grouped GEMMs replaced: each chosen expert's rows found by nonzero (a host sync),
+    its three GEMMs, weighted and added into its tokens."""
+    import torch
+
+    from dsq.kernels import dispatch
+    from dsq.models.base import act_mul
+
+    N = {name: moe.weight(name).N // moe.n_expert for name in ("gate_up", "down")}
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        g, u = dispatch.packed_linear(x[rows], moe.weight("gate_up").rows(e * N["gate_up"], (e + 1) * N["gate_up"])
+                                      ).chunk(2, dim=-1)
+        y = dispatch.packed_linear(act_mul(moe.act, g, u), moe.weight("down").rows(e * N["down"], (e + 1) * N["down"]))
+        out.index_add_(0, rows, (y * w[rows, slot, None]).to(out.dtype))
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="512,128")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--device", default="cuda", help="cpu: a check of the script (the loop's path both ways)")
+    a = ap.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+
+    from dsq.kernels import packed
+    from dsq.models.deepseek_model import GPUStackedExperts
+
+    E, k, H, inter = 64, 6, 2048, 1408
+    dev = torch.device(a.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def blocks(qtype, rows, K):
+        per, nbytes = {"Q4_K": (256, 144), "Q8_0": (32, 34)}[qtype]
+        raw = torch.randint(0, 64, (rows, K // per * nbytes), dtype=torch.uint8)  # small bytes: finite fp16 scales
+        return packed.from_gguf(raw, qtype, K, device=dev)
+
+    moe = GPUStackedExperts(blocks("Q4_K", E * 2 * inter, H), None, None, blocks("Q8_0", E * H, inter), E, F.silu,
+                            "random")
+    for T in (int(t) for t in a.tokens.split(",")):
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16) * 0.1
+        ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)])
+        w = torch.rand(T, k, device=dev)
+        runs = {"grouped": lambda: moe._grouped(x, ids, w, None), "loop": lambda: _loop(moe, x, ids, w)}
+        best, outs = {}, {}
+        for name, fn in runs.items():
+            outs[name] = fn()  # compiles
+            sync()
+            ts = []
+            for _ in range(a.repeat):
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                ts.append(time.perf_counter() - t0)
+            best[name] = 1e3 * min(ts)
+        diff = float((outs["grouped"].float() - outs["loop"].float()).abs().max() / outs["loop"].float().abs().max())
+        print(f"{T} tokens: grouped {best['grouped']:.2f} ms, loop {best['loop']:.2f} ms "
+              f"({best['loop'] / best['grouped']:.1f}x), largest difference {diff:.1e} of the largest output", flush=True)
+
+
+if __name__ == "__main__":
+    main()
