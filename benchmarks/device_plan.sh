@@ -156,6 +156,10 @@ if [ "$PART" = 3 ]; then
       --repeat 2 --threads "$TH" --out "$R/dsq_v2l_$e.json" --force > "$R/dsq_v2l_$e.txt" 2>&1
     log "dsq bench --experts $e"
   done
+  # one MoE layer's prompt chunk: the grouped GEMMs against the loop they replaced and the pairs
+  # (where PAIRS_ROWS should sit)
+  timeout $(t 60) python3 -m benchmarks.moe_prefill --tokens 512,128,32 --repeat 5 > "$R/moe_prefill.txt" 2>&1
+  log "moe_prefill"
   fi
   if [[ $STEPS == *serve* ]]; then
   # llama-server and dsq serve, the same load: 64 requests at 32 concurrent, 512-word prompts, 128 tokens

@@ -155,6 +155,11 @@ def moe_rows(raw: Path) -> list[dict]:
         serve[eng] = next((lv for lv in levels if lv.get("concurrency") == 32), {})
     rows.append({"what": "serve, 32 concurrent, 64 requests of 128 tokens", "serve": serve,
                  "throughput_ratio": _ratio(_tput(serve.get("dsq")), _tput(serve.get("llama-server")))})
+    try:  # benchmarks.moe_prefill: a line a chunk size
+        chunks = [ln for ln in (raw / "moe_prefill.txt").read_text().splitlines() if ln.split(" ")[0].isdigit()]
+    except OSError:
+        chunks = []
+    rows.append({"what": "one MoE layer's prompt chunk (benchmarks.moe_prefill)", "lines": chunks})
     return rows
 
 
@@ -188,6 +193,8 @@ def moe_markdown(rows: list[dict], gpu: str) -> str:
         lines.append(f"- {eng}: " + ", ".join(f"{k} {summ[k]}" for k in ("failures", "qps", "output_tok_s", "ttft_p50_ms",
                                                                       "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
                                              if k in (summ or {})))
+    if len(rows) > 3 and rows[3]["lines"]:
+        lines += ["", f"{rows[3]['what']}:", ""] + [f"- {ln}" for ln in rows[3]["lines"]]
     return "\n".join(lines) + "\n"
 
 

@@ -73,7 +73,12 @@ def test_moe_rows_and_serve(tmp_path):
     assert rows[0]["decode_ratio"] == 2.0 and rows[0]["prefill_ratio"] == 0.8
     assert rows[1]["dsq_decode"] is None  # experts in RAM: not run here
     assert rows[2]["throughput_ratio"] == 1.5
+    assert rows[3]["lines"] == [] and "moe_prefill" not in dt.moe_markdown(rows, "H200")  # not run here
     assert "ratio 1.50" in dt.moe_markdown(rows, "H200")
+    line = "512 tokens: grouped 2.00 ms, loop 60.00 ms (30.0x), pairs 9.00 ms (4.5x); largest difference ..."
+    (tmp_path / "moe_prefill.txt").write_text("warning: something\n" + line + "\n")
+    rows = dt.moe_rows(tmp_path)
+    assert rows[3]["lines"] == [line] and f"- {line}" in dt.moe_markdown(rows, "H200")
 
 
 def test_multi_rows_two_gpus(tmp_path):
