@@ -190,14 +190,14 @@ def test_cuda_stacked_experts_graph_decode_equals_eager(kind, tiny_gguf, monkeyp
     """All on the GPU with --experts gpu: every MoE layer's experts stacked, the model graph-safe
     and its decode step captured as one CUDA graph (a batch's too), whose logits step by step are
     the eager step's; prompts of up to PAIRS_ROWS tokens (the pairs path) and longer ones (the
-    grouped loop) stay close to the CPU model's (bf16 and int8-rounded x in the GPU's dense
+    grouped GEMMs) stay close to the CPU model's (bf16 and int8-rounded x in the GPU's dense
     kernels against float32: routing may move a few tokens)."""
     from dsq.models.deepseek_model import GPUStackedExperts, MoE
     from dsq.runtime.native import NativeModel
     from dsq.runtime.sampling import SamplingParams
     from tiny import kld_top1
 
-    monkeypatch.setattr(GPUStackedExperts, "PAIRS_ROWS", 16)  # the 30-token prompt below takes the grouped loop
+    monkeypatch.setattr(GPUStackedExperts, "PAIRS_ROWS", 16)  # the 30-token prompt below takes the grouped GEMMs
     path = tiny_gguf(kind, "Q4_K_M")
     graph = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="gpu")
     eager = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="gpu", cuda_graph=False)
@@ -220,7 +220,7 @@ def test_cuda_stacked_experts_graph_decode_equals_eager(kind, tiny_gguf, monkeyp
             assert torch.isfinite(a).all()
             assert (a - b).abs().max() <= 1e-3 * b.abs().max(), (step, (a - b).abs().max())
     cpu = NativeModel(path, "gguf", n_ctx=128, dtype="fp32", experts="gpu")
-    for ids in (IDS[:12], IDS):  # pairs, grouped loop
+    for ids in (IDS[:12], IDS):  # pairs, grouped GEMMs
         kld, top1, _ = kld_top1(cpu.logits(ids), graph.logits(ids))
         assert kld < 0.25 and top1 >= 0.6, (len(ids), kld, top1)
     out = graph.generate_batch([IDS[:20], IDS[5:9]], SamplingParams(temperature=0), 4, ignore_eos=True)
