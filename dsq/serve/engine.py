@@ -231,8 +231,8 @@ class Engine:
             torch.cuda.synchronize()
             seconds["kernels"] = lap()
             if self.graphable():
-                # MoE passes past PAIRS_ROWS tokens sync with the host (the grouped expert loop):
-                # no mixed steps and no prompt chunks captured for them
+                # MoE passes past PAIRS_ROWS tokens sync with the host (each expert's count of rows,
+                # for the grouped GEMMs): no mixed steps and no prompt chunks captured for them
                 dense = not any(hasattr(layer.mlp, "experts") for layer in self.model.model.layers)
                 # mixed steps: 2.4x llama-server's output at 32 requests, against 1.9x without
                 # (docs/benchmarks.md#dsq-serve)
