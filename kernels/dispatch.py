@@ -542,7 +542,7 @@ def grouped_experts(x: torch.Tensor, p: packed.Packed, counts: list[int], n_expe
     dtype by one dequantize launch and multiplied by one grouped GEMM (`grouped_gemm`); elsewhere,
     or where that fails, one packed_linear per chosen expert."""
     if (x.device.type == "cuda" and not torch.compiler.is_compiling() and not _reference() and _triton_ok()
-            and hasattr(torch, "_grouped_mm") and x.dtype in (torch.bfloat16, torch.float16)):
+            and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16):  # CUDA's grouped GEMM: bf16
         from dsq.kernels import triton_common
 
         # the grouped GEMM's rows of x and of W in whole 16-byte vectors (CUTLASS's alignment)
