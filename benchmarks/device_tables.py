@@ -193,7 +193,7 @@ def moe_markdown(rows: list[dict], gpu: str) -> str:
         lines.append(f"- {eng}: " + ", ".join(f"{k} {summ[k]}" for k in ("failures", "qps", "output_tok_s", "ttft_p50_ms",
                                                                       "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
                                              if k in (summ or {})))
-    if len(rows) > 3 and rows[3]["lines"]:
+    if rows[3]["lines"]:
         lines += ["", f"{rows[3]['what']}:", ""] + [f"- {ln}" for ln in rows[3]["lines"]]
     return "\n".join(lines) + "\n"
 

@@ -2,8 +2,8 @@
 (GPUStackedExperts._grouped, dispatch.grouped_experts) against the loop over chosen experts they
 replaced (one packed_linear per projection and expert, its rows found on the device) and against
 the (token, expert) pairs that shorter chunks take (up to GPUStackedExperts.PAIRS_ROWS), V2-Lite's
-shape (64 experts, top 6, hidden 2048, 1408 a expert: gate/up Q4_K, down Q8_0 as a Q4_K_M file keeps
-its K = 1408 rows), random blocks, random routing.
+shape (64 experts, top 6, hidden 2048, 1408 intermediate rows an expert: gate/up Q4_K, down Q8_0, as a
+Q4_K_M file keeps a weight whose rows of 1408 are no whole K-quant blocks), random blocks, random routing.
 
     python -m benchmarks.moe_prefill [--tokens 512,128] [--repeat 10]
 

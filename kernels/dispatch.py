@@ -25,6 +25,7 @@ import os
 import warnings
 from contextlib import contextmanager
 from functools import lru_cache
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -587,9 +588,7 @@ def grouped_gemm(x: torch.Tensor, p: packed.Packed, counts: list[int], n_expert:
     if not runs:
         return y
     buf = torch.empty(max(b - a for a, b in runs) * N, K, dtype=x.dtype, device=x.device)
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
+    starts = list(accumulate(counts, initial=0))  # expert e's rows: starts[e]..starts[e + 1] - 1
     for a, b in runs:
         w = dequantize(p.rows(a * N, b * N), x.dtype, out=buf[:(b - a) * N])
         ends = torch.tensor([starts[e + 1] - starts[a] for e in range(a, b)], dtype=torch.int32)

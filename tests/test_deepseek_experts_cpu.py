@@ -268,10 +268,11 @@ def test_a_prompt_chunk_streams_the_experts_and_gets_the_same_logits(kind, qtype
     blocks), with and without the shared experts' `add`, and a prompt through the model
     (MoE.forward's streamed branch) gives the C path's logits to ~1% of the largest: inside a prompt
     the C kernels round x to int8 (dispatch.int8_prefill), the torch stand-in here does not. A
-    chunk below the threshold does not stream."""
+    chunk below the threshold does not stream. A streamed call runs the grouped GEMMs whatever its
+    rows (GPUStackedExperts._grouped), never the pairs."""
     import torch
 
-    from dsq.models.deepseek_model import CPURoutedExperts, MoE
+    from dsq.models.deepseek_model import CPURoutedExperts, GPUStackedExperts, MoE
 
     path = tiny_gguf(kind, qtype)
     m = _load(path, "cpu")
@@ -281,7 +282,11 @@ def test_a_prompt_chunk_streams_the_experts_and_gets_the_same_logits(kind, qtype
     x = torch.randn(70, ex.hidden, generator=g)
     weights, ids = moe.gate(x)
     want = ex(x, ids, weights)  # the C kernels (CPU rows never stream)
+    grouped = []
+    real_grouped = GPUStackedExperts._grouped
+    monkeypatch.setattr(GPUStackedExperts, "_grouped", lambda self, *a: grouped.append(1) or real_grouped(self, *a))
     got = ex.streamed(x, ids, weights)
+    assert grouped  # 70 rows, under PAIRS_ROWS: still the grouped GEMMs, never the pairs
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
     add = torch.randn(70, ex.hidden, generator=g)
     assert torch.allclose(ex.streamed(x, ids, weights, add=add), got + add, atol=1e-5)

@@ -233,9 +233,13 @@ def test_cuda_stacked_experts_graph_decode_equals_eager(kind, tiny_gguf, monkeyp
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "fp8-block"])
 def test_cuda_grouped_experts_equal_each_expert_alone(fmt, monkeypatch):
     """On the GPU in bf16: the grouped GEMMs (torch._grouped_mm over dequantized slabs, several of
-    them) against one GEMM per expert through the dense prefill's kernels; every expert chosen but a
-    few, as a prompt chunk chooses them."""
+    them; not the per-expert fallback) against each expert's float32 reference GEMM; every expert
+    chosen but a few, as a prompt chunk chooses them."""
     from dsq.kernels import dispatch, packed, triton_dequant
+
+    ran: list = []
+    real = dispatch.grouped_gemm
+    monkeypatch.setattr(dispatch, "grouped_gemm", lambda *a, **k: ran.append(1) or real(*a, **k))
 
     monkeypatch.setattr(triton_dequant, "SLAB_BYTES", 5 * 512 * 1024 * 2)  # five experts a slab
     E, N, K = 16, 512, 1024
@@ -244,7 +248,7 @@ def test_cuda_grouped_experts_equal_each_expert_alone(fmt, monkeypatch):
     counts[0] = counts[7] = counts[-1] = 0
     x = torch.randn(sum(counts), K, device="cuda", dtype=torch.bfloat16)
     got = dispatch.grouped_experts(x, p, counts, E)
-    assert "grouped experts" not in dispatch.FAILED
+    assert ran and "grouped experts" not in dispatch.FAILED
     r = 0
     for e, c in enumerate(counts):
         if not c:

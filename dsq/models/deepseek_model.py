@@ -491,14 +491,16 @@ class CPURoutedExperts(nn.Module):
                  add: torch.Tensor | None = None) -> torch.Tensor:
         """x (N, H) through this layer's experts copied to x's device for this call: each stacked
         projection's blocks converted to the GPU kernels' layout there (packed.from_gguf, a chunk of
-        rows copied at a time), run as GPUStackedExperts runs its own, then dropped; plus `add`."""
+        rows copied at a time), run through the grouped GEMMs as GPUStackedExperts runs a prompt chunk
+        (at any STREAM_ROWS: the pairs would read a streamed expert once per token that chose it),
+        then dropped; plus `add`."""
         E = self.n_expert
         parts = [packed.from_gguf(t.reshape(E * t.shape[1], t.shape[2]), q, k, device=x.device)
                  for t, q, k in ((self.gate, self.qtypes[0], self.hidden), (self.up, self.qtypes[1], self.hidden),
                                  (self.down, self.qtypes[2], self.inter))]
         twin = GPUStackedExperts(None, parts[0], parts[1], parts[2], E, F.silu, "streamed from RAM")
         del parts
-        return twin(x, ids, weights, add=add)
+        return twin._grouped(x, ids, weights, add)
 
     def queued(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The call queued on x's stream between the copies (no host sync)."""
