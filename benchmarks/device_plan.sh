@@ -12,7 +12,8 @@
 #                                      # 32 generated), both engines' peak VRAM, all-GPU prefill of 2048 (~9 min)
 #   bash benchmarks/device_plan.sh 3   # DeepSeek-V2-Lite, experts on the GPU and in RAM, against llama-bench
 #                                      # (-ot exps=CPU); then dsq serve against llama-server at 32 concurrent
-#                                      # (STEPS=bench, then STEPS=serve: a call each on a bare machine)
+#                                      # (STEPS=bench, then STEPS=serve: a call each on a bare machine; the
+#                                      # bench half ends with benchmarks.moe_prefill, one MoE layer's chunk)
 #   bash benchmarks/device_plan.sh 4   # two GPUs (kind nvidia-h100-x2): the 8B and V2-Lite split by layers over
 #                                      # both against llama-bench -sm layer; serve --tp 2 against one GPU and
 #                                      # llama-server -sm row at 32 concurrent (~8 min; not run yet)
