@@ -199,15 +199,16 @@ def run(engine, api, host: str, port: int, drain_s: float = 60.0, limits=None) -
     signal.signal(signal.SIGTERM, _stop_warm_up)
     try:
         _warm_up(engine)
+        # From here uvicorn takes SIGTERM while it runs (its drain), and re-raises it once it has shut
+        # down: ours takes that, so the process ends with status 0. One that comes before uvicorn's
+        # handler is in place asks it to exit as soon as it starts. (Set inside the try: a SIGTERM
+        # between the warm-up's end and this line still stops the server here.)
+        signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     except _WarmUpStopped:
         if engine.ranks is not None:
             engine.ranks.close()
         sys.stderr.write("dsq serve: stopped during the warm-up\n")
         return
-    # From here uvicorn takes SIGTERM while it runs (its drain), and re-raises it once it has shut
-    # down: ours takes that, so the process ends with status 0. One that comes before uvicorn's
-    # handler is in place asks it to exit as soon as it starts.
-    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     engine.start()
     for note in getattr(engine.nm, "tp_notes", []):
