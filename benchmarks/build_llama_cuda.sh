@@ -19,7 +19,7 @@ W=${1:-/tmp/llcuda}
 ROOT=$PWD
 CUDA=${CUDA:-$(ls -d /usr/local/cuda-[0-9]* | sort -V | tail -1)}
 MAJOR=$("$CUDA/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
-VER=$(python3 -c "import llama_cpp; print(llama_cpp.__version__)")
+VER=${LLAMA_CPP_VERSION:-$(python3 -c "import llama_cpp; print(llama_cpp.__version__)")}  # set it to build while install.sh still compiles
 mkdir -p "$W" && cd "$W"
 echo "toolkit $CUDA (CUDA $MAJOR), llama-cpp-python $VER, in $W"
 

@@ -1,5 +1,7 @@
-"""A prompt chunk through one MoE layer's routed experts on the GPU: the grouped GEMMs
-(GPUStackedExperts._grouped, dispatch.grouped_experts) against the loop over chosen experts they
+"""A prompt chunk through one MoE layer's routed experts on the GPU: the grouped paths
+(GPUStackedExperts._grouped, dispatch.grouped_experts), fused (dispatch.MOE_FUSED: the experts'
+quantized weights read straight into the tensor cores, one launch a projection) and written out (slabs
+of experts dequantized to bf16 for torch's grouped GEMM), against the loop over chosen experts they
 replaced (one packed_linear per projection and expert, its rows found on the device) and against
 the (token, expert) pairs that shorter chunks take (up to GPUStackedExperts.PAIRS_ROWS), V2-Lite's
 shape (64 experts, top 6, hidden 2048, 1408 intermediate rows an expert: gate/up Q4_K, down Q8_0, as a
@@ -7,8 +9,7 @@ Q4_K_M file keeps a weight whose rows of 1408 are no whole K-quant blocks), rand
 
     python -m benchmarks.moe_prefill [--tokens 512,128] [--repeat 10]
 
-Prints each path's best wall ms a call (synced), the loop's and the pairs' time over the grouped
-GEMMs', and each path's largest difference from the loop relative to the loop's largest output
+Prints each path's best wall ms a call (synced), the others' time over the fused path's, and each path's largest difference from the loop relative to the loop's largest output
 (the pairs round x to int8 as the decode GEMV does) (docs/benchmarks.md#the-gpu-claims-in-three-device-calls).
 """
 
@@ -47,7 +48,7 @@ def main(argv=None) -> None:
     import torch
     import torch.nn.functional as F
 
-    from dsq.kernels import packed
+    from dsq.kernels import dispatch, packed
     from dsq.models.deepseek_model import GPUStackedExperts
 
     E, k, H, inter = 64, 6, 2048, 1408
@@ -66,7 +67,16 @@ def main(argv=None) -> None:
         ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)])
         w = torch.rand(T, k, device=dev)
         moe.PAIRS_ROWS = T  # a call of T rows takes the pairs; _grouped is called directly
-        runs = {"grouped": lambda: moe._grouped(x, ids, w, None), "loop": lambda: _loop(moe, x, ids, w),
+        def grouped(fused):
+            def run():
+                dispatch.MOE_FUSED = fused
+                try:
+                    return moe._grouped(x, ids, w, None)
+                finally:
+                    dispatch.MOE_FUSED = True
+            return run
+
+        runs = {"fused": grouped(True), "written out": grouped(False), "loop": lambda: _loop(moe, x, ids, w),
                 "pairs": lambda: moe(x, ids, w)}
         best, outs = {}, {}
         for name, fn in runs.items():
@@ -81,10 +91,11 @@ def main(argv=None) -> None:
             best[name] = 1e3 * min(ts)
         ref = outs["loop"].float()
         diff = {n: float((o.float() - ref).abs().max() / ref.abs().max()) for n, o in outs.items() if n != "loop"}
-        print(f"{T} tokens: grouped {best['grouped']:.2f} ms, loop {best['loop']:.2f} ms "
-              f"({best['loop'] / best['grouped']:.1f}x), pairs {best['pairs']:.2f} ms "
-              f"({best['pairs'] / best['grouped']:.1f}x); largest difference from the loop, of its largest output: "
-              f"grouped {diff['grouped']:.1e}, pairs {diff['pairs']:.1e}", flush=True)
+        f = best["fused"]
+        print(f"{T} tokens: fused {f:.2f} ms, " + ", ".join(f"{n} {best[n]:.2f} ms ({best[n] / f:.1f}x)" for n in
+                                                          ("written out", "loop", "pairs"))
+              + "; largest difference from the loop, of its largest output: "
+              + ", ".join(f"{n} {d:.1e}" for n, d in diff.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -534,16 +534,55 @@ def packed_experts(x: torch.Tensor, p: packed.Packed, ids: torch.Tensor, n_exper
     return packed.experts_ref(x, p, ids, n_expert)
 
 
-def grouped_experts(x: torch.Tensor, p: packed.Packed, counts: list[int], n_expert: int,
+# A prompt chunk's experts read their quantized weights straight into the tensor cores (one launch a
+# projection: triton_mma.grouped_mma_scaled for 4-bit codes, triton_gemm.grouped_linear for the rest) rather
+# than writing them out in bf16 for torch's grouped GEMM; DSQ_MOE_FUSED=0 keeps the written-out path
+# (benchmarks/moe_prefill.py times both: docs/benchmarks.md#the-gpu-claims-in-three-device-calls)
+MOE_FUSED = os.environ.get("DSQ_MOE_FUSED", "1") != "0"
+
+
+_TENSOR_CORES, _FUSED = "grouped experts (tensor cores)", "grouped experts (fused)"
+
+
+def grouped_fused(x: torch.Tensor, p: packed.Packed, n_expert: int) -> str | None:
+    """Which fused grouped kernel takes x's rows against the stack `p` of n_expert weights here (its
+    family: _TENSOR_CORES, triton_mma.grouped_mma_scaled, or _FUSED, triton_gemm.grouped_linear), or
+    None: on CUDA with MOE_FUSED, x in bf16 or fp16, a weight without act-order whose experts are
+    whole blocks of scale rows, a family that has not failed here."""
+    if not (MOE_FUSED and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
+            and not torch.compiler.is_compiling() and not _reference() and _triton_ok() and p.perm is None):
+        return None
+    from dsq.kernels import triton_common, triton_mma
+
+    if triton_mma.supported_scaled(p, 1) and _TENSOR_CORES not in FAILED:
+        return _TENSOR_CORES
+    if triton_common.supported(p, x) and not (p.N // n_expert) % p.fmt.sc_rows and _FUSED not in FAILED:
+        return _FUSED
+    return None
+
+
+def grouped_experts(x: torch.Tensor, p: packed.Packed, counts, n_expert: int,
                     slab_bytes: int | None = None) -> torch.Tensor:
     """y (P, N) = each row of x (P, K) through its expert's weight, the rows grouped by expert in
-    order (counts[e] rows of expert e: a prompt chunk's (token, expert) pairs sorted by expert);
+    order (counts[e] rows of expert e: a prompt chunk's (token, expert) pairs sorted by expert; a
+    list, or an int tensor on x's device that the fused kernels read there, with no host sync);
     `p` stacks n_expert weights of N = p.N / n_expert rows. Each chosen expert's weight is read
-    once for all its rows. On CUDA: a slab of consecutive experts at a time written out in x's
-    dtype by one dequantize launch and multiplied by one grouped GEMM (`grouped_gemm`); elsewhere,
-    or where that fails, one packed_linear per chosen expert."""
-    if (x.device.type == "cuda" and not torch.compiler.is_compiling() and not _reference() and _triton_ok()
-            and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16):  # CUDA's grouped GEMM: bf16
+    once for all its rows (once a tile of them on the fused path). On CUDA: one fused grouped launch
+    (`grouped_fused`), or a slab of consecutive experts at a time written out in x's dtype by one
+    dequantize launch and multiplied by one grouped GEMM (`grouped_gemm`); elsewhere, or where
+    those fail, one packed_linear per chosen expert."""
+    family = grouped_fused(x, p, n_expert)
+    if family is not None:
+        from dsq.kernels import triton_gemm, triton_mma
+
+        fn = triton_mma.grouped_mma_scaled if family == _TENSOR_CORES else triton_gemm.grouped_linear
+        y = _guarded(family, fn, x, p, counts, n_expert)
+        if y is not None:
+            return y
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()  # the other paths need them on the host
+    gpu = x.device.type == "cuda" and not torch.compiler.is_compiling() and not _reference() and _triton_ok()
+    if gpu and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16:  # CUDA's grouped GEMM: bf16
         from dsq.kernels import triton_common
 
         # the grouped GEMM's rows of x and of W in whole 16-byte vectors (CUTLASS's alignment)

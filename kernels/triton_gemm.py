@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from dsq.kernels.packed import Packed
-from dsq.kernels.triton_common import FMT_KEYS, INTERPRET, autotune, dequant_tile, float_args
+from dsq.kernels.triton_common import FMT_KEYS, INTERPRET, autotune, dequant_tile, float_args, fmt_flags, plane_args
 from dsq.kernels.triton_gemv import gemv_linear
 
 
@@ -19,13 +19,36 @@ def _gemm(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr,
           s_lo, s_hi, s_sc, s_d, s_zp, s_mn, s_dmin,
           CODES: tl.constexpr, HI_BITS: tl.constexpr, SUB: tl.constexpr, SC_ROWS: tl.constexpr,
           TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, MINS: tl.constexpr,
-          HAS_BIAS: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """M > 1: tiles dequantized in registers (dequant_tile) into tl.dot."""
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+          HAS_BIAS: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+          tile_ptr=None, GROUPED: tl.constexpr = False):
+    """M > 1: tiles dequantized in registers (dequant_tile) into tl.dot. GROUPED: the weight stacks
+    experts of N rows each, and program_id(0) is a row tile of tile_ptr's (expert, first row of x
+    and y, rows <= BM): that expert's rows against those rows of x."""
+    if GROUPED:
+        t = tl.program_id(0) * 3
+        ex = tl.load(tile_ptr + t).to(tl.int64)
+        r0 = tl.load(tile_ptr + t + 1).to(tl.int64)
+        M = tl.load(tile_ptr + t + 2)
+        x_ptr += r0 * s_xm
+        y_ptr += r0 * s_ym
+        row = ex * N  # the expert's first weight row
+        lo_ptr += row * s_lo
+        hi_ptr += row * s_hi
+        sc_ptr += row // SC_ROWS * s_sc
+        d_ptr += row * s_d
+        zp_ptr += row * s_zp
+        mn_ptr += row * s_mn
+        dmin_ptr += row * s_dmin
+        rm = tl.arange(0, BM)
+    else:
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     kt = tl.arange(0, BK)
+    k_end = K
+    if GROUPED:
+        k_end = K * tl.minimum(M, 1)  # a tile past the last (a table made on the device) reads nothing
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(0, k_end, BK):
         wf = dequant_tile(lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn, k0, N, K, s_lo, s_hi, s_sc, s_d,
                           s_zp, s_mn, s_dmin, CODES, HI_BITS, SUB, SC_ROWS, TWO_LEVEL, ZERO, OFFSET, MINS, BN, BK)
         kk = k0 + kt
@@ -96,3 +119,44 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
     if x.numel() // p.K == 1:
         return gemv_linear(x, p, bias, out, config)
     return gemm_linear(x, p, bias, out, config)
+
+
+# rows a tile of the grouped GEMM: an expert's rows in a prompt chunk are tens (V2-Lite: 512 tokens x 6 of 64
+# experts = 48 an expert), and the tile table is made for one BM, so the autotuner picks the rest
+_GROUPED_CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+                    for bn, bk, w, s in [(64, 64, 4, 4), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3)]]
+_gemm_grouped = autotune(_GROUPED_CONFIGS, ["N", "K", "BM", *FMT_KEYS])(_gemm)
+
+
+def grouped_linear(x: torch.Tensor, p: Packed, counts, n_expert: int, config: dict | None = None) -> torch.Tensor:
+    """y (P, N) = each row of float x (P, K) through its expert's weight, the rows grouped by expert
+    in order (counts[e] rows of expert e: a list, or an int tensor on x's device, read there without
+    a host sync); `p` stacks n_expert weights of N = p.N / n_expert rows (any format the float-x
+    kernels take). One launch for every expert and tile of up to BM of its rows, each dequantizing
+    its expert's tiles in registers into tl.dot: no weight written out. `config` (BN, BK[, BM]) fixes
+    the tiles (no autotuning); y in x's dtype."""
+    from dsq.kernels.triton_mma import grouped_tile_table, tile_rows
+
+    N, K = p.N // n_expert, p.K
+    if (p.N % n_expert or len(counts) != n_expert or p.perm is not None
+            or (not isinstance(counts, torch.Tensor) and sum(counts) != x.shape[0])):
+        raise ValueError("grouped_linear takes a stack of n_expert weights without act-order and counts per expert")
+    if p.fmt.sc_rows > 1 and N % p.fmt.sc_rows:
+        raise ValueError("grouped_linear: an expert's rows are whole blocks of scale rows")
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    P = x2.shape[0]
+    y = torch.empty(P, N, dtype=x.dtype, device=x.device)
+    bm = (config or {}).get("BM") or (16 if tile_rows(counts, P, n_expert) <= 16 else 64)
+    tile, n = grouped_tile_table(counts, bm, P, x.device)
+    if not n or not P:
+        return y
+    planes, strides = plane_args(p)
+    flags = {**fmt_flags(p), "HAS_BIAS": False, "F32": x.dtype == torch.float32 or INTERPRET, "BM": bm,
+             "tile_ptr": tile, "GROUPED": True}
+    args = (x2, y, y, *planes, 0, N, K, x2.stride(0), y.stride(0), *strides)
+    if config is None and not INTERPRET:
+        _gemm_grouped[lambda meta: (n, triton.cdiv(N, meta["BN"]))](*args, **flags)
+    else:
+        cfg = {"BN": 16, "BK": 64, **{k: v for k, v in (config or {}).items() if k != "BM"}}
+        _gemm[(n, triton.cdiv(N, cfg["BN"]))](*args, **flags, **cfg)
+    return y

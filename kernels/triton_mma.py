@@ -318,15 +318,27 @@ def _mma_s(xp_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_
            s_lo, s_sc, s_d, s_zp, s_mn, s_dmin, SUB: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
            OFFSET: tl.constexpr, MINS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
            MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr = 1,
-           EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False):
+           EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False, tile_ptr=None, GROUPED: tl.constexpr = False):
     """_mma_t with the scales applied to the codes before the MMA: each 32-element block's weights
     W = s (c - z) - m are made in bf16 (one fma a pair of weights), so a tile (BK elements, any
     number of scale groups, K-quants' two-level scales and mins included) needs no per-group
-    epilogue and no x sums. Weights rounded to bf16 (as _gemm's), products exact, sums float32."""
+    epilogue and no x sums. Weights rounded to bf16 (as _gemm's), products exact, sums float32.
+    GROUPED (SPLIT 1): the weight stacks experts of N rows each, and program_id(1) is a row tile of
+    tile_ptr's (expert, first row of x and y, rows): that expert's rows against those rows of x."""
     NB: tl.constexpr = BK // 32  # 32-element blocks a tile
     pid_n = tl.program_id(0)
     rn = pid_n * BN + tl.arange(0, BN)
     nm = rn < N
+    if GROUPED:
+        t = tl.program_id(1) * 3
+        ex = tl.load(tile_ptr + t).to(tl.int64)
+        r0 = tl.load(tile_ptr + t + 1).to(tl.int64)
+        M = tl.load(tile_ptr + t + 2)
+        xp_ptr += r0 * K
+        y_ptr += r0 * s_ym
+        rw = ex * N + rn  # the expert's weight rows
+    else:
+        rw = rn
     rm = tl.arange(0, MP)
     mm = rm < M
     jh = tl.arange(0, BK // 4)
@@ -338,11 +350,13 @@ def _mma_s(xp_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_
         per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
         k_lo = tl.program_id(1) * per
         k_hi = tl.minimum(k_lo + per, K)
+    if GROUPED:
+        k_hi = K * tl.minimum(M, 1)  # a tile past the last (a table made on the device) reads nothing
     acc = tl.zeros((BN, MP), dtype=tl.float32)
     for kg in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
-        h, xm = _code_tile(lo_ptr, rn, nm, mm, jh, jx, kg, K, s_lo, EVEN_N, EVEN_K)
+        h, xm = _code_tile(lo_ptr, rw, nm, mm, jh, jx, kg, K, s_lo, EVEN_N, EVEN_K)
         e2 = kg + 32 * jb[None, :]  # each block's first element
-        s, z, m = group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn[:, None], e2, nm[:, None] & (e2 < K),
+        s, z, m = group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rw[:, None], e2, nm[:, None] & (e2 < K),
                                s_sc, s_d, s_zp, s_mn, s_dmin, SUB, 1, TWO_LEVEL, ZERO, OFFSET, MINS)
         # W = s c - (s z + m) per block, SW and OW broadcast to its 8 code words (in registers)
         sb = _bf16(s)
@@ -478,3 +492,86 @@ def mma_linear_scaled(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = No
              "HAS_BIAS": bias is not None, "USE_ASM": not INTERPRET, "MP": MP}
     _launch(_mma_s, _mma_s_tuned, p, args, flags, config, {"BK": 128}, lambda c: c["BK"])
     return y.reshape(*x.shape[:-1], p.N)
+
+
+_GROUPED_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=4)
+                    for bn, bk, st in [(128, 128, 4), (64, 128, 3), (128, 256, 3), (64, 256, 3)]]
+_mma_s_grouped = autotune(_GROUPED_CONFIGS, ["N", "K", "MP", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(even_kn(_mma_s))
+
+
+def grouped_tiles(counts: list[int], mp: int) -> list[tuple[int, int, int]]:
+    """(expert, first row, rows) of each row tile of at most mp rows over rows grouped by expert in
+    order (counts[e] rows of expert e); no tile for an expert without rows."""
+    tiles, r = [], 0
+    for e, c in enumerate(counts):
+        tiles += [(e, r + i, min(mp, c - i)) for i in range(0, c, mp)]
+        r += c
+    return tiles
+
+
+def grouped_tile_table(counts, mp: int, rows: int, device) -> tuple[torch.Tensor, int]:
+    """The row tiles (grouped_tiles) as an int32 (n, 3) table on `device`, and n. From counts on the
+    host: exactly the tiles. From counts in a tensor on the device: made there without a host sync
+    (so a prompt chunk's MoE layer can be captured in a CUDA graph), n = rows // mp + experts (no
+    expert has more than one partial tile), the tiles past the last with 0 rows (their programs read
+    nothing)."""
+    if not isinstance(counts, torch.Tensor):
+        tiles = grouped_tiles(counts, mp)
+        return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3).to(device, non_blocking=True), len(tiles)
+    c = counts.to(device=device, dtype=torch.int64)
+    E = c.numel()
+    n = rows // mp + E
+    per = (c + mp - 1) // mp  # tiles an expert
+    cum = per.cumsum(0)
+    t = torch.arange(n, device=device)
+    e = torch.searchsorted(cum, t, right=True)  # tile t's expert (E: past the last tile)
+    ec = e.clamp(max=E - 1)
+    i = (t - (cum[ec] - per[ec])) * mp  # the tile's first row inside its expert's rows
+    m = torch.where(e < E, (c[ec] - i).clamp(0, mp), 0)
+    r = torch.where(m > 0, c.cumsum(0)[ec] - c[ec] + i, 0)
+    return torch.stack([ec, r, m], 1).to(torch.int32), n
+
+
+def tile_rows(counts, rows: int, n_expert: int) -> int:
+    """Rows of x a grouped tile takes (16, 32 or 64): the fullest expert's, from counts on the host;
+    from counts on the device (not read), the mean expert's."""
+    big = max(counts, default=0) if not isinstance(counts, torch.Tensor) else -(-rows // n_expert)
+    return max(16, min(MAX_ROWS, 1 << (max(big, 1) - 1).bit_length()))
+
+
+def grouped_mma_scaled(x: torch.Tensor, p: Packed, counts, n_expert: int,
+                       config: dict | None = None) -> torch.Tensor:
+    """y (P, N) = each row of x (P, K) through its expert's weight, the rows grouped by expert in
+    order (counts[e] rows of expert e: a list, or an int tensor on x's device, read there without a
+    host sync); `p` stacks n_expert weights of N = p.N / n_expert rows in a format
+    `supported_scaled` takes. One launch for every expert and row tile, each reading its expert's
+    codes straight into the tensor cores (no weight written out): each chosen expert's weight is read
+    once per tile of up to MAX_ROWS of its rows. Weights and x rounded to bf16, sums float32 (as
+    `mma_linear_scaled`); y in x's dtype."""
+    f = p.fmt
+    N, K = p.N // n_expert, p.K
+    if (p.N % n_expert or len(counts) != n_expert or not supported_scaled(p, 1) or p.perm is not None
+            or (not isinstance(counts, torch.Tensor) and sum(counts) != x.shape[0])):
+        raise ValueError("grouped_mma_scaled takes a stack of n_expert 4-bit weights (K % 64 == 0) and counts per expert")
+    P = x.shape[0]
+    y = torch.empty(P, N, dtype=x.dtype, device=x.device)
+    mp = tile_rows(counts, P, n_expert)
+    tile, n = grouped_tile_table(counts, mp, P, x.device)
+    if not n or not P:
+        return y
+    x1 = x if x.stride(-1) == 1 else x.contiguous()
+    xp = torch.empty(P, K, dtype=torch.bfloat16, device=x.device)
+    _prep_x[(K // CHUNK, P)](x1, x1, xp, xp, K, x1.stride(0), CHUNK, HAS_PERM=False, SUMS=False)
+    planes, strides = plane_args(p, hi=False)
+    planes[0], strides[0] = p.lo.view(torch.int16), p.lo.view(torch.int16).stride(0)
+    args = (xp, y, y, *planes, y, y, 0, N, K, y.stride(0), *strides)
+    flags = {"SUB": f.sub, "TWO_LEVEL": f.two_level, "ZERO": f.zero, "OFFSET": f.offset, "MINS": f.mins,
+             "HAS_BIAS": False, "USE_ASM": not INTERPRET, "MP": mp, "SPLIT": 1, "tile_ptr": tile, "GROUPED": True}
+    if config is None and not INTERPRET:
+        _mma_s_grouped[lambda meta: (triton.cdiv(N, meta["BN"]), n)](*args, **flags)
+    else:
+        cfg = {"BN": 16, "BK": 128, "STAGES": 1, **(config or {})}
+        cfg.setdefault("EVEN_K", K % cfg["BK"] == 0)
+        cfg.setdefault("EVEN_N", N % cfg["BN"] == 0)
+        _mma_s[(triton.cdiv(N, cfg["BN"]), n)](*args, **flags, **cfg)
+    return y

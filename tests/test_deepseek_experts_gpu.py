@@ -132,6 +132,16 @@ def test_stacked_experts_equal_routed_experts(kind, qtype, q8, tiny_gguf, monkey
             shared = torch.randn(5, H)
             got = moe.experts(x, ids, w, add=shared)
             assert (got - (want + shared)).abs().max() <= 1e-4 * (want + shared).abs().max()
+            # the fused grouped kernels (a GPU's, here on the interpreter): the counts stay on the device,
+            # so the chunk has no host sync at all
+            mp.undo()
+            mp.setattr(GPUStackedExperts, "PAIRS_ROWS", 2)
+            mp.setattr(dispatch, "grouped_fused", lambda xs, p, n: dispatch._FUSED)
+            assert moe.experts.fused(x)
+            with monkeypatch.context() as m2:
+                _no_host_sync(m2)
+                got = moe.experts(x, ids, w, add=shared)
+            assert not calls and (got - (want + shared)).abs().max() <= 1e-4 * (want + shared).abs().max()
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU stand-in for the loader's GPU path")
@@ -230,25 +240,60 @@ def test_cuda_stacked_experts_graph_decode_equals_eager(kind, tiny_gguf, monkeyp
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "fp8-block"])
-def test_cuda_grouped_experts_equal_each_expert_alone(fmt, monkeypatch):
-    """On the GPU in bf16: the grouped GEMMs (torch._grouped_mm over dequantized slabs, several of
-    them; not the per-expert fallback) against each expert's float32 reference GEMM; every expert
-    chosen but a few, as a prompt chunk chooses them."""
-    from dsq.kernels import dispatch, packed, triton_dequant
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_moe_prompt_chunks_replay_from_graphs(kind, tiny_gguf, monkeypatch):
+    """With every projection's grouped GEMM fused, a MoE prompt chunk has no host sync (the experts'
+    counts stay on the device), so full chunks are captured and replayed as the dense model's are:
+    the same greedy tokens and logits as eager chunks, over several chunks and spans."""
+    from dsq.models.deepseek_model import GPUStackedExperts
+    from dsq.runtime import native
+    from tiny import same_greedy_over_chunk_starts
 
+    monkeypatch.setattr(native, "PREFILL_CHUNK", 16)  # chunks of 16 tokens: spans 16, 32, 64, 128
+    monkeypatch.setattr(GPUStackedExperts, "PAIRS_ROWS", 8)  # a chunk takes the grouped GEMMs
+    path = tiny_gguf(kind, "Q4_K_M")
+    graphs = native.NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="gpu")
+    eager = native.NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="gpu")
+    eager._prefill_graphs = None
+    assert graphs.model.prefill_graph_safe and graphs._prefill_graphs is not None
+    prompt = (IDS * 3)[:90]
+    same_greedy_over_chunk_starts(graphs, eager, prompt)
+    assert graphs._prefill_graphs.graphs and not graphs._prefill_graphs.failed
+    pad = torch.zeros(1, dtype=torch.long, device="cuda")
+    with torch.inference_mode():
+        for m in (graphs, eager):
+            m.reset()
+        a = graphs._prefill(prompt, 0, graphs.cache, pad).float()
+        b = eager._prefill(prompt, 0, eager.cache, pad).float()
+    assert torch.allclose(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0", "fp8-block"])
+def test_cuda_grouped_experts_equal_each_expert_alone(fmt, fused, monkeypatch):
+    """On the GPU in bf16, the two grouped paths (not the per-expert fallback) against each expert's
+    float32 reference GEMM; every expert chosen but a few, as a prompt chunk chooses them, one of
+    them with more rows than a tile: fused (MOE_FUSED: the tensor-core kernel for Q4_K, the tl.dot
+    one for the rest) and written out (torch._grouped_mm over dequantized slabs, several of them)."""
+    from dsq.kernels import dispatch, packed, triton_dequant, triton_gemm, triton_mma
+
+    monkeypatch.setattr(dispatch, "MOE_FUSED", fused)
     ran: list = []
-    real = dispatch.grouped_gemm
-    monkeypatch.setattr(dispatch, "grouped_gemm", lambda *a, **k: ran.append(1) or real(*a, **k))
+    name = ("grouped_gemm", dispatch) if not fused else (
+        ("grouped_mma_scaled", triton_mma) if fmt == "Q4_K" else ("grouped_linear", triton_gemm))
+    real = getattr(name[1], name[0])
+    monkeypatch.setattr(name[1], name[0], lambda *a, **k: ran.append(1) or real(*a, **k))
 
     monkeypatch.setattr(triton_dequant, "SLAB_BYTES", 5 * 512 * 1024 * 2)  # five experts a slab
     E, N, K = 16, 512, 1024
     p = _stacked(fmt, E, N, K).to("cuda")
     counts = [int(c) for c in torch.randint(0, 40, (E,))]
     counts[0] = counts[7] = counts[-1] = 0
+    counts[3] = 150  # three tiles of 64 rows on the fused path
     x = torch.randn(sum(counts), K, device="cuda", dtype=torch.bfloat16)
     got = dispatch.grouped_experts(x, p, counts, E)
-    assert ran and "grouped experts" not in dispatch.FAILED
+    assert ran and not [f for f in dispatch.FAILED if f.startswith("grouped experts")], dispatch.FAILED
     r = 0
     for e, c in enumerate(counts):
         if not c:
@@ -324,3 +369,63 @@ def test_grouped_gemm_runs_each_expert_once_over_its_rows(fmt):
     assert written == [6 * N]
     loop = dispatch.grouped_experts(x, p, counts, E)  # off a GPU: one packed_linear per chosen expert
     torch.testing.assert_close(got, loop, rtol=1e-5, atol=1e-5 * float(loop.abs().max()))
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU stand-in (the interpreter); the CUDA test above runs the GPU's")
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q4_0", "Q6_K", "Q8_0", "Q5_K", "fp8-block"])
+def test_fused_grouped_kernels_run_each_expert_over_its_rows(fmt):
+    """The fused grouped launches (MOE_FUSED: no weight written out): each row of x through its own
+    expert's weight, one launch for every expert and row tile. 4-bit codes go through the tensor-core
+    kernel (triton_mma.grouped_mma_scaled: weights and x rounded to bf16, so within bf16's error of
+    the reference); every format through the tl.dot one (triton_gemm.grouped_linear: float32 dots on
+    the interpreter, so within 1e-5). Empty experts first, inside and last; an expert longer than a
+    tile (several tiles, the last one short)."""
+    from dsq.kernels import packed, triton_gemm, triton_mma
+
+    E, N, K = 7, 128, 256
+    p = _stacked(fmt, E, N, K)
+    counts = [0, 3, 0, 70, 1, 0, 4]
+    x = torch.randn(sum(counts), K)
+    assert triton_mma.grouped_tiles(counts, 64) == [(1, 0, 3), (3, 3, 64), (3, 67, 6), (4, 73, 1), (6, 74, 4)]
+    paths = [("tl.dot", triton_gemm.grouped_linear(x, p, counts, E, config={"BN": 32, "BK": 64, "BM": 16}), 1e-5)]
+    if fmt in ("Q4_K", "Q4_0"):
+        assert triton_mma.supported_scaled(p, 1)
+        paths.append(("tensor cores", triton_mma.grouped_mma_scaled(x, p, counts, E, config={"BN": 32}), 1e-2))
+    else:
+        assert not triton_mma.supported_scaled(p, 1)
+    # the counts left on the device (a prompt chunk with no host sync): the tiles made there, padded with
+    # tiles of no rows up to rows // BM + experts, and the same outputs
+    dev = torch.tensor(counts)
+    table, n = triton_mma.grouped_tile_table(dev, 16, sum(counts), x.device)
+    real = triton_mma.grouped_tiles(counts, 16)
+    assert n == sum(counts) // 16 + E and table.shape == (n, 3)
+    assert table[:len(real)].tolist() == [list(t) for t in real] and not table[len(real):, 2].any()
+    on_dev = triton_gemm.grouped_linear(x, p, dev, E, config={"BN": 32, "BK": 64, "BM": 16})
+    assert torch.equal(on_dev, paths[0][1])
+    if len(paths) == 2:
+        torch.testing.assert_close(triton_mma.grouped_mma_scaled(x, p, dev, E, config={"BN": 32}), paths[1][1],
+                                   rtol=1e-5, atol=1e-5 * float(paths[1][1].abs().max()))
+    for name, got, tol in paths:
+        assert got.shape == (sum(counts), N) and torch.isfinite(got).all(), name
+        r = 0
+        for e, c in enumerate(counts):
+            if c:
+                xe = x[r:r + c].to(torch.bfloat16).double() if tol > 1e-5 else x[r:r + c].double()
+                want = xe @ packed.dequantize(p.rows(e * N, (e + 1) * N)).double().t()
+                err = float((got[r:r + c].double() - want).norm() / want.norm())
+                assert err < tol, (name, e, err)
+            r += c
+
+
+def test_fused_grouped_kernels_refuse_what_they_cannot_split():
+    """A stack whose rows are no whole number of experts, or counts that do not add up to x's rows:
+    a ValueError (the dispatcher checks first and never sends them), not a wrong answer."""
+    from dsq.kernels import triton_gemm, triton_mma
+
+    p = _stacked("Q4_K", 3, 64, 256)
+    x = torch.randn(5, 256)
+    for fn in (triton_gemm.grouped_linear, triton_mma.grouped_mma_scaled):
+        with pytest.raises(ValueError):
+            fn(x, p, [2, 2, 0], 3)  # 4 rows counted, 5 given
+        with pytest.raises(ValueError):
+            fn(x, p, [1, 1, 1, 1, 1], 5)  # 192 rows are not five experts

@@ -513,6 +513,12 @@ class Transformer(nn.Module):
         as a CUDA graph or compiled whole); a model routing tokens to experts is not."""
         return True
 
+    @property
+    def prefill_graph_safe(self) -> bool:
+        """Whether a full prompt chunk is the same kernels whatever the tokens, with no host sync
+        (so it can be captured as a CUDA graph): a dense model's is."""
+        return True
+
     def layer_devices(self) -> list[torch.device]:
         if self.placement is not None:
             return list(self.placement.layers)

@@ -305,12 +305,15 @@ def _each_expert_once(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return out
 
 
-def _by_expert(ids: torch.Tensor, n_expert: int) -> tuple[torch.Tensor, list[int]]:
-    """ids (T, k) -> (the pairs' flat indices sorted by expert, each expert's count of pairs on the
-    host: the one host sync)."""
+def _by_expert(ids: torch.Tensor, n_expert: int, host: bool = True):
+    """ids (T, k) -> (the pairs' flat indices sorted by expert, each expert's count of pairs: on the
+    host, the one host sync; with host=False an int64 tensor on ids' device, made without one)."""
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    return order, torch.bincount(flat, minlength=n_expert).tolist()
+    if host:
+        return order, torch.bincount(flat, minlength=n_expert).tolist()
+    # scatter_add, not bincount: CUDA's bincount reads the largest id on the host
+    return order, torch.zeros(n_expert, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 class GPUStackedExperts(nn.Module):
@@ -320,10 +323,11 @@ class GPUStackedExperts(nn.Module):
     PAIRS_ROWS tokens runs each (token, expert) pair through its expert with the ids read on the
     device (dispatch.packed_experts: two grouped GEMVs, the activation, the weighted sum per token),
     so it never syncs with the host and a decode step made of these can be captured as one CUDA
-    graph (the model's graph_safe). Longer calls (prompt chunks) sort the pairs by expert (one host
-    sync: each expert's count) and run each projection as grouped GEMMs over the sorted rows
-    (dispatch.grouped_experts: each chosen expert's weight read once, a slab of experts a launch),
-    where pairs would read an expert's weights once per token that chose it."""
+    graph (the model's graph_safe). Longer calls (prompt chunks) sort the pairs by expert and run
+    each projection as grouped GEMMs over the sorted rows (dispatch.grouped_experts), where pairs
+    would read an expert's weights once per token that chose it: on a GPU one fused launch a
+    projection that reads the experts' counts on the device (so a chunk can be captured: the model's
+    prefill_graph_safe), else a slab of experts a launch after one host sync for the counts."""
 
     # tokens up to which a call takes the pairs path; above, the grouped GEMMs. A V2-Lite prompt of
     # 64 tokens through a loop over the chosen experts prefilled at 64 tok/s against llama.cpp's
@@ -381,13 +385,20 @@ class GPUStackedExperts(nn.Module):
         y = (y.view(T, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
         return y + add if add is not None else y
 
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether every projection's grouped GEMM here is a fused kernel (dispatch.grouped_fused),
+        which reads the experts' counts on the device: then a prompt chunk never syncs with the host
+        and can be captured in a CUDA graph."""
+        return all(dispatch.grouped_fused(x, self.weight(n), self.n_expert) is not None for n in self._names)
+
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  add: torch.Tensor | None) -> torch.Tensor:
         """A prompt chunk's pairs sorted by expert, each projection's grouped GEMMs over them, the
-        outputs back in (token, slot) order, weighted and summed per token, plus `add`."""
+        outputs back in (token, slot) order, weighted and summed per token, plus `add`. The experts'
+        counts stay on the device where every projection is fused (`fused`), else one host sync."""
         T, k = ids.shape
         E = self.n_expert
-        order, counts = _by_expert(ids, E)
+        order, counts = _by_expert(ids, E, host=not self.fused(x))
         xs = x[order // k]
         if "gate_up" in self._fmts:
             g, u = dispatch.grouped_experts(xs, self.weight("gate_up"), counts, E).chunk(2, dim=-1)
@@ -608,5 +619,21 @@ class DeepseekTransformer(Transformer):
                 if isinstance(ex, GPUStackedExperts) and dev.type == "cuda":
                     continue
                 if not (isinstance(ex, CPURoutedExperts) and CPURoutedExperts.queues(dev)):
+                    return False
+        return True
+
+    @property
+    def prefill_graph_safe(self) -> bool:
+        """Every MoE layer's experts stacked on the GPU with every projection's grouped GEMM fused
+        (GPUStackedExperts.fused: the experts' counts read on the device), so a prompt chunk longer
+        than PAIRS_ROWS has no host sync."""
+        from dsq.models.base import module_device
+
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                dev = module_device(layer.input_layernorm)
+                ex = layer.mlp.experts
+                if not (isinstance(ex, GPUStackedExperts) and dev.type == "cuda"
+                        and ex.fused(torch.empty(0, dtype=self.dtype, device=dev))):
                     return False
         return True
