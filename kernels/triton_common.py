@@ -71,6 +71,14 @@ def ld(ptr, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
+def grouped_tile(tile_ptr, t):
+    """Row tile t of a grouped launch's table (triton_mma.grouped_tile_table): its expert and first
+    row of x and y (int64, for the offsets) and its rows."""
+    return (tl.load(tile_ptr + 3 * t).to(tl.int64), tl.load(tile_ptr + 3 * t + 1).to(tl.int64),
+            tl.load(tile_ptr + 3 * t + 2))
+
+
+@triton.jit
 def group_params(sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_ptr, rn2, e2, gmask, s_sc, s_d, s_zp, s_mn, s_dmin,
                  SUB: tl.constexpr, SC_ROWS: tl.constexpr, TWO_LEVEL: tl.constexpr, ZERO: tl.constexpr,
                  OFFSET: tl.constexpr, MINS: tl.constexpr, EVEN: tl.constexpr = False):

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 from dsq.kernels.packed import Packed
-from dsq.kernels.triton_common import FMT_KEYS, INTERPRET, autotune, dequant_tile, float_args, fmt_flags, plane_args
+from dsq.kernels.triton_common import (FMT_KEYS, INTERPRET, autotune, dequant_tile, float_args, fmt_flags,
+                                       grouped_tile, plane_args)
 from dsq.kernels.triton_gemv import gemv_linear
 
 
@@ -25,10 +26,7 @@ def _gemm(x_ptr, y_ptr, bias_ptr, lo_ptr, hi_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr,
     experts of N rows each, and program_id(0) is a row tile of tile_ptr's (expert, first row of x
     and y, rows <= BM): that expert's rows against those rows of x."""
     if GROUPED:
-        t = tl.program_id(0) * 3
-        ex = tl.load(tile_ptr + t).to(tl.int64)
-        r0 = tl.load(tile_ptr + t + 1).to(tl.int64)
-        M = tl.load(tile_ptr + t + 2)
+        ex, r0, M = grouped_tile(tile_ptr, tl.program_id(0))
         x_ptr += r0 * s_xm
         y_ptr += r0 * s_ym
         row = ex * N  # the expert's first weight row

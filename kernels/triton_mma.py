@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 from dsq.kernels.packed import NIB, Z_ARRAY, Z_CONST, Packed
-from dsq.kernels.triton_common import INTERPRET, INTERPRET_K, autotune, even_kn, group_params, plane_args
+from dsq.kernels.triton_common import (INTERPRET, INTERPRET_K, autotune, even_kn, group_params, grouped_tile,
+                                       plane_args)
 
 MAX_ROWS = 64  # the most rows the kernels take (the dispatcher sends up to dispatch.MMA_MAX_ROWS)
 CHUNK = 64  # x's permutation period: four sub-dots of 16 code words (K 16 each: one MMA step)
@@ -330,10 +331,7 @@ def _mma_s(xp_ptr, y_ptr, bias_ptr, lo_ptr, sc_ptr, d_ptr, zp_ptr, mn_ptr, dmin_
     rn = pid_n * BN + tl.arange(0, BN)
     nm = rn < N
     if GROUPED:
-        t = tl.program_id(1) * 3
-        ex = tl.load(tile_ptr + t).to(tl.int64)
-        r0 = tl.load(tile_ptr + t + 1).to(tl.int64)
-        M = tl.load(tile_ptr + t + 2)
+        ex, r0, M = grouped_tile(tile_ptr, tl.program_id(1))
         xp_ptr += r0 * K
         y_ptr += r0 * s_ym
         rw = ex * N + rn  # the expert's weight rows
