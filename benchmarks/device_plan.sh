@@ -151,16 +151,18 @@ if [ "$PART" = 3 ]; then
   log "llama-bench"
   # on a bare machine the first dsq run compiles and autotunes the kernels for ~2 minutes (2026-12-07,
   # H100: past 100 s), and a prompt chunk with the experts in RAM runs them on the GPU too: the
-  # experts on the GPU first, the row a cut call must not lose
-  for e in gpu cpu; do
-    timeout $(t $([ "$e" = gpu ] && echo 170 || echo 150)) python3 -m dsq bench "$g" -b native -g all --experts "$e" --prompt-tokens 512 --max-tokens 32 \
-      --repeat 2 --threads "$TH" --out "$R/dsq_v2l_$e.json" --force > "$R/dsq_v2l_$e.txt" 2>&1
-    log "dsq bench --experts $e"
-  done
-  # one MoE layer's prompt chunk: the grouped GEMMs against the loop they replaced and the pairs
-  # (where PAIRS_ROWS should sit)
+  # experts on the GPU first, the row a cut call must not lose, then one MoE layer's prompt chunk
+  # (the fused grouped kernels against the written-out ones, the loop they replaced and the pairs:
+  # where PAIRS_ROWS should sit), then the experts in RAM
+  v2l() {
+    timeout $(t "$2") python3 -m dsq bench "$g" -b native -g all --experts "$1" --prompt-tokens 512 --max-tokens 32 \
+      --repeat 2 --threads "$TH" --out "$R/dsq_v2l_$1.json" --force > "$R/dsq_v2l_$1.txt" 2>&1
+    log "dsq bench --experts $1"
+  }
+  v2l gpu 170
   timeout $(t 60) python3 -m benchmarks.moe_prefill --tokens 512,128,32 --repeat 5 > "$R/moe_prefill.txt" 2>&1
   log "moe_prefill"
+  v2l cpu 150
   fi
   if [[ $STEPS == *serve* ]]; then
   # llama-server and dsq serve, the same load: 64 requests at 32 concurrent, 512-word prompts, 128 tokens
