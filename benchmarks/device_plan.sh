@@ -146,8 +146,10 @@ if [ "$PART" = 3 ]; then
   STEPS=${STEPS:-bench,serve}
   timeout $(t 60) python3 -m dsq offload --calibrate --threads "$TH" --json > "$R/calibration.json" 2>/dev/null
   if [[ $STEPS == *bench* ]]; then
+  EXPERTS=${EXPERTS:-gpu,cpu}  # the placements to race (EXPERTS=gpu: the experts on the GPU only, a shorter call)
   timeout $(t 60) "$LB" -m "$g" -ngl 99 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_gpu.json" 2>/dev/null
-  timeout $(t 80) "$LB" -m "$g" -ngl 99 -ot exps=CPU -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_v2l_cpu.json" 2>/dev/null
+  [[ $EXPERTS == *cpu* ]] && timeout $(t 80) "$LB" -m "$g" -ngl 99 -ot exps=CPU -p 512 -n 32 -r 2 -t "$TH" -o json \
+    > "$R/llama_v2l_cpu.json" 2>/dev/null
   log "llama-bench"
   # on a bare machine the first dsq run compiles and autotunes the kernels for ~2 minutes (2026-12-07,
   # H100: past 100 s), and a prompt chunk with the experts in RAM runs them on the GPU too: the
@@ -162,7 +164,7 @@ if [ "$PART" = 3 ]; then
   v2l gpu 170
   timeout $(t 60) python3 -m benchmarks.moe_prefill --tokens 512,128,32 --repeat 5 > "$R/moe_prefill.txt" 2>&1
   log "moe_prefill"
-  v2l cpu 150
+  [[ $EXPERTS == *cpu* ]] && v2l cpu 150
   fi
   if [[ $STEPS == *serve* ]]; then
   # llama-server and dsq serve, the same load: 64 requests at 32 concurrent, 512-word prompts, 128 tokens
