@@ -537,7 +537,7 @@ def packed_experts(x: torch.Tensor, p: packed.Packed, ids: torch.Tensor, n_exper
 # A prompt chunk's experts read their quantized weights straight into the tensor cores (one launch a
 # projection: triton_mma.grouped_mma_scaled for 4-bit codes, triton_gemm.grouped_linear for the rest) rather
 # than writing them out in bf16 for torch's grouped GEMM; DSQ_MOE_FUSED=0 keeps the written-out path
-# (benchmarks/moe_prefill.py times both: docs/benchmarks.md#the-gpu-claims-in-three-device-calls)
+# (benchmarks/moe_prefill.py times both, not yet on a GPU: docs/benchmarks.md#parts-1-and-3-again-h100-machine-2026-12-07-later-that-day)
 MOE_FUSED = os.environ.get("DSQ_MOE_FUSED", "1") != "0"
 
 
