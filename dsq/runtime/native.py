@@ -408,7 +408,7 @@ class NativeModel:
         # full prompt chunks as CUDA graphs where the decode step is one (every layer on one GPU) and a
         # chunk has no host sync (no routing, or experts on the GPU whose counts stay there)
         self._prefill_graphs = (_PrefillGraphs(model, self.cache) if PREFILL_GRAPH and self._graph is not None
-                                and (not self._moe or model.prefill_graph_safe) else None)
+                                and model.prefill_graph_safe else None)
         self._streamed = None  # the CPU layers' prompt chunks on the GPU
         n_cpu = devs.count("cpu")
         if n_cpu and torch.cuda.is_available() and (split or on_cpu):
