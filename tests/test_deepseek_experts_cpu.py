@@ -231,6 +231,35 @@ def test_cuda_prompt_chunks_stream_the_experts_from_ram(kind, tiny_gguf, monkeyp
     assert np.isfinite(streamed).all() and top1_s >= 0.9 and kld_s <= kld_c + 1e-4, (kld_s, kld_c, top1_s)
 
 
+def test_streamed_blocks_pass_through_two_buffers_in_turn():
+    """CPURoutedExperts.streamed's staging (page-locked on a GPU; plain memory here): each put gives
+    the blocks' contents in their shape, from the two buffers in turn, each grown to the largest it
+    held; a buffer is filled again only after the copies queued from it are done (its event)."""
+    from dsq.models.deepseek_model import _Staging
+
+    st = _Staging(pin=False)
+    g = torch.Generator().manual_seed(0)
+    blocks = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=g) for shape in ((6, 10), (4, 30), (2, 5))]
+    seen = []
+    for t in blocks + blocks[:1]:
+        with st.put(t) as view:
+            assert view.shape == t.shape and torch.equal(view, t)
+            seen.append(view.untyped_storage().data_ptr())
+    assert seen[0] == seen[2] != seen[1] == seen[3]  # buffers 0, 1, 0, 1
+    assert [b.numel() for b in st.bufs] == [60, 120]  # buffer 0 held 60 and 10 bytes, buffer 1 120 and 60
+
+    class Event:  # a queued copy from a buffer, done once synchronized
+        def __init__(self):
+            self.done = False
+
+        def synchronize(self):
+            self.done = True
+
+    ev = st.events[0] = Event()
+    with st.put(blocks[2]) as view:  # buffer 0 again: waits for its copies first
+        assert ev.done and torch.equal(view, blocks[2])
+
+
 def test_a_bench_row_with_experts_in_ram_gets_their_roofline(tiny_gguf, monkeypatch):
     """dsq bench's decode roofline for a run with the routed experts in RAM counts the token's share
     of them at the CPU's bandwidth: each summary row says where its experts ran, and the plan beside

@@ -134,6 +134,51 @@ def test_paged_latent_forward_on_a_gpu(kind, experts, tiny_gguf, monkeypatch):
     _check_paged_forward(nm.model, None, 1e-3)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kind", KINDS)
+def test_moe_prompt_chunks_and_mixed_steps_are_captured_on_a_gpu(kind, tiny_gguf, monkeypatch):
+    """The routed experts stacked on the GPU with fused grouped GEMMs (model.prefill_graph_safe: a
+    pass of any length has no host sync): dsq serve's warm-up captures prompt chunks and mixed
+    steps (more rows than sequences) as it does for a dense model. Their replays give the eager
+    passes' logits: two prompt chunks padded up to a graph's length, a mixed step of two decode
+    rows and a third sequence's first prompt tokens, then that prompt's last tokens alone; and
+    the engine over them finishes every request."""
+    from dsq.models.deepseek_model import GPUStackedExperts
+    from dsq.runtime.native import NativeModel
+    from test_serve_engine import _run_engine
+
+    monkeypatch.setattr(GPUStackedExperts, "PAIRS_ROWS", 8)  # passes past 8 rows take the fused grouped GEMMs
+    nm = NativeModel(tiny_gguf(kind, "Q4_K_M"), "gguf", n_ctx=CTX, gpu_layers="all", experts="gpu", cuda_graph=False)
+    assert nm.model.prefill_graph_safe
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, nm.model.args.vocab_size, (n,), generator=g).tolist() for n in (40, 20, 30)]
+    tables = [list(range(1 + i * 4, 5 + i * 4)) for i in range(3)]  # four blocks of 16 each
+    out, replays = {}, []
+    for graphs in (False, True):
+        kv = PagedKV(nm.model, 16, 16, CTX)
+        if graphs:
+            kv.scratch = 0
+            assert kv.capture([32], seqs=3) == [32] and (64, 256) in kv.capture_chunks([64])
+            for gr in [kv.graphs[32]] + list(kv.chunk_graphs.values()):
+                real = gr.graph.replay
+                monkeypatch.setattr(gr.graph, "replay", lambda r=real, gr=gr: replays.append(type(gr).__name__) or r())
+        got = [kv.forward([s[:-1]], [0], [t])[0] for s, t in zip(seqs[:2], tables)]  # 39 and 19 tokens
+        got.append(kv.forward_rows([seqs[0][-1], seqs[1][-1]] + seqs[2][:20], [39, 19] + list(range(20)),
+                                   [0, 1] + [2] * 20, tables, [0, 1]))
+        got.append(kv.forward_rows(seqs[2][20:], list(range(20, 30)), [0] * 10, [tables[2]], [9]))
+        out[graphs] = [x.float() for x in got]
+    assert replays == ["_ChunkGraph", "_ChunkGraph", "_PagedGraph", "_PagedGraph"]
+    for a, b in zip(out[False], out[True]):
+        assert a.shape == b.shape and (a - b).abs().max() <= 2e-2 * a.abs().max(), (a - b).abs().max()
+    prompts = [s[:n] for s, n in zip(seqs, (40, 17, 30))]
+    _, usages, eng, _ = _run_engine(nm, prompts, 8, ignore_eos=True, warm=True, kv_tokens=2048, block_size=16,
+                                        max_seqs=4, prefill_chunk=64)
+    assert eng.warmed["chunk_graphs"] and max(eng.warmed["graphs"]) > eng.max_seqs  # chunks and mixed steps
+    m = eng.metrics()
+    assert m["failed"] == 0 and m["packed_prompt_tokens"] > 0
+    assert [u["completion_tokens"] for u in usages.values()] == [8, 8, 8]
+
+
 def test_latent_blocks_are_sized_by_the_latent_width(hf_model):
     """A block holds one latent row a token and layer (no values): against keys and values of
     every head at the MLA head widths, ~(H (qk + v)) / (rank + rope) more tokens in the same memory."""

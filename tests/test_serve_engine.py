@@ -664,3 +664,27 @@ def test_gpu_clock_counts_the_gpu_time_of_each_kind_of_work():
     clock.span("decode", clock.mark())  # an empty span: reads the finished ones
     p, d = clock.seconds["prefill"], clock.seconds["decode"]
     assert 0 < d < p < wall and 2.5 < p / d < 6 and len(clock.free) >= 4
+
+
+def test_default_kv_cache_on_a_gpu_holds_every_sequence_as_far_as_memory_allows(tmp_path, monkeypatch):
+    """dsq serve without --kv-tokens or --kv-memory: on a GPU the pool holds --max-seqs sequences of
+    the whole context where KV_SHARE of the free memory holds them, else that share, never less than
+    the CPU's 4 x --ctx tokens; on the CPU it leaves the engine's default (None)."""
+    from types import SimpleNamespace
+
+    from tests.tiny import build_tiny_model
+
+    from dsq.runtime.native import NativeModel
+    from dsq.serve import server
+
+    nm = NativeModel(build_tiny_model("gemma3", tmp_path / "g"), "hf", n_ctx=128, cuda_graph=False, dtype="float32")
+    assert server.default_kv_bytes(nm, 8, 16, None) is None
+    gpu = SimpleNamespace(model=nm.model, n_ctx=128, head_device=torch.device("cuda"))
+    per_block = PagedKV.bytes_per_block(nm.model, 16, torch.float32)
+    need, floor = 8 * 9 * per_block, 32 * per_block  # 129 tokens a sequence: 9 blocks; 4 x 128 tokens: 32
+    for free, want in ((100 * need, need), (need, int(need * server.KV_SHARE)), (floor, floor)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev, free=free: (free, 10 * free))
+        assert server.default_kv_bytes(gpu, 8, 16, None) == want
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (100 * need, 100 * need))
+    half = PagedKV.bytes_per_block(nm.model, 16, torch.bfloat16)
+    assert server.default_kv_bytes(gpu, 8, 16, torch.bfloat16) == 8 * 9 * half == need // 2

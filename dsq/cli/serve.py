@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
+from dsq.serve.server import KV_SHARE
 from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, KvDtype, ModelArg, Revision, TensorParallel, Threads
 
 
@@ -30,7 +31,9 @@ def serve(
     experts: Experts = "auto",
     tp: TensorParallel = 1,
     kv_tokens: Annotated[Optional[int], typer.Option(
-        "--kv-tokens", min=1, help="Tokens the paged KV cache holds, all sequences together (default 4 x --ctx).")]
+        "--kv-tokens", min=1, help="Tokens the paged KV cache holds, all sequences together (default: on a GPU, "
+        f"--max-seqs sequences of --ctx tokens, as far as {KV_SHARE:.0%} of the memory free after loading holds; on the "
+        "CPU 4 x --ctx).")]
     = None,
     kv_memory: Annotated[Optional[float], typer.Option(
         "--kv-memory", help="MiB the paged KV cache takes (instead of --kv-tokens): fp8 holds twice bf16's tokens; "

@@ -23,6 +23,7 @@ sync, so the step is one CUDA graph).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from dataclasses import dataclass
@@ -432,6 +433,42 @@ class _Pinned:
         return self.mem
 
 
+class _Staging:
+    """Two page-locked buffers that a streamed layer's expert blocks pass through on their way to
+    the GPU, in turn: the blocks sit in pageable memory (the GGUF file's map), which a copy to a GPU
+    reads through the driver's staging at a fraction of the link's speed, and in step with the host.
+    Here the host copies them in (every thread), and the copy to the GPU then runs without the host,
+    from the one buffer while the host fills the other. A buffer is filled again only once the copies
+    queued from it are done (its event)."""
+
+    def __init__(self, pin: bool = True):
+        self.pin = pin
+        self.bufs: list[torch.Tensor | None] = [None, None]
+        self.events: list = [None, None]
+        self.turn = 0
+
+    @contextlib.contextmanager
+    def put(self, t: torch.Tensor):
+        """t's contents in the next buffer (grown to t's bytes if smaller), as a tensor of t's shape;
+        the copies queued from it inside the block are awaited before that buffer is filled again."""
+        i, self.turn = self.turn, self.turn ^ 1
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+            self.events[i] = None
+        n = t.numel() * t.element_size()
+        if self.bufs[i] is None or self.bufs[i].numel() < n:
+            self.bufs[i] = None  # (its copies are done: the event above)
+            self.bufs[i] = torch.empty(n, dtype=torch.uint8, pin_memory=self.pin)
+        view = self.bufs[i][:n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        try:
+            yield view
+        finally:
+            if self.pin:
+                self.events[i] = torch.cuda.Event()
+                self.events[i].record()
+
+
 class CPURoutedExperts(nn.Module):
     """The routed experts of one MoE layer kept in RAM as GGUF blocks (gate and up (E, I, row bytes),
     down (E, H, row bytes): the file's stacked `ffn_*_exps` tensors, not copied) and run by one C
@@ -458,6 +495,8 @@ class CPURoutedExperts(nn.Module):
     # towards the C call). DSQ_MOE_STREAM_ROWS=N moves it, 0 turns it off.
     STREAM_ROWS = int(os.environ.get("DSQ_MOE_STREAM_ROWS", "") or 128)
     pinned = _Pinned()
+    # DSQ_MOE_STAGE=0: copy the blocks to the GPU straight from pageable memory (the A/B of the staging)
+    staging = _Staging() if os.environ.get("DSQ_MOE_STAGE", "1") != "0" else None
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, qtypes: tuple[str, str, str]):
         super().__init__()
@@ -501,14 +540,20 @@ class CPURoutedExperts(nn.Module):
     def streamed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  add: torch.Tensor | None = None) -> torch.Tensor:
         """x (N, H) through this layer's experts copied to x's device for this call: each stacked
-        projection's blocks converted to the GPU kernels' layout there (packed.from_gguf, a chunk of
-        rows copied at a time), run through the grouped GEMMs as GPUStackedExperts runs a prompt chunk
+        projection's blocks through a page-locked buffer (_Staging), converted to the GPU kernels'
+        layout there (packed.from_gguf, a chunk of rows copied at a time), run through the grouped GEMMs as GPUStackedExperts runs a prompt chunk
         (at any STREAM_ROWS: the pairs would read a streamed expert once per token that chose it),
         then dropped; plus `add`."""
         E = self.n_expert
-        parts = [packed.from_gguf(t.reshape(E * t.shape[1], t.shape[2]), q, k, device=x.device)
-                 for t, q, k in ((self.gate, self.qtypes[0], self.hidden), (self.up, self.qtypes[1], self.hidden),
-                                 (self.down, self.qtypes[2], self.inter))]
+        parts = []
+        for t, q, k in ((self.gate, self.qtypes[0], self.hidden), (self.up, self.qtypes[1], self.hidden),
+                        (self.down, self.qtypes[2], self.inter)):
+            t = t.reshape(E * t.shape[1], t.shape[2])
+            if x.device.type != "cuda" or self.staging is None:
+                parts.append(packed.from_gguf(t, q, k, device=x.device))
+                continue
+            with self.staging.put(t) as pinned:
+                parts.append(packed.from_gguf(pinned, q, k, device=x.device))
         twin = GPUStackedExperts(None, parts[0], parts[1], parts[2], E, F.silu, "streamed from RAM")
         del parts
         return twin._grouped(x, ids, weights, add)

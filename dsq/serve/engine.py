@@ -7,9 +7,9 @@ Every step it
 3. runs up to `prefill_chunk` prompt tokens of admitted requests (chunked prefill: a long prompt
    enters over several steps, between the running requests' decode steps), each request alone
    (B = 1, as `dsq run` prefills). With captured steps of more rows than sequences (a GPU, a
-   model without routed experts: mixed_sizes; DSQ_SERVE_MIXED=0 turns them off), every prompt
-   token goes into step 4 instead, a row a token, up to prefill_chunk tokens a step: one pass
-   over the weights a step. With captured decode steps alone, a remainder of up to PACK_TOKENS
+   model whose passes have no host sync: dense, or its routed experts fused; mixed_sizes;
+   DSQ_SERVE_MIXED=0 turns them off), every prompt token goes into step 4 instead, a row a
+   token, up to prefill_chunk tokens a step: one pass over the weights a step. With captured decode steps alone, a remainder of up to PACK_TOKENS
    tokens (a repeated prompt past the prefix cache's blocks, a short prompt) goes so; with
    captured prompt chunks, a chunk runs as the pieces whose replays the warm-up timed cheapest in
    all (PagedKV.plan_pieces: 300 tokens as 256 + 44 rather than padded to 512);
@@ -189,8 +189,8 @@ class Engine:
         """Run the decode step once at each batch size of the kernels' row buckets (1, 2, 4, ...
         up to max_seqs) and prompt chunks of lengths 2^i and 2^i + 1 up to prefill_chunk, on blocks
         taken from the pool and given back, before the first request; then, where it can
-        (graphable), capture the decode step of each batch size and, for a model without routed
-        experts, steps of more rows that carry prompt tokens too (mixed_sizes; DSQ_SERVE_MIXED=0:
+        (graphable), capture the decode step of each batch size and, for a model whose passes of
+        any length have no host sync (model.prefill_graph_safe), steps of more rows that carry prompt tokens too (mixed_sizes; DSQ_SERVE_MIXED=0:
         not) and prompt chunks of 16, 32, ... tokens up to prefill_chunk, each length's replay
         timed to plan how chunks split (PagedKV.time_chunks); each captured step's replay is
         timed too, and a step that costs more than one of more rows is dropped
@@ -231,17 +231,18 @@ class Engine:
             torch.cuda.synchronize()
             seconds["kernels"] = lap()
             if self.graphable():
-                # MoE passes past PAIRS_ROWS tokens sync with the host (each expert's count of rows,
-                # for the grouped GEMMs): no mixed steps and no prompt chunks captured for them
-                dense = not any(hasattr(layer.mlp, "experts") for layer in self.model.model.layers)
+                # steps of more rows than PAIRS_ROWS and prompt chunks are captured only where they
+                # have no host sync: dense models, and MoE models whose experts' grouped GEMMs are
+                # fused (model.prefill_graph_safe: the experts' counts stay on the device)
+                chunked = self.model.prefill_graph_safe
                 # mixed steps: 2.4x llama-server's output at 32 requests, against 1.9x without
                 # (docs/benchmarks.md#dsq-serve)
-                mixed = dense and os.environ.get("DSQ_SERVE_MIXED", "1") != "0"
+                mixed = chunked and os.environ.get("DSQ_SERVE_MIXED", "1") != "0"
                 self.kv.capture(sizes + (self.mixed_sizes(top) if mixed else []), seqs=self.max_seqs)
                 seconds["decode graphs"] = lap()
                 graphs = sorted(self.kv.time_graphs())
                 seconds["timing steps"] = lap()
-                if dense:
+                if chunked:
                     lengths = sorted({1 << i for i in range(4, top.bit_length()) if 1 << i < top} | {top})
                     chunk_graphs = self.kv.capture_chunks(lengths)
                     seconds["chunk graphs"] = lap()

@@ -14,6 +14,10 @@ DRAFT_TOKENS = 4  # --spec-tokens with --draft when not given: as measured, not 
 # the engine's thread gets the GIL back from the HTTP loop's within this once its GPU step is done
 # (Python's default, 5 ms, is a third of a 32-row decode step); not yet A/B'd: docs/benchmarks.md#dsq-serve
 SWITCH_INTERVAL_S = 0.001
+# on a GPU with neither --kv-tokens nor --kv-memory, the paged cache takes up to this share of the
+# memory free after loading: the rest is the warm-up's captured graphs and a prompt chunk's
+# activations (docs/benchmarks.md#dsq-serve)
+KV_SHARE = 0.7
 
 
 def model_id(nm) -> str:
@@ -123,10 +127,31 @@ def _build(nm, ranks, *, ctx, dtype, kv_tokens, kv_bytes, kv_dt, block_size, max
     if draft is not None:
         draft_nm = _load_draft(draft, nm, ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers,
                                console=console)
+    if kv_tokens is None and kv_bytes is None and ranks is None:
+        kv_bytes = default_kv_bytes(nm, max_seqs, block_size, kv_dt)
     engine = Engine(nm, kv_tokens=kv_tokens, kv_bytes=kv_bytes, block_size=block_size, max_seqs=max_seqs,
                     prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, kv_dtype=kv_dt,
                     spec_tokens=spec_tokens, draft=draft_nm, ranks=ranks)
     return engine, Api(engine, model_id(nm))
+
+
+def default_kv_bytes(nm, max_seqs: int, block_size: int, kv_dt) -> int | None:
+    """The paged cache's bytes when neither --kv-tokens nor --kv-memory sizes it, on one device: on
+    a GPU, room for max_seqs sequences of the whole context (so that as many requests as may run
+    never preempt each other), as far as KV_SHARE of the memory free after loading holds, and
+    never less than the CPU's default; None on the CPU (the engine's default: 4 x --ctx tokens)."""
+    import torch
+
+    from dsq.serve.paged import PagedKV
+
+    dev = nm.head_device
+    if dev.type != "cuda":
+        return None
+    per_block = PagedKV.bytes_per_block(nm.model, block_size, kv_dt or nm.model.dtype)
+    need = max_seqs * (-(-(nm.n_ctx + 1) // block_size)) * per_block
+    floor = -(-4 * nm.n_ctx // block_size) * per_block
+    free, _ = torch.cuda.mem_get_info(dev)
+    return max(min(need, int(free * KV_SHARE)), floor)
 
 
 def _load_draft(draft: str, nm, *, ctx: int, threads, dtype, gpu_layers: str, console):
