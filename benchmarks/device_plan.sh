@@ -176,12 +176,15 @@ if [ "$PART" = 3 ]; then
   up() { for _ in $(seq "$(t 240)"); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0; kill -0 "$1" 2>/dev/null || return 1; sleep 1; done; return 1; }
   load() { timeout $(t 150) python3 -m dsq bench --serve "http://127.0.0.1:$PORT" --concurrency 32 --requests 64 \
     --prompt-tokens 512 --max-tokens 128 --out "$R/serve_$1.json" --force > "$R/serve_$1.txt" 2>&1; }
+  SERVERS=${SERVERS:-llama,dsq}  # SERVERS=dsq: dsq serve alone, for a call with less time (no ratio then)
+  if [[ $SERVERS == *llama* ]]; then
   "$LL/build/bin/llama-server" -m "$g" -ngl 99 -fa 1 --parallel 32 -c $((32 * 4096)) -cb --port $PORT \
     --host 127.0.0.1 > "$R/serve_llama.log" 2>&1 &
   pid=$!
   if up $pid; then load llama-server; fi
   halt $pid
   log "llama-server"
+  fi
   python3 -m dsq serve "$g" --gpu-layers all --ctx 4096 --max-seqs 64 --port $PORT > "$R/serve_dsq.log" 2>&1 &
   pid=$!
   if up $pid; then load dsq; fi
