@@ -279,6 +279,29 @@ def test_engine_batches_preempts_and_matches_generate(q8):
     assert eng.metrics()["kv_blocks_held"] == 0
 
 
+def test_mixed_steps_and_captured_chunks_over_the_latent_cache_reply_as_dsq_run(q8, monkeypatch):
+    """What dsq serve's warm-up now captures for a MoE model whose passes have no host sync, the CPU
+    standing in for the GPU's graphs: prompt tokens as rows of the decode steps (mixed steps: several
+    rows of one sequence in a step, each writing its latent row before any row attends), then
+    captured prompt chunks alone. Every reply is dsq run's."""
+    from dsq.runtime.engine import encode_prompt, generate
+    from tests.tiny import stand_in_graphs
+
+    stand_in_graphs(monkeypatch)
+    ref = [generate(q8, p, max_tokens=6, temperature=0, ignore_eos=True).text for p in PROMPTS]
+    ids = [encode_prompt(q8, p) for p in PROMPTS]
+    texts, _, eng, _ = _run_engine(q8, ids, 6, ignore_eos=True, kv_tokens=1024, max_seqs=2, prefill_chunk=8,
+                                   prefix_cache=False, capture=[1, 2, 6, 10], capture_seqs=2)
+    m = eng.metrics()
+    assert texts == ref and m["failed"] == 0
+    assert m["chunks"] == 0 and m["packed_prompt_tokens"] == sum(len(i) for i in ids)
+    texts, _, eng, _ = _run_engine(q8, ids, 6, ignore_eos=True, kv_tokens=1024, max_seqs=2, prefix_cache=False,
+                                   capture=[1, 2], capture_chunks=[8, 16, 32])
+    m = eng.metrics()
+    assert texts == ref and m["failed"] == 0 and m["chunks"] >= len(ids)
+    assert m["chunk_padded_tokens"] > m["chunk_tokens"]  # padded up to a captured length: the graphs ran
+
+
 def test_engine_prefix_cache_hits_with_the_same_output(q8):
     from dsq.runtime.engine import encode_prompt, generate
 
