@@ -682,9 +682,13 @@ def test_default_kv_cache_on_a_gpu_holds_every_sequence_as_far_as_memory_allows(
     gpu = SimpleNamespace(model=nm.model, n_ctx=128, head_device=torch.device("cuda"))
     per_block = PagedKV.bytes_per_block(nm.model, 16, torch.float32)
     need, floor = 8 * 9 * per_block, 32 * per_block  # 129 tokens a sequence: 9 blocks; 4 x 128 tokens: 32
-    for free, want in ((100 * need, need), (need, int(need * server.KV_SHARE)), (floor, floor)):
+    shared = int(need * server.KV_SHARE) // per_block * per_block  # 50 whole blocks
+    # with a draft model (here the same model) its pool of as many blocks shares the room: 25 blocks
+    # when 50 were left, under the floor
+    for free, want, with_draft in ((100 * need, need, need), (need, shared, floor), (floor, floor, floor)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev, free=free: (free, 10 * free))
         assert server.default_kv_bytes(gpu, 8, 16, None) == want
+        assert server.default_kv_bytes(gpu, 8, 16, None, draft=gpu) == with_draft
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (100 * need, 100 * need))
     half = PagedKV.bytes_per_block(nm.model, 16, torch.bfloat16)
     assert server.default_kv_bytes(gpu, 8, 16, torch.bfloat16) == 8 * 9 * half == need // 2

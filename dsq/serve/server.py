@@ -128,18 +128,19 @@ def _build(nm, ranks, *, ctx, dtype, kv_tokens, kv_bytes, kv_dt, block_size, max
         draft_nm = _load_draft(draft, nm, ctx=ctx, threads=threads, dtype=dtype, gpu_layers=gpu_layers,
                                console=console)
     if kv_tokens is None and kv_bytes is None and ranks is None:
-        kv_bytes = default_kv_bytes(nm, max_seqs, block_size, kv_dt)
+        kv_bytes = default_kv_bytes(nm, max_seqs, block_size, kv_dt, draft_nm)
     engine = Engine(nm, kv_tokens=kv_tokens, kv_bytes=kv_bytes, block_size=block_size, max_seqs=max_seqs,
                     prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, kv_dtype=kv_dt,
                     spec_tokens=spec_tokens, draft=draft_nm, ranks=ranks)
     return engine, Api(engine, model_id(nm))
 
 
-def default_kv_bytes(nm, max_seqs: int, block_size: int, kv_dt) -> int | None:
+def default_kv_bytes(nm, max_seqs: int, block_size: int, kv_dt, draft=None) -> int | None:
     """The paged cache's bytes when neither --kv-tokens nor --kv-memory sizes it, on one device: on
     a GPU, room for max_seqs sequences of the whole context (so that as many requests as may run
-    never preempt each other), as far as KV_SHARE of the memory free after loading holds, and
-    never less than the CPU's default; None on the CPU (the engine's default: 4 x --ctx tokens)."""
+    never preempt each other), as far as KV_SHARE of the memory free after loading holds (with a
+    `draft` model, its pool of as many blocks in that share too), and never less than the CPU's
+    default; None on the CPU (the engine's default: 4 x --ctx tokens)."""
     import torch
 
     from dsq.serve.paged import PagedKV
@@ -148,10 +149,11 @@ def default_kv_bytes(nm, max_seqs: int, block_size: int, kv_dt) -> int | None:
     if dev.type != "cuda":
         return None
     per_block = PagedKV.bytes_per_block(nm.model, block_size, kv_dt or nm.model.dtype)
-    need = max_seqs * (-(-(nm.n_ctx + 1) // block_size)) * per_block
-    floor = -(-4 * nm.n_ctx // block_size) * per_block
+    both = per_block + (PagedKV.bytes_per_block(draft.model, block_size, kv_dt or draft.model.dtype) if draft else 0)
+    need = max_seqs * -(-(nm.n_ctx + 1) // block_size)
+    floor = -(-4 * nm.n_ctx // block_size)
     free, _ = torch.cuda.mem_get_info(dev)
-    return max(min(need, int(free * KV_SHARE)), floor)
+    return max(min(need, int(free * KV_SHARE) // both), floor) * per_block
 
 
 def _load_draft(draft: str, nm, *, ctx: int, threads, dtype, gpu_layers: str, console):
