@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from dsq.cli.common import command
-from dsq.serve.server import KV_SHARE
 from dsq.cli.options import Ctx, Dtype, Experts, GpuLayersOption, KvDtype, ModelArg, Revision, TensorParallel, Threads
+from dsq.serve.server import KV_SHARE
 
 
 @command("serve", examples=[

@@ -541,9 +541,9 @@ class CPURoutedExperts(nn.Module):
                  add: torch.Tensor | None = None) -> torch.Tensor:
         """x (N, H) through this layer's experts copied to x's device for this call: each stacked
         projection's blocks through a page-locked buffer (_Staging), converted to the GPU kernels'
-        layout there (packed.from_gguf, a chunk of rows copied at a time), run through the grouped GEMMs as GPUStackedExperts runs a prompt chunk
-        (at any STREAM_ROWS: the pairs would read a streamed expert once per token that chose it),
-        then dropped; plus `add`."""
+        layout there (packed.from_gguf, a chunk of rows copied at a time), run through the grouped
+        GEMMs as GPUStackedExperts runs a prompt chunk (at any STREAM_ROWS: the pairs would read a
+        streamed expert once per token that chose it), then dropped; plus `add`."""
         E = self.n_expert
         parts = []
         for t, q, k in ((self.gate, self.qtypes[0], self.hidden), (self.up, self.qtypes[1], self.hidden),

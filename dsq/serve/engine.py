@@ -9,8 +9,9 @@ Every step it
    (B = 1, as `dsq run` prefills). With captured steps of more rows than sequences (a GPU, a
    model whose passes have no host sync: dense, or its routed experts fused; mixed_sizes;
    DSQ_SERVE_MIXED=0 turns them off), every prompt token goes into step 4 instead, a row a
-   token, up to prefill_chunk tokens a step: one pass over the weights a step. With captured decode steps alone, a remainder of up to PACK_TOKENS
-   tokens (a repeated prompt past the prefix cache's blocks, a short prompt) goes so; with
+   token, up to prefill_chunk tokens a step: one pass over the weights a step. With captured
+   decode steps alone, a remainder of up to PACK_TOKENS tokens (a repeated prompt past the
+   prefix cache's blocks, a short prompt) goes so; with
    captured prompt chunks, a chunk runs as the pieces whose replays the warm-up timed cheapest in
    all (PagedKV.plan_pieces: 300 tokens as 256 + 44 rather than padded to 512);
 4. runs one decode step for every request past its prompt, together (B = rows), after giving
@@ -190,8 +191,8 @@ class Engine:
         up to max_seqs) and prompt chunks of lengths 2^i and 2^i + 1 up to prefill_chunk, on blocks
         taken from the pool and given back, before the first request; then, where it can
         (graphable), capture the decode step of each batch size and, for a model whose passes of
-        any length have no host sync (model.prefill_graph_safe), steps of more rows that carry prompt tokens too (mixed_sizes; DSQ_SERVE_MIXED=0:
-        not) and prompt chunks of 16, 32, ... tokens up to prefill_chunk, each length's replay
+        any length have no host sync (model.prefill_graph_safe), steps of more rows that carry
+        prompt tokens too (mixed_sizes; DSQ_SERVE_MIXED=0: not) and prompt chunks of 16, 32, ... tokens up to prefill_chunk, each length's replay
         timed to plan how chunks split (PagedKV.time_chunks); each captured step's replay is
         timed too, and a step that costs more than one of more rows is dropped
         (PagedKV.time_graphs). On a GPU each new row bucket autotunes its Triton kernels,
