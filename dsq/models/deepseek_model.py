@@ -548,12 +548,12 @@ class CPURoutedExperts(nn.Module):
         parts = []
         for t, q, k in ((self.gate, self.qtypes[0], self.hidden), (self.up, self.qtypes[1], self.hidden),
                         (self.down, self.qtypes[2], self.inter)):
-            t = t.reshape(E * t.shape[1], t.shape[2])
             if x.device.type != "cuda" or self.staging is None:
-                parts.append(packed.from_gguf(t, q, k, device=x.device))
+                parts.append(packed.from_gguf(t.reshape(E * t.shape[1], t.shape[2]), q, k, device=x.device))
                 continue
+            # (E, rows, row bytes) straight into the buffer: a strided view of the file is not copied twice
             with self.staging.put(t) as pinned:
-                parts.append(packed.from_gguf(pinned, q, k, device=x.device))
+                parts.append(packed.from_gguf(pinned.view(E * t.shape[1], t.shape[2]), q, k, device=x.device))
         twin = GPUStackedExperts(None, parts[0], parts[1], parts[2], E, F.silu, "streamed from RAM")
         del parts
         return twin._grouped(x, ids, weights, add)
