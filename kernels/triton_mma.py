@@ -492,8 +492,8 @@ def mma_linear_scaled(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = No
     return y.reshape(*x.shape[:-1], p.N)
 
 
-# _SCALED_CONFIGS without split-K (program_id(1) is the row tile); not yet timed on a GPU: benchmarks.moe_prefill
-# times the path (docs/benchmarks.md#parts-1-and-3-again-h100-machine-2026-12-07-later-that-day)
+# _SCALED_CONFIGS without split-K (program_id(1) is the row tile); the configs are not compared one by one:
+# benchmarks.moe_prefill times the path (docs/benchmarks.md#part-3-with-the-fused-moe-prompt-path-h100-machine-2026-12-07-evening)
 _GROUPED_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=4)
                     for bn, bk, st in [(128, 128, 4), (64, 128, 3), (128, 256, 3), (64, 256, 3)]]
 _mma_s_grouped = autotune(_GROUPED_CONFIGS, ["N", "K", "MP", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(even_kn(_mma_s))

@@ -457,7 +457,7 @@ class _Staging:
             self.events[i] = None
         n = t.numel() * t.element_size()
         if self.bufs[i] is None or self.bufs[i].numel() < n:
-            self.bufs[i] = None  # (its copies are done: the event above)
+            self.bufs[i] = None  # the smaller buffer goes before the larger is made (its copies are done)
             self.bufs[i] = torch.empty(n, dtype=torch.uint8, pin_memory=self.pin)
         view = self.bufs[i][:n].view(t.dtype).view(t.shape)
         view.copy_(t)

@@ -11,9 +11,9 @@ Every step it
    DSQ_SERVE_MIXED=0 turns them off), every prompt token goes into step 4 instead, a row a
    token, up to prefill_chunk tokens a step: one pass over the weights a step. With captured
    decode steps alone, a remainder of up to PACK_TOKENS tokens (a repeated prompt past the
-   prefix cache's blocks, a short prompt) goes so; with
-   captured prompt chunks, a chunk runs as the pieces whose replays the warm-up timed cheapest in
-   all (PagedKV.plan_pieces: 300 tokens as 256 + 44 rather than padded to 512);
+   prefix cache's blocks, a short prompt) goes so; with captured prompt chunks, a chunk runs as
+   the pieces whose replays the warm-up timed cheapest in all (PagedKV.plan_pieces: 300 tokens
+   as 256 + 44 rather than padded to 512);
 4. runs one decode step for every request past its prompt, together (B = rows), after giving
    each the block its next token needs; when the pool is empty the newest request is preempted
    (its blocks freed, its prompt and generated tokens recomputed when it is admitted again: its
@@ -192,10 +192,10 @@ class Engine:
         taken from the pool and given back, before the first request; then, where it can
         (graphable), capture the decode step of each batch size and, for a model whose passes of
         any length have no host sync (model.prefill_graph_safe), steps of more rows that carry
-        prompt tokens too (mixed_sizes; DSQ_SERVE_MIXED=0: not) and prompt chunks of 16, 32, ... tokens up to prefill_chunk, each length's replay
-        timed to plan how chunks split (PagedKV.time_chunks); each captured step's replay is
-        timed too, and a step that costs more than one of more rows is dropped
-        (PagedKV.time_graphs). On a GPU each new row bucket autotunes its Triton kernels,
+        prompt tokens too (mixed_sizes; DSQ_SERVE_MIXED=0: not) and prompt chunks of 16, 32, ...
+        tokens up to prefill_chunk, each length's replay timed to plan how chunks split
+        (PagedKV.time_chunks); each captured step's replay is timed too, and a step that costs
+        more than one of more rows is dropped (PagedKV.time_graphs). On a GPU each new row bucket autotunes its Triton kernels,
         compiling every candidate on a cold cache: inside the first requests that took minutes,
         so every request timed out or waited (docs/benchmarks.md#dsq-serve). Returns the batch
         sizes and chunk lengths run, and the sizes captured (those kept). Call before start()."""
