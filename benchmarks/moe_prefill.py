@@ -96,6 +96,12 @@ def main(argv=None) -> None:
                                                           ("written out", "loop", "pairs"))
               + "; largest difference from the loop, of its largest output: "
               + ", ".join(f"{n} {d:.1e}" for n, d in diff.items()), flush=True)
+    from dsq.kernels.triton_common import autotune_choices
+
+    for kernel, picks in autotune_choices().items():  # which tiles the fused kernels' autotuner chose
+        if "grouped" in kernel:
+            for key, cfg in picks.items():
+                print(f"{kernel} [{key}]: {cfg}")
 
 
 if __name__ == "__main__":

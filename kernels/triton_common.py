@@ -144,7 +144,8 @@ def autotune_choices() -> dict[str, dict[str, str]]:
                         ("gemv", triton_gemv._gemv_tuned), ("gemm", triton_gemm._gemm_tuned),
                         ("mma_t", triton_mma._mma_t_tuned), ("mma_s", triton_mma._mma_s_tuned),
                         ("gemv_q8 experts", triton_gemv_q8._gemv_q8_experts_tuned),
-                        ("gemv experts", triton_gemv._gemv_experts_tuned)):
+                        ("gemv experts", triton_gemv._gemv_experts_tuned),
+                        ("mma_s grouped", triton_mma._mma_s_grouped), ("gemm grouped", triton_gemm._gemm_grouped)):
         picks = {", ".join(f"{n}={v}" for n, v in zip(tuned.keys, key)): str(cfg)
                  for key, cfg in getattr(tuned, "cache", {}).items()}
         if picks:
