@@ -121,12 +121,10 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = None,
 
 # rows a tile of the grouped GEMM: an expert's rows in a prompt chunk are tens (V2-Lite: 512 tokens x 6 of 64
 # experts = 48 an expert), and the tile table is made for one BM, so the autotuner picks the rest among
-# _GEMM_CONFIGS' larger tiles, and two of 2 stages that leave room for more programs an SM; the configs are not
-# compared one by one (benchmarks.moe_prefill times the path and prints the autotuner's picks:
-# docs/benchmarks.md#part-3-with-the-fused-moe-prompt-path-h100-machine-2026-12-07-evening)
+# _GEMM_CONFIGS' larger tiles; benchmarks.moe_prefill times the path and prints the autotuner's picks
+# (docs/benchmarks.md#part-3-again-serve-ahead-of-llama-server-h100-machine-2026-12-07-night)
 _GROUPED_CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
-                    for bn, bk, w, s in [(64, 64, 4, 4), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3),
-                                         (64, 64, 4, 2), (128, 64, 8, 2)]]
+                    for bn, bk, w, s in [(64, 64, 4, 4), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3)]]
 _gemm_grouped = autotune(_GROUPED_CONFIGS, ["N", "K", "BM", *FMT_KEYS])(_gemm)
 
 

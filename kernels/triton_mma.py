@@ -492,14 +492,13 @@ def mma_linear_scaled(x: torch.Tensor, p: Packed, bias: torch.Tensor | None = No
     return y.reshape(*x.shape[:-1], p.N)
 
 
-# _SCALED_CONFIGS without split-K (program_id(1) is the row tile), plus tiles that leave room for 2-3 programs an
-# SM (2 stages: ~42 KB of shared memory; 8 warps: ~104 registers a thread, by benchmarks.sass_count for sm_90):
-# at 4 warps and 3-4 stages one program fills an SM, and its chain of register-fed wgmmas waits on itself. The
-# autotuner picks on the device; benchmarks.moe_prefill times the path
-# (docs/benchmarks.md#part-3-with-the-fused-moe-prompt-path-h100-machine-2026-12-07-evening)
-_GROUPED_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=w)
-                    for bn, bk, st, w in [(128, 128, 4, 4), (64, 128, 3, 4), (128, 256, 3, 4), (64, 256, 3, 4),
-                                          (128, 128, 2, 4), (64, 128, 2, 4), (128, 128, 3, 8), (256, 128, 3, 8)]]
+# _SCALED_CONFIGS without split-K (program_id(1) is the row tile), plus 2 stages (~42 KB of shared memory against
+# 91-133 KB: room for two programs an SM, by benchmarks.sass_count for sm_90), the H100's pick for V2-Lite's
+# gate/up at 64 rows a tile. Each config is a compile in a cold serve warm-up, so the list stays short;
+# benchmarks.moe_prefill times the path and prints the picks
+# (docs/benchmarks.md#part-3-again-serve-ahead-of-llama-server-h100-machine-2026-12-07-night)
+_GROUPED_CONFIGS = [triton.Config({"BN": bn, "BK": bk, "STAGES": st}, num_warps=4)
+                    for bn, bk, st in [(128, 128, 4), (64, 128, 3), (128, 256, 3), (64, 256, 3), (128, 128, 2)]]
 _mma_s_grouped = autotune(_GROUPED_CONFIGS, ["N", "K", "MP", "SUB", "TWO_LEVEL", "ZERO", "MINS"])(even_kn(_mma_s))
 
 
