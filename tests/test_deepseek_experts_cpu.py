@@ -209,15 +209,17 @@ def test_cuda_experts_cpu_rest_on_gpu(kind, tiny_gguf, monkeypatch):
 def test_cuda_prompt_chunks_stream_the_experts_from_ram(kind, tiny_gguf, monkeypatch):
     """Experts in RAM, the rest on the GPU: a prompt of STREAM_ROWS tokens or more copies each MoE
     layer's experts to the GPU and runs them with the GPU's kernels, so its logits are the all-on-GPU
-    model's (the same kernels over the same blocks) up to the order of sums, closer than the C
+    model's (the same grouped kernels over the same blocks: PAIRS_ROWS lowered so that the all-on-GPU
+    pass takes them too, not the pairs' int8-rounded x) up to the order of sums, closer than the C
     call's (int8-rounded x); nothing of the streamed weights stays in VRAM after the prompt."""
-    from dsq.models.deepseek_model import CPURoutedExperts
+    from dsq.models.deepseek_model import CPURoutedExperts, GPUStackedExperts
     from dsq.runtime.native import NativeModel
     from tiny import kld_top1
 
     path = tiny_gguf(kind, "Q4_K_M")
     whole = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="gpu")
     split = NativeModel(path, "gguf", n_ctx=128, gpu_layers="all", experts="cpu")
+    monkeypatch.setattr(GPUStackedExperts, "PAIRS_ROWS", 16)
     a = whole.logits(IDS)
     c_call = split.logits(IDS)  # 30 rows < STREAM_ROWS: the C call
     monkeypatch.setattr(CPURoutedExperts, "STREAM_ROWS", 16)
