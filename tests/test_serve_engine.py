@@ -362,26 +362,37 @@ def test_a_request_that_cannot_progress_fails_instead_of_stalling(builtin):
 
 
 def test_a_captured_step_dearer_than_a_larger_one_is_dropped(tmp_path, monkeypatch):
-    """PagedKV.time_graphs: each captured step's replay is timed (all rows padding) and a step that
-    costs more than one of more rows goes (its steps take that one); the largest stays. Steps of
-    96 rows of an 8B Q4_K_M model took the slow tl.dot GEMM and cost more than 128-row ones."""
+    """PagedKV.time_graphs: each captured step's replay is timed and a step that costs more than one
+    of more rows goes (its steps take that one); the largest stays. Steps of 96 rows of an 8B
+    Q4_K_M model took the slow tl.dot GEMM and cost more than 128-row ones. Every row of a timed
+    replay is a different token (a MoE step's cost follows the experts its rows choose) at position
+    0 of the scratch block, as padding is: no sequence's block is written."""
     from dsq.serve import paged
 
     nm = _tiny_float_model(tmp_path, monkeypatch, True)
     kv = PagedKV(nm.model, 32, 4, 64)
     assert kv.capture([1, 2, 4, 6, 8, 12, 16], seqs=4) == [1, 2, 4, 6, 8, 12, 16]
     cost = {1: 1.0, 2: 1.1, 4: 1.5, 6: 2.5, 8: 2.0, 12: 3.0, 16: 2.9}
-    replayed = []  # the rows of each graph replayed
+    replayed = []  # the rows of each graph replayed, and the values it was given
     for rows, g in kv.graphs.items():
-        g.replay = lambda values, rows=rows, real=g.replay: (replayed.append(rows), real(values))[1]
+        g.replay = lambda values, rows=rows, real=g.replay: (replayed.append((rows, values)), real(values))[1]
 
     def fake_timed(run, device):  # the replayed graph's cost
         run()
-        return cost[replayed[-1]]
+        return cost[replayed[-1][0]]
 
     monkeypatch.setattr(paged, "_timed", fake_timed)
+    before = [t.clone() for t in kv.k]
     kept = kv.time_graphs(repeat=2)
-    assert sorted(replayed) == sorted(list(cost) * 2)  # every step, twice, all rows padding
+    assert sorted(r for r, _ in replayed) == sorted(list(cost) * 2)  # every step, twice
+    V = nm.model.args.vocab_size
+    for rows, values in replayed:
+        ids, pos, seq = values[:rows], values[rows:2 * rows], values[2 * rows:3 * rows]
+        K = min(rows, 4)  # the sequences a graph takes (capture's seqs)
+        assert len(set(ids)) == rows and all(0 <= t < V for t in ids) and pos == [0] * rows and seq == [K] * rows
+        assert set(values[3 * rows + K:]) == {kv.scratch}  # every table the scratch block's
+    assert all(torch.equal(a[:kv.scratch], b[:kv.scratch]) and torch.equal(a[kv.scratch + 1:], b[kv.scratch + 1:])
+               for a, b in zip(before, kv.k))
     assert sorted(kv.graphs) == sorted(kept) == [1, 2, 4, 8, 16]  # 6 cost more than 8, 12 more than 16
     # a step of 5-6 rows now replays the 8-row graph, of 9-12 rows the 16-row one
     assert kv._decode_graph(6, 4).rows == 8 and kv._decode_graph(10, 4).rows == 16

@@ -205,8 +205,6 @@ class Engine:
         # a length at each end of every power-of-two bucket: the kernels' autotune keys bucket the rows so
         chunks = sorted({t for i in range(1, top.bit_length()) for t in (1 << i, (1 << i) + 1) if t < top} | {top})
         chunks = [t for t in chunks if -(-t // self.block_size) <= self.pool.available()]
-        V = self.model.args.vocab_size
-        tok = lambda i: (i * 7919 + 1) % V  # noqa: E731 - any valid ids: the blocks are thrown away
         clock = [time.perf_counter()]
 
         def lap() -> float:  # seconds since the last lap
@@ -218,13 +216,13 @@ class Engine:
             for b in sizes:  # one token a sequence at position 0, a block each
                 blocks = [self.pool.allocate() for _ in range(b)]
                 try:
-                    self.kv.forward([[tok(i)] for i in range(b)], [0] * b, [[blk] for blk in blocks])
+                    self.kv.forward([[t] for t in self.kv.filler_ids(b)], [0] * b, [[blk] for blk in blocks])
                 finally:
                     self.pool.release(blocks)
             for t in chunks:
                 blocks = [self.pool.allocate() for _ in range(-(-t // self.block_size))]
                 try:
-                    self.kv.forward([[tok(i) for i in range(t)]], [0], [blocks])
+                    self.kv.forward([self.kv.filler_ids(t)], [0], [blocks])
                 finally:
                     self.pool.release(blocks)
         graphs, chunk_graphs = [], []

@@ -345,27 +345,42 @@ class PagedKV:
         return sorted(self.chunk_graphs)
 
     def time_chunks(self, repeat: int = 3) -> dict[int, float]:
-        """Seconds a replay of each captured chunk length takes (its shortest span; the least of
-        `repeat`), on the device's clock; then plan_pieces over them. Returns the costs."""
+        """Seconds a replay of each captured chunk length takes (its shortest span, the tokens
+        filler_ids; the least of `repeat`), on the device's clock; then plan_pieces over them.
+        Returns the costs."""
         cost: dict[int, float] = {}
         for t in sorted({t for t, _ in self.chunk_graphs}):
             g = self.chunk_graphs[min(k for k in self.chunk_graphs if k[0] == t)]
             table = [self.scratch] * g.n
             best = float("inf")
+            ids = self.filler_ids(t)
             for _ in range(repeat):
-                best = min(best, _timed(lambda: g([0] * t, 0, table), self.device))
+                best = min(best, _timed(lambda: g(ids, 0, table), self.device))
             cost[t] = best
         self.plan_pieces(cost)
         return cost
 
     def time_graphs(self, repeat: int = 3) -> dict[int, float]:
-        """Seconds a replay of each captured step takes (all rows padding; the least of `repeat`),
-        then drop_dominated over them. Returns the costs of the steps kept."""
+        """Seconds a replay of each captured step takes (every row a token of filler_ids at
+        position 0 in the scratch block, as padding is; the least of `repeat`), then
+        drop_dominated over them. Returns the costs of the steps kept."""
         cost = {}
         for rows, g in self.graphs.items():
-            cost[rows] = min(_timed(lambda: g([], [], [], [], []), self.device) for _ in range(repeat))
+            ids = self.filler_ids(rows)
+            cost[rows] = min(_timed(lambda: g(ids, [0] * rows, [g.seqs] * rows, [], []), self.device)
+                             for _ in range(repeat))
         self.drop_dominated(cost)
         return {rows: cost[rows] for rows in self.graphs}
+
+    def filler_ids(self, n: int) -> list[int]:
+        """n different token ids for a pass whose output is thrown away (the warm-up's, a timed
+        replay's). A MoE pass costs what its rows' chosen experts read, and rows of one token all
+        choose the same few. Timed so, a mixed step of 192 rows replayed cheaper than the decode
+        step of 32 (V2-Lite on an H100), which was dropped; 32-row decode steps then ran the 192-row
+        graph, every expert of every layer, at ~37 ms a step
+        (docs/benchmarks.md#part-3-again-serve-ahead-of-llama-server-h100-machine-2026-12-07-night).
+        Different tokens spread over the experts as a batch of requests does."""
+        return [(i * 7919 + 1) % self.args.vocab_size for i in range(n)]
 
     def drop_dominated(self, cost: dict[int, float]) -> None:
         """Drop each captured step that costs more (seconds by rows) than one of more rows, which
