@@ -13,7 +13,8 @@
 #   bash benchmarks/device_plan.sh 3   # DeepSeek-V2-Lite, experts on the GPU and in RAM, against llama-bench
 #                                      # (-ot exps=CPU); then dsq serve against llama-server at 32 concurrent
 #                                      # (STEPS=bench, then STEPS=serve: a call each on a bare machine; the
-#                                      # bench half ends with benchmarks.moe_prefill, one MoE layer's chunk)
+#                                      # bench half times one MoE layer's chunk, benchmarks.moe_prefill, and
+#                                      # the experts-in-RAM decode step part by part, benchmarks.moe_layers)
 #   bash benchmarks/device_plan.sh 4   # two GPUs (kind nvidia-h100-x2): the 8B and V2-Lite split by layers over
 #                                      # both against llama-bench -sm layer; serve --tp 2 against one GPU and
 #                                      # llama-server -sm row at 32 concurrent (~8 min; not run yet)
@@ -167,7 +168,13 @@ if [ "$PART" = 3 ]; then
     timeout $(t 60) python3 -m benchmarks.moe_prefill --tokens 512,128,32 --repeat 5 > "$R/moe_prefill.txt" 2>&1
     log "moe_prefill"
   fi
-  [[ $EXPERTS == *cpu* ]] && v2l cpu 150
+  if [[ $EXPERTS == *cpu* ]]; then
+    v2l cpu 150
+    # where the experts-in-RAM decode step goes, part by part (the C call's read rate among them)
+    timeout $(t 90) python3 -m benchmarks.moe_layers "$g" --experts cpu --threads "$TH" --steps 8 --full-layers 27 --full-dense 1 \
+      > "$R/moe_layers_cpu.txt" 2>&1
+    log "moe_layers --experts cpu"
+  fi
   fi
   if [[ $STEPS == *serve* ]]; then
   # llama-server and dsq serve, the same load: 64 requests at 32 concurrent, 512-word prompts, 128 tokens
