@@ -195,10 +195,11 @@ class Engine:
         prompt tokens too (mixed_sizes; DSQ_SERVE_MIXED=0: not) and prompt chunks of 16, 32, ...
         tokens up to prefill_chunk, each length's replay timed to plan how chunks split
         (PagedKV.time_chunks); each captured step's replay is timed too, and a step that costs
-        more than one of more rows is dropped (PagedKV.time_graphs). On a GPU each new row bucket autotunes its Triton kernels,
-        compiling every candidate on a cold cache: inside the first requests that took minutes,
-        so every request timed out or waited (docs/benchmarks.md#dsq-serve). Returns the batch
-        sizes and chunk lengths run, and the sizes captured (those kept). Call before start()."""
+        more than one of more rows is dropped (PagedKV.time_graphs). On a GPU each new row bucket
+        autotunes its Triton kernels, compiling every candidate on a cold cache: inside the first
+        requests that took minutes, so every request timed out or waited
+        (docs/benchmarks.md#dsq-serve). Returns the batch sizes and chunk lengths run, and the
+        sizes captured (those kept). Call before start()."""
         sizes = sorted({1 << i for i in range(self.max_seqs.bit_length()) if 1 << i < self.max_seqs} | {self.max_seqs})
         sizes = [b for b in sizes if b <= self.pool.available()]
         top = min(self.prefill_chunk, self.n_ctx - 1)

@@ -375,9 +375,9 @@ class PagedKV:
     def filler_ids(self, n: int) -> list[int]:
         """n different token ids for a pass whose output is thrown away (the warm-up's, a timed
         replay's). A MoE pass costs what its rows' chosen experts read, and rows of one token all
-        choose the same few. Timed so, a mixed step of 192 rows replayed cheaper than the decode
-        step of 32 (V2-Lite on an H100), which was dropped; 32-row decode steps then ran the 192-row
-        graph, every expert of every layer, at ~37 ms a step
+        choose the same few. Timed so on V2-Lite (an H100), the 32- and 64-row decode steps were
+        dropped for the 192-row mixed step, which then ran 17-32-row decode steps through every
+        expert of every layer, ~37 ms a step
         (docs/benchmarks.md#part-3-again-serve-ahead-of-llama-server-h100-machine-2026-12-07-night).
         Different tokens spread over the experts as a batch of requests does."""
         return [(i * 7919 + 1) % self.args.vocab_size for i in range(n)]
