@@ -92,6 +92,18 @@ def test_queued_call_on_a_stand_in_stream(tiny_gguf, monkeypatch):
     assert launched == [cpu.moe_host_fn()] * 3 and len(moe.experts._slots) == 1
 
 
+def test_a_step_that_queues_the_experts_on_the_host_says_so(tiny_gguf, monkeypatch):
+    """host_work_in_step (the decode loop then waits for its tokens asleep, not spinning on a core
+    the C call's threads want): true only where some layer's experts in RAM are queued from its
+    device's stream. The CPU stands in for the GPU's stream by making `queues` say yes."""
+    from dsq.models.deepseek_model import CPURoutedExperts
+
+    in_ram, in_model = _load(tiny_gguf("deepseek_v2", "Q4_K_M"), "cpu"), _load(tiny_gguf("deepseek_v2", "Q4_K_M"), "gpu")
+    assert not in_ram.model.host_work_in_step  # a CPU's call runs directly, not queued
+    monkeypatch.setattr(CPURoutedExperts, "queues", staticmethod(lambda device: True))
+    assert in_ram.model.host_work_in_step and not in_model.model.host_work_in_step
+
+
 def test_cpu_experts_refuse_float_experts(tiny_gguf, tiny_dir):
     from dsq.errors import UnsupportedModel
 
@@ -187,6 +199,7 @@ def test_cuda_experts_cpu_rest_on_gpu(kind, tiny_gguf, monkeypatch):
     assert cpu_parts and all(p.gate.device.type == "cpu" for p in cpu_parts)
     assert all(str(d) == "cuda:0" for d in split.model.layer_devices())
     assert CPURoutedExperts.queues(torch.device("cuda")) and split._graph is not None  # captured
+    assert split._wait_blocks and not whole._wait_blocks  # the decode loop sleeps beside the C calls
     for ids in (IDS, IDS[:12]):  # sent, queued
         a, b = whole.logits(ids), split.logits(ids)
         kld, top1, _ = kld_top1(a, b)

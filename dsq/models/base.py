@@ -519,6 +519,12 @@ class Transformer(nn.Module):
         (so it can be captured as a CUDA graph): a dense model's is."""
         return True
 
+    @property
+    def host_work_in_step(self) -> bool:
+        """Whether a GPU decode step runs C calls on the host's threads as host functions queued on
+        its stream (DeepSeek's routed experts in RAM): a dense model's does not."""
+        return False
+
     def layer_devices(self) -> list[torch.device]:
         if self.placement is not None:
             return list(self.placement.layers)

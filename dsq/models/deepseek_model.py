@@ -668,6 +668,17 @@ class DeepseekTransformer(Transformer):
         return True
 
     @property
+    def host_work_in_step(self) -> bool:
+        """Some MoE layer's experts in RAM with the layer on a GPU whose stream queues their C call."""
+        from dsq.models.base import module_device
+
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE) and isinstance(layer.mlp.experts, CPURoutedExperts):
+                if CPURoutedExperts.queues(module_device(layer.input_layernorm)):
+                    return True
+        return False
+
+    @property
     def prefill_graph_safe(self) -> bool:
         """Every MoE layer's experts stacked on the GPU with every projection's grouped GEMM fused
         (GPUStackedExperts.fused: the experts' counts read on the device), so a prompt chunk longer

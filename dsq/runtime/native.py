@@ -94,6 +94,12 @@ class _GraphedStep:
 # DSQ_PREFILL_GRAPH=0 keeps the chunks eager
 PREFILL_GRAPH = os.environ.get("DSQ_PREFILL_GRAPH", "1") != "0"
 
+# How the decode loop waits for a step's tokens: spinning (the fastest wake-up), unless the step runs C
+# calls on the host's threads (routed experts in RAM, queued on the stream: model.host_work_in_step);
+# then asleep on a blocking event, so the waiting thread does not spin on a core those threads want.
+# DSQ_BLOCKING_WAIT=0 always spins, 1 always sleeps (docs/benchmarks.md#deepseek, the A/B of the wait)
+BLOCKING_WAIT = os.environ.get("DSQ_BLOCKING_WAIT", "")
+
 
 class _PrefillGraphs:
     """Full prompt chunks of one sequence, captured as CUDA graphs: one per attention span S (the
@@ -382,6 +388,7 @@ class NativeModel:
         always for a model whose step depends on its tokens (MoE routing: model.graph_safe, unless
         its routed experts are in RAM and queued on the stream, runtime/experts.py)."""
         self._moe = any(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+        self._wait_blocks = BLOCKING_WAIT == "1" or (BLOCKING_WAIT != "0" and model.host_work_in_step)
         if not model.graph_safe:
             if compile:
                 warnings.warn("--compile: this model routes tokens to experts, so its decode step runs eagerly",
@@ -702,7 +709,7 @@ class _Decoder:
         self.recent, self.window, self.cached = recent, window, cached
         pinned = graph is not None
         self.host = torch.empty(recent.shape[0], dtype=torch.long, pin_memory=True) if pinned else None
-        self.ready = torch.cuda.Event() if pinned else None
+        self.ready = torch.cuda.Event(blocking=getattr(nm, "_wait_blocks", False)) if pinned else None
 
     def steps(self, logits: torch.Tensor, start: int, n: int) -> Iterator[list[int]]:
         """The tokens of up to n steps after the prompt's `logits`, the first step's model run at
