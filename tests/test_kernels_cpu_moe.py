@@ -113,6 +113,36 @@ def test_moe_experts_threads_split_across_experts():
         torch.testing.assert_close(cpu.moe_experts(x, ids, w, g, u, d, qtypes, threads=t), one, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("M", [1, 7])
+def test_one_loop_equals_a_loop_a_phase(M, tmp_path):
+    """The call's one loop (an expert's down waits for its act) gives the bits of the loop a phase it
+    replaced (DSQ_MOE_ONE_LOOP=0, read once a process: run in one of its own), at 1 and 12 threads
+    and at each claim size."""
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng()
+    qtypes = ("Q4_K", "Q4_K", "Q6_K")
+    g, u, d = _experts(qtypes, 16, 512, 256, rng)
+    x = torch.randn(M, 512) * 0.1
+    ids, w = _choices(M, 16, 6, rng)
+    torch.save({"x": x, "ids": ids, "w": w, "g": g, "u": u, "d": d}, tmp_path / "in.pt")
+    code = (f"import torch; from dsq.kernels import cpu; a = torch.load({str(tmp_path / 'in.pt')!r}); "
+            f"torch.save([cpu.moe_experts(a['x'], a['ids'], a['w'], a['g'], a['u'], a['d'], {qtypes!r}, threads=t) "
+            f"for t in (1, 12)], {str(tmp_path / 'out.pt')!r})")
+    outs = {}
+    for env in ({"DSQ_MOE_ONE_LOOP": "0", "DSQ_MOE_GUIDED": "4"}, {"DSQ_MOE_ONE_LOOP": "1", "DSQ_MOE_GUIDED": "1"},
+                {"DSQ_MOE_ONE_LOOP": "1"}):
+        subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, **env})
+        outs[tuple(env.items())] = torch.load(tmp_path / "out.pt")
+    first = next(iter(outs.values()))
+    for ys in outs.values():
+        for y, y0 in zip(ys, first):
+            torch.testing.assert_close(y, y0, rtol=0, atol=0)
+    torch.testing.assert_close(first[0], _per_expert(x, ids, w, g, u, d, qtypes, None), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("isa", BUILDS)
 def test_moe_experts_take_the_callers_int8_tiles(isa):
     """A thread's choice of the int8 tiles at M > 1 (set_int8_rows, as a generation's prefill makes
