@@ -710,7 +710,7 @@ class _Decoder:
         self.recent, self.window, self.cached = recent, window, cached
         pinned = graph is not None
         self.host = torch.empty(recent.shape[0], dtype=torch.long, pin_memory=True) if pinned else None
-        self.ready = torch.cuda.Event(blocking=getattr(nm, "_wait_blocks", False)) if pinned else None
+        self.ready = torch.cuda.Event(blocking=nm._wait_blocks) if pinned else None
 
     def steps(self, logits: torch.Tensor, start: int, n: int) -> Iterator[list[int]]:
         """The tokens of up to n steps after the prompt's `logits`, the first step's model run at
