@@ -650,46 +650,32 @@ class DeepseekTransformer(Transformer):
     Layer = DeepseekLayer
     Cache = MLACache
 
+    def _moe_experts(self):
+        """(routed experts, the device of the layer around them) of each MoE layer."""
+        from dsq.models.base import module_device
+
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                yield layer.mlp.experts, module_device(layer.input_layernorm)
+
     @property
     def graph_safe(self) -> bool:
         """Dense layers only, or every MoE layer's experts stacked on the GPU (GPUStackedExperts:
         the ids stay on the device) or in RAM and queued from a GPU (no host control flow: the C
         call is a host function on the stream)."""
-        from dsq.models.base import module_device
-
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, MoE):
-                dev = module_device(layer.input_layernorm)
-                ex = layer.mlp.experts
-                if isinstance(ex, GPUStackedExperts) and dev.type == "cuda":
-                    continue
-                if not (isinstance(ex, CPURoutedExperts) and CPURoutedExperts.queues(dev)):
-                    return False
-        return True
+        return all((isinstance(ex, GPUStackedExperts) and dev.type == "cuda")
+                   or (isinstance(ex, CPURoutedExperts) and CPURoutedExperts.queues(dev))
+                   for ex, dev in self._moe_experts())
 
     @property
     def host_work_in_step(self) -> bool:
         """Some MoE layer's experts in RAM with the layer on a GPU whose stream queues their C call."""
-        from dsq.models.base import module_device
-
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, MoE) and isinstance(layer.mlp.experts, CPURoutedExperts):
-                if CPURoutedExperts.queues(module_device(layer.input_layernorm)):
-                    return True
-        return False
+        return any(isinstance(ex, CPURoutedExperts) and CPURoutedExperts.queues(dev) for ex, dev in self._moe_experts())
 
     @property
     def prefill_graph_safe(self) -> bool:
         """Every MoE layer's experts stacked on the GPU with every projection's grouped GEMM fused
         (GPUStackedExperts.fused: the experts' counts read on the device), so a prompt chunk longer
         than PAIRS_ROWS has no host sync."""
-        from dsq.models.base import module_device
-
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, MoE):
-                dev = module_device(layer.input_layernorm)
-                ex = layer.mlp.experts
-                if not (isinstance(ex, GPUStackedExperts) and dev.type == "cuda"
-                        and ex.fused(torch.empty(0, dtype=self.dtype, device=dev))):
-                    return False
-        return True
+        return all(isinstance(ex, GPUStackedExperts) and dev.type == "cuda"
+                   and ex.fused(torch.empty(0, dtype=self.dtype, device=dev)) for ex, dev in self._moe_experts())
