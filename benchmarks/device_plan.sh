@@ -55,7 +55,8 @@ gguf() {  # gguf SHAPE PATH: a random Q4_K_M GGUF of a named shape (dsq.bench.ra
 setup_python  # before the GGUF writes: they need the carried gguf wheel
 case "$PART" in
   1) [ -d .base/kernels ] && { gguf qwen2-7b /tmp/q7b.gguf > "$R/write_q7b.txt" 2>&1 & } ;;
-  2) gguf qwen2-7b /tmp/q7b.gguf > "$R/write_q7b.txt" 2>&1 & gguf llama3-8b /tmp/r8b.gguf > "$R/write_r8b.txt" 2>&1 & ;;
+  2) [[ ${SHAPES:-qwen2-7b,llama3-8b} == *qwen2-7b* ]] && { gguf qwen2-7b /tmp/q7b.gguf > "$R/write_q7b.txt" 2>&1 & }
+     [[ ${SHAPES:-qwen2-7b,llama3-8b} == *llama3-8b* ]] && { gguf llama3-8b /tmp/r8b.gguf > "$R/write_r8b.txt" 2>&1 & } ;;
   3) gguf deepseek-v2-lite /tmp/v2l.gguf > "$R/write_v2l.txt" 2>&1 & ;;
   4) gguf llama3-8b /tmp/r8b.gguf > "$R/write_r8b.txt" 2>&1 & gguf deepseek-v2-lite /tmp/v2l.gguf > "$R/write_v2l.txt" 2>&1 & ;;
 esac
@@ -99,15 +100,26 @@ if [ "$PART" = 1 ]; then
 fi
 
 LAYERS=${LAYERS:-0,8,16,24,all}  # part 2's splits (LAYERS=all: only all on the GPU, for a call with less time)
+# ROUNDS=N (default 3): the engines in turn at each split, N rounds of one llama-bench process (-r 1) and
+# one dsq generation, the order swapped every other round (benchmarks/split_ab: a host's load moved one
+# engine's decode 2x between runs minutes apart, docs/benchmarks.md#does-a-split-beat-llamacpp-and-at-what-vram);
+# ROUNDS=0: one llama-bench -r 2 over every split, then one dsq bench --repeat 2 over them
+ROUNDS=${ROUNDS:-3}
 race() {  # race TAG GGUF: both engines at each split, and all-GPU prefill of 2048 tokens
   local tag=$1 g=$2 ngl=${LAYERS//all/99}
   [ -f "$g" ] || { log "no $g"; return 1; }
-  timeout $(t 100) "$LB" -m "$g" -ngl "$ngl" -fa 1 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_$tag.json" 2>/dev/null
-  log "$tag: llama-bench"
+  if [ "$ROUNDS" -gt 0 ]; then
+    timeout $(t 330) python3 -m benchmarks.split_ab "$g" --llama-bench "$LB" --splits "$LAYERS" --rounds "$ROUNDS" \
+      --threads "$TH" --prompt-tokens 512 --gen-tokens 32 --json "$R/ab_$tag.json" > "$R/ab_$tag.txt" 2>&1
+    log "$tag: split_ab, $ROUNDS rounds"
+  else
+    timeout $(t 100) "$LB" -m "$g" -ngl "$ngl" -fa 1 -p 512 -n 32 -r 2 -t "$TH" -o json > "$R/llama_$tag.json" 2>/dev/null
+    log "$tag: llama-bench"
+    timeout $(t 130) python3 -m dsq bench "$g" -b native -g "$LAYERS" --prompt-tokens 512 --max-tokens 32 --repeat 2 \
+      --threads "$TH" --out "$R/dsq_$tag.json" --force > "$R/dsq_$tag.txt" 2>&1
+    log "$tag: dsq bench"
+  fi
   timeout $(t 30) "$LB" -m "$g" -ngl 99 -fa 1 -p 2048 -n 0 -r 2 -t "$TH" -o json > "$R/llama_${tag}_p2048.json" 2>/dev/null
-  timeout $(t 130) python3 -m dsq bench "$g" -b native -g "$LAYERS" --prompt-tokens 512 --max-tokens 32 --repeat 2 \
-    --threads "$TH" --out "$R/dsq_$tag.json" --force > "$R/dsq_$tag.txt" 2>&1
-  log "$tag: dsq bench"
   timeout $(t 40) python3 -m dsq bench "$g" -b native -g all --prompt-tokens 2048 --max-tokens 4 --repeat 2 \
     --threads "$TH" --out "$R/dsq_${tag}_p2048.json" --force > /dev/null 2>&1
   # llama.cpp's peak VRAM at each split, measured as dsq bench measures dsq's (its Python binding, same build)
@@ -121,8 +133,10 @@ if [ "$PART" = 2 ]; then
   log "GGUFs written"
   timeout $(t 60) python3 -m dsq offload --calibrate --threads "$TH" --json > "$R/calibration.json" 2>/dev/null
   log "calibrated"
-  race qwen2-7b /tmp/q7b.gguf; tables race 2
-  race llama3-8b /tmp/r8b.gguf; tables race 2
+  SHAPES=${SHAPES:-qwen2-7b,llama3-8b}  # SHAPES=llama3-8b (or qwen2-7b): one shape, a call each with ROUNDS
+  [[ $SHAPES == *qwen2-7b* ]] && { race qwen2-7b /tmp/q7b.gguf; tables race 2; }
+  [[ $SHAPES == *llama3-8b* ]] && { race llama3-8b /tmp/r8b.gguf; tables race 2; }
+  if [ -f /tmp/q7b.gguf ]; then
   # where an all-GPU prefill's time goes (the top CUDA kernels of one 512-token chunk)
   timeout $(t 60) python3 -m benchmarks.gpu_prefill /tmp/q7b.gguf --tokens 512 > "$R/prefill_profile_q7b.txt" 2>&1
   log "prefill profile"
@@ -134,6 +148,7 @@ if [ "$PART" = 2 ]; then
   timeout $(t 60) python3 -m benchmarks.decode_profile /tmp/q7b.gguf --steps 8 --threads "$TH" \
     > "$R/decode_profile_q7b.txt" 2>&1
   log "decode profile"
+  fi
   python3 -m benchmarks.device_tables race "$R" --out "$OUT/part2"
   log "done"
   exit 0

@@ -54,11 +54,19 @@ def _mark(ratio, goal) -> str:
     return f"**{ratio:.2f}x**" if ratio >= goal else f"{ratio:.2f}x (goal {goal:g}x)"
 
 
+def ab_rows(path: Path) -> dict[str, dict]:
+    """benchmarks/split_ab's placements by --gpu-layers ("all" as 99): the engines in turn, round after
+    round, so each ratio is the median of the rounds' ratios, with their range."""
+    doc = _load(path) or {}
+    return {("99" if str(r["split"]) == "all" else str(r["split"])): r for r in doc.get("results", [])}
+
+
 def race_rows(raw: Path, tag: str) -> list[dict]:
     """Per split: both engines' decode and 512-token prefill, their ratios, dsq's share of its decode
-    roofline, both engines' peak VRAM; then the all-GPU 2048-token prefill."""
+    roofline, both engines' peak VRAM; then the all-GPU 2048-token prefill. Where the part ran the
+    engines in rounds (ab_TAG.json, benchmarks/split_ab), a split's rates and ratios are the rounds'."""
     ll, ds = llama_bench_rates(raw / f"llama_{tag}.json"), dsq_rows(raw / f"dsq_{tag}.json")
-    vram = dsq_rows(raw / f"llama_vram_{tag}.json")
+    vram, ab = dsq_rows(raw / f"llama_vram_{tag}.json"), ab_rows(raw / f"ab_{tag}.json")
     rows = []
     for ngl in (99, 24, 16, 8, 0):
         d, v = ds.get(str(ngl), {}), vram.get(str(ngl), {})
@@ -69,6 +77,14 @@ def race_rows(raw: Path, tag: str) -> list[dict]:
                "llama_vram_mib": v.get("peak_vram_mb"), "dsq_vram_mib": d.get("peak_vram_mb")}
         row["decode_ratio"] = _ratio(row["dsq_decode"], row["llama_decode"])
         row["prefill_ratio"] = _ratio(row["dsq_prefill"], row["llama_prefill"])
+        if str(ngl) in ab:
+            r = ab[str(ngl)]
+            row.update(rounds=len(r["runs"]["dsq"]), dsq_head=r["head"], dsq_roofline=r["roofline_tok_s"],
+                       dsq_vram_mib=r["dsq_vram_mib"])
+            for kind in ("decode", "prefill"):
+                row[f"llama_{kind}"], row[f"dsq_{kind}"] = r[kind]["llama-bench"], r[kind]["dsq"]
+                row[f"{kind}_ratio"] = round(r[kind]["ratio"][0], 3)
+                row[f"{kind}_range"] = [round(x, 3) for x in r[kind]["ratio"][1:]]
         row["vram_ratio"] = _ratio(row["dsq_vram_mib"], row["llama_vram_mib"])
         if any(row[k] is not None for k in ("llama_decode", "dsq_decode", "llama_prefill", "dsq_prefill")):
             rows.append(row)  # a split this run measured (LAYERS=all measures only all on the GPU)
@@ -84,6 +100,12 @@ def _f(x, nd=1) -> str:
     return "-" if x is None else f"{x:,.{nd}f}" if isinstance(x, float) else str(x)
 
 
+def _span(row: dict, kind: str) -> str:
+    """ the rounds' range of a ratio, where the engines ran in rounds"""
+    lo_hi = row.get(f"{kind}_range")
+    return f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f}, {row['rounds']} rounds)" if lo_hi else ""
+
+
 def race_markdown(rows: list[dict], gpu: str) -> str:
     lines = [f"Card: {gpu}", "",
              "| shape | -g | dsq head | llama-bench decode | dsq decode | ratio | dsq % roofline | llama-bench prefill "
@@ -97,8 +119,9 @@ def race_markdown(rows: list[dict], gpu: str) -> str:
         pre_goal = PREFILL_GOAL_ALL if r["gpu_layers"] == "all" else PREFILL_GOAL_SPLIT
         vr = r.get("vram_ratio")
         lines.append(f"| {r['shape']} | {r['gpu_layers']} | {r.get('dsq_head') or '-'} | {_f(r['llama_decode'])} | "
-                     f"{_f(r['dsq_decode'])} | {_mark(r['decode_ratio'], DECODE_GOAL)} | {roof} | "
-                     f"{_f(r['llama_prefill'], 0)} | {_f(r['dsq_prefill'], 0)} | {_mark(r['prefill_ratio'], pre_goal)} | "
+                     f"{_f(r['dsq_decode'])} | {_mark(r['decode_ratio'], DECODE_GOAL)}{_span(r, 'decode')} | {roof} | "
+                     f"{_f(r['llama_prefill'], 0)} | {_f(r['dsq_prefill'], 0)} | "
+                     f"{_mark(r['prefill_ratio'], pre_goal)}{_span(r, 'prefill')} | "
                      f"{_f(r['llama_vram_mib'], 0)} | {_f(r['dsq_vram_mib'], 0)} | "
                      f"{'-' if vr is None else (f'**{vr:.2f}**' if vr <= VRAM_GOAL else f'{vr:.2f} (goal {VRAM_GOAL:g})')} |")
     lines += ["", "| shape | all-GPU prefill, 2048-token prompt | llama-bench | dsq | ratio |", "|---|---|---|---|---|"]

@@ -135,6 +135,10 @@ def main(argv=None) -> None:
             row[metric] = {"dsq": statistics.median(d), "llama-bench": statistics.median(ll),
                            "ratio": _median_range([x / y for x, y in zip(d, ll)])}
         results.append(row)
+        if a.json:  # after every placement: a run cut by its time limit keeps the placements it finished
+            a.json.write_text(json.dumps({"model": a.model, "args": vars(a) | {"json": str(a.json)},
+                                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                          "results": results}, indent=1))
     print(f"\n{a.model}: {a.prompt_tokens} prompt + {a.gen_tokens} generated tokens, {a.rounds} rounds, "
           f"{a.threads} threads, dsq experts {a.experts or 'default'}, llama-bench {a.llama_args}")
     print("| -g | dsq --head | llama-bench decode | dsq decode | ratio (median, range) | dsq % roofline | "
@@ -146,10 +150,6 @@ def main(argv=None) -> None:
         print(f"| {row['split']} | {row['head']} | {d['llama-bench']:.2f} | {d['dsq']:.2f} | {d['ratio'][0]:.2f}x "
               f"({d['ratio'][1]:.2f}-{d['ratio'][2]:.2f}) | {pct} | {p['llama-bench']:.1f} | {p['dsq']:.1f} | "
               f"{p['ratio'][0]:.2f}x ({p['ratio'][1]:.2f}-{p['ratio'][2]:.2f}) | {row['dsq_vram_mib']} |")
-    if a.json:
-        a.json.write_text(json.dumps({"model": a.model, "args": vars(a) | {"json": str(a.json)},
-                                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                      "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,25 @@ def test_race_rows_ratios_and_goals(tmp_path):
     assert any("pp2048" in ln and "**1.60x**" in ln for ln in md)
 
 
+def test_race_rows_from_rounds_take_the_rounds_ratios(tmp_path):
+    """With the engines run in rounds (ab_TAG.json from benchmarks/split_ab), a split's ratio is the median
+    of the rounds' ratios, not the ratio of the medians, and the table shows their range."""
+    runs = {"dsq": [[300.0, 30.0], [330.0, 26.0], [310.0, 33.0]], "llama-bench": [[100.0, 20.0], [100.0, 24.0], [100.0, 22.0]]}
+    ratios = sorted(d / ll for (_, d), (_, ll) in zip(runs["dsq"], runs["llama-bench"]))
+    row = {"split": "8", "head": "gpu", "runs": runs, "roofline_tok_s": 40.0, "dsq_vram_mib": 1500,
+           "decode": {"dsq": 30.0, "llama-bench": 22.0, "ratio": [ratios[1], ratios[0], ratios[2]]},
+           "prefill": {"dsq": 310.0, "llama-bench": 100.0, "ratio": [3.1, 3.0, 3.3]}}
+    (tmp_path / "ab_llama3-8b.json").write_text(json.dumps({"results": [row]}))
+    _dsq(tmp_path / "llama_vram_llama3-8b.json", {"8": {"peak_vram_mb": 1400.0}})
+    r = next(r for r in dt.race_rows(tmp_path, "llama3-8b") if r["gpu_layers"] == "8")
+    assert r["decode_ratio"] == pytest.approx(ratios[1], abs=1e-3) != pytest.approx(30.0 / 22.0, abs=1e-3)
+    assert r["rounds"] == 3 and r["dsq_decode"] == 30.0 and r["llama_decode"] == 22.0 and r["dsq_head"] == "gpu"
+    assert r["vram_ratio"] == pytest.approx(1500 / 1400, abs=1e-3) and r["prefill_ratio"] == 3.1
+    line = next(ln for ln in dt.race_markdown([r], "H100").splitlines() if ln.startswith("| llama3-8b | 8 |"))
+    assert f"({ratios[0]:.2f}-{ratios[2]:.2f}, 3 rounds)" in line and "75% of 40.0" in line
+    assert "**3.10x** (3.00-3.30, 3 rounds)" in line
+
+
 def test_test_rows_from_junit(tmp_path):
     (tmp_path / "tests.xml").write_text(
         '<testsuites><testsuite>'
