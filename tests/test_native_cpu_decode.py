@@ -186,6 +186,25 @@ def test_c_attn_decode_matches_sdpa(isa, B, H, Hk, S, D):
     assert out[0].isnan().all() and not out[1:].isnan().any()
 
 
+@needs_kernels
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("H,Hk", [(8, 8), (8, 4), (6, 2), (8, 2), (10, 2), (28, 4), (16, 2)])
+def test_c_attn_decode_groups_of_query_heads_give_the_same_bits(isa, H, Hk):
+    """A unit of the C attention is up to four query heads of one KV head, as many as leave every
+    thread one: whatever the grouping (1 to 16 threads: one head a unit to four), each head's
+    output has the same bits, and they match SDPA."""
+    B, S, D = 2, 45, 64
+    k, v = torch.randn(B, Hk, S, D), torch.randn(B, Hk, S, D)
+    q = torch.randn(B, 1, H, D)
+    mask = torch.rand(B, 1, 1, S) > 0.2
+    mask[..., -1] = True
+    lib = cpu.load(isa)
+    outs = [cpu.attn_decode(q, k, v, mask, 0.125, lib=lib, threads=t) for t in (1, 2, 5, 16)]
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    torch.testing.assert_close(outs[0], _sdpa(q, k, v, mask, 0.125), atol=2e-5, rtol=1e-4)
+
+
 def _tiny_transformer(**extra):
     """Two layers (a sliding one and a full one), grouped KV heads, random weights (seed 0)."""
     from dsq.models.base import ModelArgs, Transformer
