@@ -128,18 +128,20 @@ def h200():
 
 def test_native_zero_layers_keep_the_head_on_the_gpu():
     """native --gpu-layers 0 on a machine with VRAM: the output head's rows on the GPU, by default
-    the whole head where llama.cpp's CUDA build reserves that room at -ngl 0 (split_head): a token
-    then reads the head from VRAM and the layers from RAM, predicted faster than --head cpu. With no
-    VRAM, or with --head cpu, nothing is on the GPU."""
+    the share that fits the room llama.cpp's CUDA build reserves for a micro-batch's logits at -ngl 0
+    (split_head: four tenths of an 8B's head): a token then reads those rows from VRAM and the
+    rest from RAM, predicted faster than --head cpu, the whole head faster still. With no VRAM, or
+    with --head cpu, nothing is on the GPU."""
     shape = llama3_8b_q4_k_m()
-    on = plan_placement(shape, vram=8 * GiB, ctx=4096, backend="native", gpu_layers=0, bandwidths=h200())
-    assert on.gpu_layers == 0 and on.output_device == "GPU" and on.head == "gpu" and on.gpu_layers_arg == "0"
-    assert on.bytes_per_token_gpu == shape.output_bytes and on.split_overhead_s > 0
+    rows = plan_placement(shape, vram=8 * GiB, ctx=4096, backend="native", gpu_layers=0, bandwidths=h200())
+    assert rows.gpu_layers == 0 and rows.output_device == "GPU+CPU" and rows.head == "0.4"
+    assert rows.gpu_layers_arg == "0" and rows.split_overhead_s > 0
+    on = plan_placement(shape, vram=8 * GiB, ctx=4096, backend="native", gpu_layers=0, head="gpu", bandwidths=h200())
+    assert on.output_device == "GPU" and on.bytes_per_token_gpu == shape.output_bytes
     off = plan_placement(shape, vram=8 * GiB, ctx=4096, backend="native", gpu_layers=0, head="cpu", bandwidths=h200())
     assert off.output_device == "CPU" and off.gpu_total_bytes == 0 and off.bytes_per_token_gpu == 0
-    assert on.predicted_tok_s > off.predicted_tok_s
-    rows = plan_placement(shape, vram=8 * GiB, ctx=4096, backend="native", gpu_layers=0, head="0.4", bandwidths=h200())
-    assert rows.output_device == "GPU+CPU" and off.gpu_total_bytes < rows.gpu_total_bytes < on.gpu_total_bytes
+    assert on.predicted_tok_s > rows.predicted_tok_s > off.predicted_tok_s
+    assert off.gpu_total_bytes < rows.gpu_total_bytes < on.gpu_total_bytes
     none = plan_placement(shape, vram=0, ctx=4096, backend="native", gpu_layers=0, bandwidths=h200())
     assert none.output_device == "CPU" and none.gpu_total_bytes == 0
 
@@ -349,11 +351,12 @@ def test_offload_command_places_the_head(runner, tiny_gguf):
     assert "40% of its rows on the GPU" in r.stdout.replace("\n", " ")
 
 
-@pytest.mark.parametrize("n, head", [(0, "gpu"), (1, "gpu"), (8, "gpu"), (16, "gpu"), (24, "gpu"), (32, "gpu")])
+@pytest.mark.parametrize("n, head", [(0, "0.4"), (1, "gpu"), (8, "gpu"), (16, "gpu"), (24, "gpu"), (32, "gpu")])
 def test_a_split_takes_the_head_rows_its_vram_margin_holds(n, head):
     """--gpu-layers N without --head: the share of the head's rows that fits in what llama.cpp's CUDA
     split reserves for its copy of the head and a micro-batch's logits, plus 10% of the N layers'
-    bytes less what dsq's split takes beyond llama.cpp's: the whole head of an 8B at every split."""
+    bytes less what dsq's split takes beyond llama.cpp's: the whole head of an 8B at every split. At
+    0 layers the logits' room alone: four tenths of it (its VRAM measured 1.05x llama.cpp's there)."""
     from dsq.runtime.gpu_layers import head_share
     from dsq.runtime.placement import (SPLIT_BASE_EXTRA, SPLIT_VRAM_MARGIN, head_gpu_bytes, llama_split_reserve,
                                        split_head)
@@ -365,6 +368,10 @@ def test_a_split_takes_the_head_rows_its_vram_margin_holds(n, head):
         room = SPLIT_VRAM_MARGIN * layers - SPLIT_BASE_EXTRA + llama_split_reserve(shape)
         assert llama_split_reserve(shape) == shape.output_bytes + 512 * 4 * 128256  # the head's copy, the logits
         assert head_gpu_bytes(shape.output_bytes, head_share(head)) <= room
+    if n == 0:
+        room = llama_split_reserve(shape, 0) - SPLIT_BASE_EXTRA
+        assert llama_split_reserve(shape, 0) == 512 * 4 * 128256  # at -ngl 0: the logits alone
+        assert head_gpu_bytes(shape.output_bytes, 0.4) <= room < head_gpu_bytes(shape.output_bytes, 0.5)
 
 
 def test_a_split_head_without_llama_cpps_reserve_takes_the_margins_share(monkeypatch):
@@ -373,7 +380,7 @@ def test_a_split_head_without_llama_cpps_reserve_takes_the_margins_share(monkeyp
     from dsq.runtime import placement
 
     shape = llama3_8b_q4_k_m()
-    monkeypatch.setattr(placement, "llama_split_reserve", lambda s: 0)
+    monkeypatch.setattr(placement, "llama_split_reserve", lambda s, n=1: 0)
     assert [placement.split_head(shape, n, 4096) for n in (1, 8, 16, 24)] == ["cpu", "0.1", "0.3", "0.6"]
 
 

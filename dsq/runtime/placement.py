@@ -201,15 +201,17 @@ SPLIT_BASE_EXTRA = 64 * MiB
 # llama.cpp's CUDA build, at every split, reserves GPU memory for its worst-case prompt graph: a copy
 # of the output head it keeps in RAM (it runs a prompt's large matmuls on the GPU) and a micro-batch's
 # float32 logits. Measured at 0 layers: 1256 MiB against dsq's 720 on Qwen2-7B (head 426 + logits 297
-# = 723), 1194 against 702 on Llama-3-8B (docs/benchmarks.md#the-gpu-claims-in-three-device-calls).
-# dsq holds the head itself in that room.
+# = 723) in three calls; on Llama-3-8B 1194 once but 898 twice, where only the logits' room was there
+# (dsq with the head in RAM: 782). dsq holds the head itself in that room at a split; at 0 layers in
+# the logits' room alone (docs/benchmarks.md#splits-in-rounds-h100-machine-2026-12-08).
 LLAMA_SPLIT_UBATCH = 512
 
 
-def llama_split_reserve(shape: ModelShape) -> int:
-    """GPU bytes llama.cpp's CUDA build reserves at a split beyond its layers: the output head's copy
-    and a micro-batch's logits."""
-    return shape.output_bytes + LLAMA_SPLIT_UBATCH * 4 * shape.n_vocab
+def llama_split_reserve(shape: ModelShape, n: int = 1) -> int:
+    """GPU bytes llama.cpp's CUDA build reserves at a split of n layers beyond them: the output head's
+    copy and a micro-batch's logits; at 0 layers the logits only (the head's copy was not there on
+    every shape measured)."""
+    return (shape.output_bytes if n else 0) + LLAMA_SPLIT_UBATCH * 4 * shape.n_vocab
 
 
 def split_head(model: str | Path | ModelShape, n: int, ctx: int, free_vram: int | None = None) -> str:
@@ -219,8 +221,9 @@ def split_head(model: str | Path | ModelShape, n: int, ctx: int, free_vram: int 
     SPLIT_VRAM_MARGIN of those layers' bytes less SPLIT_BASE_EXTRA, and in `free_vram` by the plan's
     count; "gpu" where every layer is on the GPU. --gpu-layers N asks for the VRAM of N layers as
     llama.cpp places them: the head's rows, read every token, are the fastest use of it (a head in
-    RAM is ~20% of an 8B split's token). At 0 layers that room is llama.cpp's reserve alone (its
-    CUDA build holds it at -ngl 0 too); a head tied to the embedding stays in RAM there."""
+    RAM is ~20% of an 8B split's token). At 0 layers that room is llama.cpp's reserve for the logits
+    alone (its CUDA build holds it at -ngl 0 too): four tenths of an 8B's head; a head tied to the
+    embedding stays in RAM there."""
     shape = load_shape(model)
     if not 0 <= n < shape.n_layer:
         return "gpu"
@@ -228,7 +231,7 @@ def split_head(model: str | Path | ModelShape, n: int, ctx: int, free_vram: int 
         return "gpu" if n else "cpu"
     on = _option(shape, "native", n).on_gpu
     layers = sum(sum(t.values()) for t, g in zip(shape.layers, on) if g)
-    room = SPLIT_VRAM_MARGIN * layers - SPLIT_BASE_EXTRA + llama_split_reserve(shape)
+    room = SPLIT_VRAM_MARGIN * layers - SPLIT_BASE_EXTRA + llama_split_reserve(shape, n)
     native = None if free_vram is None else _Costs(shape, ctx, "native", 512, True, None, GPU_RESERVE)
     for share in (1.0, *sorted(HEAD_SHARES, reverse=True)):
         fits = native is None or native.gpu_bytes(_Option(n, on, share)) <= free_vram
