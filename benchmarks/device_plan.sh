@@ -8,8 +8,9 @@
 #   bash benchmarks/device_plan.sh 1   # set up, then every test file that has a CUDA path (~6 min); with a
 #                                      # carried .base/kernels, then benchmarks/kernels_ab.sh on Qwen2-7B
 #   bash benchmarks/device_plan.sh 2   # the split race on Qwen2-7B and Llama-3-8B (random Q4_K_M GGUFs):
-#                                      # llama-bench and dsq bench at all/24/16/8/0 layers (512-token prompt,
-#                                      # 32 generated), both engines' peak VRAM, all-GPU prefill of 2048 (~9 min)
+#                                      # llama-bench and dsq in turn, 3 rounds, at all/24/16/8/0 layers (512-token
+#                                      # prompt, 32 generated), both engines' peak VRAM, all-GPU prefill of 2048
+#                                      # (~4 min a shape on an H100 machine; SHAPES=llama3-8b: one shape a call)
 #   bash benchmarks/device_plan.sh 3   # DeepSeek-V2-Lite, experts on the GPU and in RAM, against llama-bench
 #                                      # (-ot exps=CPU); then dsq serve against llama-server at 32 concurrent
 #                                      # (STEPS=bench, then STEPS=serve: a call each on a bare machine; the
