@@ -4,7 +4,7 @@ query token over a float32 KV cache of --pos positions, as each CPU layer of a d
     python -m benchmarks.attn_cpu [--shape llama3-8b] [--pos 512,2048] [--threads 1,2] [--lib OTHER.so ...]
 
 Every build (this tree's, then each --lib: a library built from another commit's csrc, for an A/B)
-is timed call by call in turn, --repeat rounds after 5 warm-ups, on fresh random q, k and v (16 MiB+
+is timed call by call in turn, --repeat rounds after 3 warm-ups (benchmarks.layer_decode's race), on fresh random q, k and v (16 MiB+
 of keys and values at 8B and 2048 positions: more than a core's L2, as in decode, where each layer
 reads its own cache). Prints the median and best us a call, the whole step's share for the shape's
 layers, and each build's ratio to the first; the outputs of every build are checked against this
@@ -14,8 +14,7 @@ tree's (atol 2e-5).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+from functools import partial
 
 import torch
 
@@ -31,6 +30,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeat", type=int, default=40)
     a = p.parse_args(argv)
 
+    from benchmarks.layer_decode import _race
     from dsq.kernels import cpu
 
     builds = [("this tree", cpu.library()[0])] + [(path, cpu.load_file(path)) for path in a.lib]
@@ -40,22 +40,16 @@ def main(argv=None) -> None:
         q, k, v = torch.randn(1, 1, H, D, generator=g), torch.randn(1, Hk, S, D, generator=g), \
             torch.randn(1, Hk, S, D, generator=g)
         for th in (int(x) for x in a.threads.split(",")):
-            want = cpu.attn_decode(q, k, v, None, D ** -0.5, lib=builds[0][1], threads=th)
-            for name, lib in builds[1:]:
-                got = cpu.attn_decode(q, k, v, None, D ** -0.5, lib=lib, threads=th)
-                torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"{name} differs")
-            ts = {name: [] for name, _ in builds}
-            for r in range(a.repeat + 5):
-                for name, lib in builds:
-                    t = time.perf_counter()
-                    cpu.attn_decode(q, k, v, None, D ** -0.5, lib=lib, threads=th)
-                    if r >= 5:
-                        ts[name].append(1e6 * (time.perf_counter() - t))
-            first = statistics.median(ts[builds[0][0]])
-            for name, _ in builds:
-                med = statistics.median(ts[name])
-                print(f"{a.shape} pos {S:5d} threads {th:2d} {name:>12.12}: median {med:8.1f} us  best "
-                      f"{min(ts[name]):8.1f} us  x{layers} layers {med * layers / 1e3:6.2f} ms a token  "
+            calls = {name: partial(cpu.attn_decode, q, k, v, None, D ** -0.5, lib=lib, threads=th) for name, lib in builds}
+            want = calls["this tree"]()
+            for name, run in list(calls.items())[1:]:
+                torch.testing.assert_close(run(), want, atol=2e-5, rtol=1e-4, msg=f"{name} differs")
+            ms = _race({name: (lambda: None, run) for name, run in calls.items()}, a.repeat)
+            first = ms["median"]["this tree"]
+            for name in calls:
+                med, best = ms["median"][name], ms["best"][name]
+                print(f"{a.shape} pos {S:5d} threads {th:2d} {name:>12.12}: median {1e3 * med:8.1f} us  best "
+                      f"{1e3 * best:8.1f} us  x{layers} layers {med * layers:6.2f} ms a token  "
                       f"{med / first:5.2f}x this tree's time")
 
 

@@ -53,11 +53,12 @@ gguf() {  # gguf SHAPE PATH: a random Q4_K_M GGUF of a named shape (dsq.bench.ra
   [ -f "$2" ] || python3 -m dsq.bench.random_gguf "$2" --shape "$1" --mix Q4_K_M --force 2>&1 | tail -1
 }
 
+SHAPES=${SHAPES:-qwen2-7b,llama3-8b}  # part 2's shapes (SHAPES=llama3-8b: one shape a call)
 setup_python  # before the GGUF writes: they need the carried gguf wheel
 case "$PART" in
   1) [ -d .base/kernels ] && { gguf qwen2-7b /tmp/q7b.gguf > "$R/write_q7b.txt" 2>&1 & } ;;
-  2) [[ ${SHAPES:-qwen2-7b,llama3-8b} == *qwen2-7b* ]] && { gguf qwen2-7b /tmp/q7b.gguf > "$R/write_q7b.txt" 2>&1 & }
-     [[ ${SHAPES:-qwen2-7b,llama3-8b} == *llama3-8b* ]] && { gguf llama3-8b /tmp/r8b.gguf > "$R/write_r8b.txt" 2>&1 & } ;;
+  2) [[ $SHAPES == *qwen2-7b* ]] && { gguf qwen2-7b /tmp/q7b.gguf > "$R/write_q7b.txt" 2>&1 & }
+     [[ $SHAPES == *llama3-8b* ]] && { gguf llama3-8b /tmp/r8b.gguf > "$R/write_r8b.txt" 2>&1 & } ;;
   3) gguf deepseek-v2-lite /tmp/v2l.gguf > "$R/write_v2l.txt" 2>&1 & ;;
   4) gguf llama3-8b /tmp/r8b.gguf > "$R/write_r8b.txt" 2>&1 & gguf deepseek-v2-lite /tmp/v2l.gguf > "$R/write_v2l.txt" 2>&1 & ;;
 esac
@@ -134,7 +135,6 @@ if [ "$PART" = 2 ]; then
   log "GGUFs written"
   timeout $(t 60) python3 -m dsq offload --calibrate --threads "$TH" --json > "$R/calibration.json" 2>/dev/null
   log "calibrated"
-  SHAPES=${SHAPES:-qwen2-7b,llama3-8b}  # SHAPES=llama3-8b (or qwen2-7b): one shape, a call each with ROUNDS
   [[ $SHAPES == *qwen2-7b* ]] && { race qwen2-7b /tmp/q7b.gguf; tables race 2; }
   [[ $SHAPES == *llama3-8b* ]] && { race llama3-8b /tmp/r8b.gguf; tables race 2; }
   if [ -f /tmp/q7b.gguf ]; then

@@ -38,10 +38,15 @@ def llama_bench_rates(path: Path) -> dict[tuple[int, str], float]:
     return out
 
 
+def _layers_key(gpu_layers) -> str:
+    """--gpu-layers as asked, with "all" as 99 (llama-bench's spelling)."""
+    return "99" if str(gpu_layers) == "all" else str(gpu_layers)
+
+
 def dsq_rows(path: Path) -> dict[str, dict]:
-    """dsq bench's summary rows by --gpu-layers as asked ("all" as 99, llama-bench's spelling)."""
+    """dsq bench's summary rows by --gpu-layers (_layers_key)."""
     doc = _load(path) or {}
-    return {("99" if str(r["gpu_layers"]) == "all" else str(r["gpu_layers"])): r for r in doc.get("summary", [])}
+    return {_layers_key(r["gpu_layers"]): r for r in doc.get("summary", [])}
 
 
 def _ratio(a, b):
@@ -55,10 +60,10 @@ def _mark(ratio, goal) -> str:
 
 
 def ab_rows(path: Path) -> dict[str, dict]:
-    """benchmarks/split_ab's placements by --gpu-layers ("all" as 99): the engines in turn, round after
+    """benchmarks/split_ab's placements by --gpu-layers (_layers_key): the engines in turn, round after
     round, so each ratio is the median of the rounds' ratios, with their range."""
     doc = _load(path) or {}
-    return {("99" if str(r["split"]) == "all" else str(r["split"])): r for r in doc.get("results", [])}
+    return {_layers_key(r["split"]): r for r in doc.get("results", [])}
 
 
 def race_rows(raw: Path, tag: str) -> list[dict]:
@@ -101,7 +106,7 @@ def _f(x, nd=1) -> str:
 
 
 def _span(row: dict, kind: str) -> str:
-    """ the rounds' range of a ratio, where the engines ran in rounds"""
+    """The rounds' range of a ratio, where the engines ran in rounds; "" otherwise."""
     lo_hi = row.get(f"{kind}_range")
     return f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f}, {row['rounds']} rounds)" if lo_hi else ""
 

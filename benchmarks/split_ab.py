@@ -136,9 +136,11 @@ def main(argv=None) -> None:
                            "ratio": _median_range([x / y for x, y in zip(d, ll)])}
         results.append(row)
         if a.json:  # after every placement: a run cut by its time limit keeps the placements it finished
-            a.json.write_text(json.dumps({"model": a.model, "args": vars(a) | {"json": str(a.json)},
-                                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                          "results": results}, indent=1))
+            tmp = a.json.with_name(a.json.name + ".tmp")  # whole or not at all, even if killed mid-write
+            tmp.write_text(json.dumps({"model": a.model, "args": vars(a) | {"json": str(a.json)},
+                                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                       "results": results}, indent=1))
+            tmp.replace(a.json)
     print(f"\n{a.model}: {a.prompt_tokens} prompt + {a.gen_tokens} generated tokens, {a.rounds} rounds, "
           f"{a.threads} threads, dsq experts {a.experts or 'default'}, llama-bench {a.llama_args}")
     print("| -g | dsq --head | llama-bench decode | dsq decode | ratio (median, range) | dsq % roofline | "
